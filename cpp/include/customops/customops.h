@@ -1,0 +1,35 @@
+// Public C++ API of customops. Every function calls its operator through the dispatcher, so
+// the CPU/CUDA kernel is picked by device and autograd and Meta apply from C++ as from Python.
+// Link customops::customops (find_package(customops)); including this header also keeps the
+// library from being dropped by --as-needed linkers.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+
+#include "customops/macros.h"
+
+namespace customops {
+
+// a * b + c, elementwise. a and b: same shape, dtype (float32/64, float16, bfloat16) and device.
+CUSTOMOPS_API at::Tensor muladd(const at::Tensor& a, const at::Tensor& b, double c);
+// Writes a * b + c into out (same shape, dtype and device as a) and returns out.
+CUSTOMOPS_API at::Tensor& muladd_out(const at::Tensor& a, const at::Tensor& b, double c, at::Tensor& out);
+// a * b, elementwise, with the same rules as muladd.
+CUSTOMOPS_API at::Tensor mul(const at::Tensor& a, const at::Tensor& b);
+
+// Version of customops and of the torch it was built against, e.g. "0.1.0", "2.13.0".
+CUSTOMOPS_API std::string version();
+CUSTOMOPS_API std::string torch_version();
+// True when libcustomops.so holds CUDA kernels.
+CUSTOMOPS_API bool has_cuda();
+
+namespace detail {
+// Referencing an exported symbol from every program that includes this header keeps
+// libcustomops.so (and so its operator registrations) in the link under --as-needed.
+CUSTOMOPS_API int link_anchor();
+[[maybe_unused]] static const int kLinkAnchor = link_anchor();
+}  // namespace detail
+
+}  // namespace customops

@@ -1,0 +1,52 @@
+"""customops: fused PyTorch operators whose every registration lives in C++.
+
+``import customops`` loads ``libcustomops.so`` once (through the ``customops._C`` extension,
+which links it), after checking that the running torch is the one it was built against. The ops
+are then reachable as ``torch.ops.customops.<name>`` and through the typed wrappers below.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import _build_info
+
+
+def _check_torch_version() -> None:
+    built = _build_info.torch_version
+    running = torch.__version__
+    if built and built != running:
+        raise ImportError(
+            f"customops {_build_info.version} was built against torch {built}, but torch {running} is "
+            "installed; libcustomops.so is tied to the exact torch it was built with. Rebuild it "
+            "against the installed torch: pip install --no-build-isolation --force-reinstall --no-deps ."
+        )
+
+
+_check_torch_version()
+
+from . import _C  # noqa: E402  (loads libcustomops.so and registers the ops)
+from ._ops import mul, muladd  # noqa: E402
+
+__version__ = _build_info.version
+
+#: Folder to add to CMAKE_PREFIX_PATH for ``find_package(customops)``, like
+#: ``torch.utils.cmake_prefix_path``.
+cmake_prefix_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "cmake")
+
+
+def library_path() -> str:
+    """Absolute path of the loaded ``libcustomops.so`` (e.g. for ``torch.ops.load_library`` in
+    another process, or to link a C++ program against it)."""
+    return _C.library_path()
+
+
+def build_info() -> dict:
+    """How the loaded library was built: customops and torch versions, CUDA version and
+    architectures (empty when built without CUDA), compiler."""
+    return dict(_C.build_info())
+
+
+__all__ = ["muladd", "mul", "library_path", "build_info", "cmake_prefix_path", "__version__"]

@@ -1,0 +1,402 @@
+"""The op table and the checks it drives.
+
+Each :class:`OpInfo` row says how to make sample inputs for a device and dtype (contiguous,
+non-contiguous, empty, with and without ``requires_grad``), a float64 reference, tolerances and
+bad inputs. The ``check_*`` functions below take one row; the pytest suite and the support
+matrix of ``python -m customops`` both loop over :data:`OPS`, so a new op gets every check by
+adding one row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Sequence
+
+import torch
+from torch.utils._pytree import tree_map
+
+FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+# (atol, rtol) of a result rounded once to the dtype, compared with a float64 reference.
+ROUNDED_ONCE = {
+    torch.float32: (1e-5, 1.3e-6 * 4),
+    torch.float64: (1e-10, 1e-10),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1e-2, 8e-3),
+}
+
+
+@dataclasses.dataclass
+class Sample:
+    args: tuple
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    desc: str = ""
+
+
+@dataclasses.dataclass
+class OpInfo:
+    name: str  # "muladd" or "muladd.out": the row's label and the overload it tests
+    samples: Callable[[torch.device, torch.dtype, bool], list[Sample]]  # (device, dtype, requires_grad)
+    ref: Callable  # float64 reference with the op's signature; returns what the op returns
+    batch: Callable[[torch.device, torch.dtype, int], Sample]  # a sample whose leading size is n
+    bad_inputs: Callable[[torch.device], list[tuple[Sample, str]]]  # (sample, regex of the error)
+    tolerances: dict = dataclasses.field(default_factory=lambda: dict(ROUNDED_ONCE))
+    differentiable: bool = True  # out= variants are not
+    double_backward: bool = True  # else: double backward must raise a clear error
+
+    @property
+    def op(self) -> torch._ops.OpOverload:
+        name, _, overload = self.name.partition(".")
+        return getattr(getattr(torch.ops.customops, name), overload or "default")
+
+    @property
+    def qualname(self) -> str:
+        return f"customops::{self.name}"
+
+
+def _rand(shape, device, dtype, requires_grad=False, *, layout="contiguous", low=None, high=None):
+    """Random tensor of `shape`; layout "transposed" or "strided" gives a non-contiguous leaf."""
+    if layout == "transposed":
+        t = torch.randn(shape[::-1], device=device, dtype=dtype).permute(*reversed(range(len(shape))))
+    elif layout == "strided":
+        t = torch.randn(*shape[:-1], shape[-1] * 2, device=device, dtype=dtype)[..., ::2]
+    else:
+        t = torch.randn(shape, device=device, dtype=dtype)
+    if low is not None or high is not None:
+        t = t.clamp(low, high)
+    return t.detach().requires_grad_(requires_grad)
+
+
+def _to64(x):
+    return x.detach().to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def _clone(x):
+    return x.detach().clone().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x
+
+
+def clone_sample(s: Sample) -> Sample:
+    return Sample(tree_map(_clone, s.args), tree_map(_clone, s.kwargs), s.desc)
+
+
+# ---- sample makers -----------------------------------------------------------------------------
+
+def _elementwise_samples(n_tensors: int, scalars: tuple = (), with_out: bool = False):
+    """Samples for ops taking n_tensors same-shaped tensors, then `scalars`."""
+
+    def make(device, dtype, requires_grad):
+        shapes_layouts = [
+            ((5, 7), "contiguous"),
+            ((1031,), "contiguous"),  # not a multiple of any vector width
+            ((3, 4, 9), "contiguous"),
+            ((6, 5), "transposed"),
+            ((4, 6), "strided"),
+            ((0, 3), "contiguous"),
+        ]
+        out = []
+        for shape, layout in shapes_layouts:
+            ts = tuple(_rand(shape, device, dtype, requires_grad and not with_out, layout=layout)
+                       for _ in range(n_tensors))
+            kwargs = {"out": torch.empty(shape, device=device, dtype=dtype)} if with_out else {}
+            out.append(Sample(ts + scalars, kwargs, f"{layout} {list(shape)}"))
+        return out
+
+    return make
+
+
+def _elementwise_batch(n_tensors: int, scalars: tuple = (), with_out: bool = False):
+    def make(device, dtype, n):
+        ts = tuple(torch.randn(n, 8, device=device, dtype=dtype) for _ in range(n_tensors))
+        kwargs = {"out": torch.empty(n, 8, device=device, dtype=dtype)} if with_out else {}
+        return Sample(ts + scalars, kwargs, f"batch {n}")
+
+    return make
+
+
+def _binary_bad_inputs(name: str, scalars: tuple = (), with_out: bool = False):
+    op = f"customops::{name}"
+
+    def make(device):
+        a = torch.randn(4, 4, device=device)
+        kw = (lambda: {"out": torch.empty(4, 4, device=device)}) if with_out else (lambda: {})
+        cases = [
+            (Sample((a, torch.randn(4, 5, device=device)) + scalars, kw()), rf"{op}: expected b to have the shape"),
+            (Sample((a, a.double()) + scalars, kw()), rf"{op}: expected b to have the dtype"),
+            (Sample((a.long(), a.long()) + scalars, kw()), rf"{op}: a has dtype Long"),
+            (Sample((a, a.int()) + scalars, kw()), rf"{op}: b has dtype Int"),
+            (Sample((a, a.to("meta")) + scalars, kw()), rf"{op}: expected b to be on the device of a"),
+        ]
+        if with_out:
+            buf = torch.randn(20, device=device)
+            x, o = buf[:16].view(4, 4), buf[2:18].view(4, 4)
+            cases += [
+                (Sample((a, a) + scalars, {"out": torch.empty(4, 5, device=device)}),
+                 rf"{op}: expected out to have the shape"),
+                (Sample((a, a) + scalars, {"out": torch.empty(4, 4, device=device, dtype=torch.float64)}),
+                 rf"{op}: expected out to have the dtype"),
+                (Sample((x, x.clone()) + scalars, {"out": o}), rf"{op}: out overlaps a partially"),
+                (Sample((a, a) + scalars, {"out": torch.empty(4, 1, device=device).expand(4, 4)}),
+                 rf"{op}: out has elements that share memory"),
+                (Sample((a.clone().requires_grad_(), a) + scalars, kw()),
+                 rf"{op}: out= arguments don't support automatic differentiation"),
+            ]
+        return cases
+
+    return make
+
+
+# ---- the table ---------------------------------------------------------------------------------
+
+OPS: list[OpInfo] = [
+    OpInfo(
+        name="muladd",
+        samples=_elementwise_samples(2, (0.75,)),
+        ref=lambda a, b, c: a * b + c,
+        batch=_elementwise_batch(2, (0.75,)),
+        bad_inputs=_binary_bad_inputs("muladd", (0.75,)),
+    ),
+    OpInfo(
+        name="mul",
+        samples=_elementwise_samples(2),
+        ref=lambda a, b: a * b,
+        batch=_elementwise_batch(2),
+        bad_inputs=_binary_bad_inputs("mul"),
+    ),
+    OpInfo(
+        name="muladd.out",
+        samples=_elementwise_samples(2, (-1.5,), with_out=True),
+        ref=lambda a, b, c, out: a * b + c,
+        batch=_elementwise_batch(2, (-1.5,), with_out=True),
+        bad_inputs=_binary_bad_inputs("muladd.out", (-1.5,), with_out=True),
+        differentiable=False,
+    ),
+]
+
+OPS_BY_NAME = {o.name: o for o in OPS}
+
+
+def devices() -> list[str]:
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() and _built_with_cuda() else [])
+
+
+def _built_with_cuda() -> bool:
+    import customops
+
+    return bool(customops.build_info()["cuda"])
+
+
+# ---- checks: each raises AssertionError (or the op's error) on failure -------------------------
+
+def _outputs(y) -> tuple:
+    return tuple(y) if isinstance(y, (tuple, list)) else (y,)
+
+
+def _call(info: OpInfo, s: Sample):
+    return info.op(*s.args, **s.kwargs)
+
+
+def check_correctness(info: OpInfo, device, dtype) -> int:
+    """The op against its float64 reference on every sample; returns the number of samples."""
+    atol, rtol = info.tolerances[dtype]
+    samples = info.samples(torch.device(device), dtype, False)
+    for s in samples:
+        got = _outputs(_call(info, clone_sample(s)))
+        want = _outputs(info.ref(*tree_map(_to64, s.args), **tree_map(_to64, s.kwargs)))
+        assert len(got) == len(want), f"{info.qualname}: {len(got)} outputs, reference has {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert g.device.type == torch.device(device).type, f"{info.qualname}: output on {g.device}"
+            assert g.shape == w.shape, f"{info.qualname} [{s.desc}] output {i}: shape {g.shape} != {w.shape}"
+            torch.testing.assert_close(g.to(torch.float64), w, atol=atol, rtol=rtol,
+                                       msg=lambda m: f"{info.qualname} {dtype} [{s.desc}] output {i}: {m}")
+    return len(samples)
+
+
+def check_meta(info: OpInfo, device="cpu") -> None:
+    """Meta kernel: the same shapes, dtypes and strides as the real kernel, on every sample."""
+    for s in info.samples(torch.device(device), torch.float32, False):
+        real = _outputs(_call(info, clone_sample(s)))
+        meta = _outputs(_call(info, Sample(*tree_map(lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x,
+                                                     (s.args, s.kwargs)))))
+        for r, m in zip(real, meta):
+            assert m.device.type == "meta"
+            assert (m.shape, m.dtype) == (r.shape, r.dtype), f"{info.qualname} [{s.desc}]: meta {m.shape} {m.dtype}"
+            if r.numel() > 1:
+                assert m.stride() == r.stride(), f"{info.qualname} [{s.desc}]: meta strides {m.stride()} != {r.stride()}"
+
+
+def _grad_inputs(args) -> list[torch.Tensor]:
+    return [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+
+
+def _loss(outputs) -> torch.Tensor:
+    # A fixed random weighting per output, so every output's gradient is exercised.
+    total = 0
+    for i, y in enumerate(outputs):
+        if y.is_floating_point():
+            w = torch.linspace(-1, 1, y.numel(), device=y.device, dtype=y.dtype).reshape(y.shape)
+            total = total + (y * w).sum() * (i + 1)
+    return total
+
+
+def check_autograd(info: OpInfo, device, dtype=torch.float32) -> None:
+    """Gradients of the op equal the reference's (autograd of the float64 reference)."""
+    if not info.differentiable:
+        return
+    atol, rtol = info.tolerances[dtype]
+    for s in info.samples(torch.device(device), dtype, True):
+        xs = _grad_inputs(s.args)
+        got = torch.autograd.grad(_loss(_outputs(_call(info, s))), xs, allow_unused=True) if xs and any(
+            x.numel() for x in xs) else None
+        s64 = Sample(tree_map(lambda x: _to64(x).requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x,
+                              s.args), {}, s.desc)
+        xs64 = _grad_inputs(s64.args)
+        if got is None:
+            continue
+        want = torch.autograd.grad(_loss(_outputs(info.ref(*s64.args))), xs64, allow_unused=True)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.to(torch.float64), w, atol=atol * 10, rtol=rtol * 10,
+                                       msg=lambda m: f"{info.qualname} grad [{s.desc}]: {m}")
+
+
+def opcheck_samples(info: OpInfo, device) -> list[Sample]:
+    """Contiguous, non-contiguous and empty samples, with and without requires_grad."""
+    samples = info.samples(torch.device(device), torch.float32, False)
+    if info.differentiable:
+        samples = samples + info.samples(torch.device(device), torch.float32, True)
+    return samples
+
+
+def check_opcheck(info: OpInfo, device) -> int:
+    """torch.library.opcheck with all four default tests on every opcheck sample."""
+    samples = opcheck_samples(info, device)
+    for s in samples:
+        torch.library.opcheck(info.op, s.args, s.kwargs)
+    return len(samples)
+
+
+def check_gradcheck(info: OpInfo, device) -> None:
+    """gradcheck and gradgradcheck in float64 (or a clear error where double backward is unsupported)."""
+    if not info.differentiable:
+        return
+    for s in info.samples(torch.device(device), torch.float64, True)[:3]:
+        xs = _grad_inputs(s.args)
+        pos = [i for i, a in enumerate(s.args) if isinstance(a, torch.Tensor) and a.requires_grad]
+
+        def fn(*ts, s=s, pos=pos):
+            args = list(s.args)
+            for i, t in zip(pos, ts):
+                args[i] = t
+            return info.op(*args, **s.kwargs)
+
+        assert torch.autograd.gradcheck(fn, xs), f"{info.qualname}: gradcheck failed [{s.desc}]"
+        if info.double_backward:
+            assert torch.autograd.gradgradcheck(fn, xs), f"{info.qualname}: gradgradcheck failed [{s.desc}]"
+        else:
+            y = _loss(_outputs(fn(*xs)))
+            grads = torch.autograd.grad(y, xs, create_graph=True)
+            try:
+                torch.autograd.grad(sum(g.sum() for g in grads if g is not None), xs, allow_unused=True)
+            except RuntimeError as e:
+                assert f"double backward is not supported for {info.qualname}" in str(e), str(e)
+            else:
+                raise AssertionError(f"{info.qualname}: double backward neither worked nor raised")
+
+
+def _dynamic_dims(info: OpInfo, device, dtype) -> tuple[Sample, Sample, object]:
+    """Two batch samples and the export dynamic_shapes spec derived from where they differ."""
+    a, b = info.batch(device, dtype, 3), info.batch(device, dtype, 5)
+    batch = torch.export.Dim("batch", min=1, max=1 << 20)
+
+    def spec(x, y):
+        if not isinstance(x, torch.Tensor):
+            return None
+        dims = {d: batch for d in range(x.dim()) if x.shape[d] != y.shape[d]}
+        return dims or None
+
+    args_spec = tuple(spec(x, y) for x, y in zip(a.args, b.args))
+    kw_spec = {k: spec(a.kwargs[k], b.kwargs[k]) for k in a.kwargs}
+    return a, b, (args_spec, kw_spec)
+
+
+def check_compile(info: OpInfo, device, backend="inductor", sizes=(3, 5, 17)) -> int:
+    """torch.compile(fullgraph=True, dynamic=True): equal to eager forward and backward on three
+    sizes, with no recompilation after the first. Returns the number of graphs compiled."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+    op = info.op
+
+    def fn(*args, **kwargs):
+        return op(*args, **kwargs)
+
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    first = None
+    for n in sizes:
+        s = info.batch(torch.device(device), torch.float32, n)
+        if info.differentiable:
+            s = Sample(tuple(x.requires_grad_() if isinstance(x, torch.Tensor) else x for x in s.args), s.kwargs)
+        e = clone_sample(s)
+        got, want = _outputs(compiled(*s.args, **s.kwargs)), _outputs(fn(*e.args, **e.kwargs))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, msg=lambda m: f"{info.qualname} compiled forward, batch {n}: {m}")
+        if info.differentiable:
+            gg = torch.autograd.grad(_loss(got), _grad_inputs(s.args))
+            gw = torch.autograd.grad(_loss(want), _grad_inputs(e.args))
+            for g, w in zip(gg, gw):
+                torch.testing.assert_close(g, w, msg=lambda m: f"{info.qualname} compiled backward, batch {n}: {m}")
+        # Dynamo may trace the first call twice (it retries with float arguments specialized);
+        # what matters is that no later size compiles again.
+        first = counter.frame_count if first is None else first
+    assert counter.frame_count == first, f"{info.qualname}: recompiled for sizes {sizes} ({counter.frame_count} graphs)"
+    return counter.frame_count
+
+
+class _OpModule(torch.nn.Module):
+    """Calls op with keyword arguments passed positionally after the others (export-friendly)."""
+
+    def __init__(self, op, n_args: int, kwnames: Sequence[str]):
+        super().__init__()
+        self.op, self.n_args, self.kwnames = op, n_args, tuple(kwnames)
+
+    def forward(self, *flat):
+        return self.op(*flat[: self.n_args], **dict(zip(self.kwnames, flat[self.n_args:])))
+
+
+def export(info: OpInfo, device, dtype=torch.float32) -> tuple[torch.export.ExportedProgram, Callable]:
+    """torch.export of the op alone with a dynamic batch dimension; also returns how to turn a
+    Sample into the exported program's positional inputs."""
+    a, _, (args_spec, kw_spec) = _dynamic_dims(info, torch.device(device), dtype)
+    names = list(a.kwargs)
+    flat = lambda s: tuple(s.args) + tuple(s.kwargs[k] for k in names)  # noqa: E731
+    mod = _OpModule(info.op, len(a.args), names)
+    spec = {"flat": tuple(args_spec) + tuple(kw_spec[k] for k in names)}
+    return torch.export.export(mod, flat(a), dynamic_shapes=spec), flat
+
+
+def check_export(info: OpInfo, device, sizes=(2, 7, 33)) -> None:
+    """The exported program runs at several batch sizes and equals eager."""
+    ep, flat = export(info, device)
+    mod = ep.module()
+    for n in sizes:
+        s = info.batch(torch.device(device), torch.float32, n)
+        e = clone_sample(s)
+        for g, w in zip(_outputs(mod(*flat(s))), _outputs(info.op(*e.args, **e.kwargs))):
+            torch.testing.assert_close(g, w, msg=lambda m: f"{info.qualname} exported, batch {n}: {m}")
+
+
+def check_bad_inputs(info: OpInfo, device) -> int:
+    """Every bad input raises RuntimeError naming the op and the argument."""
+    import re
+
+    cases = info.bad_inputs(torch.device(device))
+    for s, pattern in cases:
+        try:
+            _call(info, s)
+        except RuntimeError as e:
+            assert re.search(pattern, str(e)), f"{info.qualname}: error {str(e)!r} does not match {pattern!r}"
+        else:
+            raise AssertionError(f"{info.qualname}: no error for bad input, expected {pattern!r}")
+    return len(cases)
