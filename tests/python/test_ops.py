@@ -1,0 +1,68 @@
+"""Every generic check of customops.testing over the op table x device (x dtype)."""
+
+import pytest
+import torch
+
+from customops import testing as T
+from conftest import DEVICES
+
+OPS = [pytest.param(o, id=o.name) for o in T.OPS]
+DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in T.FLOAT_DTYPES]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("info", OPS)
+def test_correctness(info, dtype, device):
+    assert T.check_correctness(info, device, dtype) >= 5
+
+
+@pytest.mark.parametrize("info", OPS)
+def test_meta_matches_real_kernel(info):
+    T.check_meta(info)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("info", OPS)
+def test_autograd_matches_reference(info, device):
+    if not info.differentiable:
+        pytest.skip(f"{info.name} is not differentiable (out= variant)")
+    T.check_autograd(info, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("info", OPS)
+def test_opcheck(info, device):
+    samples = T.opcheck_samples(info, device)
+    descs = {s.desc.split()[0] for s in samples}
+    assert {"contiguous", "transposed", "strided"} <= descs
+    assert any(any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in s.args) for s in samples)
+    if info.differentiable:
+        assert any(any(isinstance(a, torch.Tensor) and a.requires_grad for a in s.args) for s in samples)
+    T.check_opcheck(info, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("info", OPS)
+def test_gradcheck_and_gradgradcheck(info, device):
+    if not info.differentiable:
+        pytest.skip(f"{info.name} is not differentiable (out= variant)")
+    T.check_gradcheck(info, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("info", OPS)
+def test_compile_fullgraph_dynamic_no_recompiles(info, device):
+    T.check_compile(info, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("info", OPS)
+def test_export_dynamic_batch(info, device):
+    T.check_export(info, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("info", OPS)
+def test_bad_inputs_raise_named_errors(info, device):
+    assert T.check_bad_inputs(info, device) >= 4
