@@ -28,7 +28,7 @@ def _check_torch_version() -> None:
 _check_torch_version()
 
 from . import _C  # noqa: E402  (loads libcustomops.so and registers the ops)
-from ._ops import mul, muladd  # noqa: E402
+from ._ops import mul, muladd, rms_norm, scale_clamp, silu, silu_mul  # noqa: E402
 
 __version__ = _build_info.version
 
@@ -49,4 +49,11 @@ def build_info() -> dict:
     return dict(_C.build_info())
 
 
-__all__ = ["muladd", "mul", "library_path", "build_info", "cmake_prefix_path", "__version__"]
+__all__ = [
+    "muladd",
+    "mul",
+    "rms_norm",
+    "silu",
+    "silu_mul",
+    "scale_clamp",
+    "library_path", "build_info", "cmake_prefix_path", "__version__"]
