@@ -56,14 +56,14 @@ struct ScaleClampBackward {  // (dy, x) -> dx
 
 // Allocates the outputs (contiguous, shaped like ref) and runs Functor<acc> over the inputs.
 template <template <typename> class Functor, size_t NIn, size_t NOut, typename... Args>
-std::array<at::Tensor, NOut> run(const char* name, const at::Tensor& ref, const std::array<at::Tensor, NIn>& in,
+std::array<at::Tensor, NOut> run(const at::Tensor& ref, const std::array<at::Tensor, NIn>& in,
                                  Args... args) {
   c10::cuda::CUDAGuard guard(ref.device());
   std::array<at::Tensor, NOut> out;
   for (auto& o : out) o = at::empty(ref.sizes(), ref.options());
   std::array<at::Tensor, NIn> rows;
   for (size_t k = 0; k < NIn; ++k) rows[k] = as_rows(in[k]);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, ref.scalar_type(), name, [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, ref.scalar_type(), "customops", [&] {
     using A = at::opmath_type<scalar_t>;
     cuda::launch_rows<scalar_t, NIn, NOut>(Functor<A>{static_cast<A>(args)...}, rows, out);
   });
@@ -72,37 +72,37 @@ std::array<at::Tensor, NOut> run(const char* name, const at::Tensor& ref, const 
 
 at::Tensor silu_cuda(const at::Tensor& x) {
   check_unary("customops::silu", x);
-  return run<Silu, 1, 1>("customops::silu", x, {x})[0];
+  return run<Silu, 1, 1>(x, {x})[0];
 }
 
 at::Tensor silu_backward_cuda(const at::Tensor& dy, const at::Tensor& x) {
   check_unary("customops::_silu_backward", x);
   check_grad_like("customops::_silu_backward", dy, "x", x);
-  return run<SiluBackward, 2, 1>("customops::_silu_backward", x, {dy, x})[0];
+  return run<SiluBackward, 2, 1>(x, {dy, x})[0];
 }
 
 at::Tensor silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up) {
   check_silu_mul("customops::silu_mul", gate, up);
-  return run<SiluMul, 2, 1>("customops::silu_mul", gate, {gate, up})[0];
+  return run<SiluMul, 2, 1>(gate, {gate, up})[0];
 }
 
 std::tuple<at::Tensor, at::Tensor> silu_mul_backward_cuda(const at::Tensor& dy, const at::Tensor& gate,
                                                           const at::Tensor& up) {
   check_silu_mul("customops::_silu_mul_backward", gate, up);
   check_grad_like("customops::_silu_mul_backward", dy, "gate", gate);
-  auto out = run<SiluMulBackward, 3, 2>("customops::_silu_mul_backward", gate, {dy, gate, up});
+  auto out = run<SiluMulBackward, 3, 2>(gate, {dy, gate, up});
   return {out[0], out[1]};
 }
 
 at::Tensor scale_clamp_cuda(const at::Tensor& x, double scale, double lo, double hi) {
   check_scale_clamp("customops::scale_clamp", x, lo, hi);
-  return run<ScaleClamp, 1, 1>("customops::scale_clamp", x, {x}, scale, lo, hi)[0];
+  return run<ScaleClamp, 1, 1>(x, {x}, scale, lo, hi)[0];
 }
 
 at::Tensor scale_clamp_backward_cuda(const at::Tensor& dy, const at::Tensor& x, double scale, double lo, double hi) {
   check_scale_clamp("customops::_scale_clamp_backward", x, lo, hi);
   check_grad_like("customops::_scale_clamp_backward", dy, "x", x);
-  return run<ScaleClampBackward, 2, 1>("customops::_scale_clamp_backward", x, {dy, x}, scale, lo, hi)[0];
+  return run<ScaleClampBackward, 2, 1>(x, {dy, x}, scale, lo, hi)[0];
 }
 
 }  // namespace
