@@ -201,7 +201,9 @@ def _unary_bad_inputs(name, scalars=()):
     def make(device):
         x = torch.randn(4, 4, device=device)
         return [(Sample((x.long(),) + scalars), rf"{op}: x has dtype Long"),
-                (Sample((x.int(),) + scalars), rf"{op}: x has dtype Int")]
+                (Sample((x.int(),) + scalars), rf"{op}: x has dtype Int"),
+                (Sample((x.bool(),) + scalars), rf"{op}: x has dtype Bool"),
+                (Sample((x.to(torch.complex64),) + scalars), rf"{op}: x has dtype ComplexFloat")]
 
     return make
 
