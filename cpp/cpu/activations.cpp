@@ -15,13 +15,23 @@ namespace customops {
 namespace CPU_CAPABILITY {
 namespace {
 
-template <typename A>
-inline A sigmoid(A x) {
-  return A(1) / (A(1) + std::exp(-x));
-}
-template <typename A>
-inline Vectorized<A> sigmoid(const Vectorized<A>& x) {
-  return Vectorized<A>(A(1)) / (Vectorized<A>(A(1)) + x.neg().exp());
+// One function for the vector body and the scalar tail. exp_u20 (within 20 ULP) is several
+// times cheaper than Sleef's exp, and sigmoid damps its error far below float32's tolerance;
+// float64 keeps the exact exp.
+template <typename V>
+inline V sigmoid(const V& x) {
+  if constexpr (std::is_arithmetic_v<V>) {
+    return V(1) / (V(1) + std::exp(-x));
+  } else {
+    using A = typename V::value_type;
+    V e;
+    if constexpr (std::is_same_v<A, float>) {
+      e = x.neg().exp_u20();
+    } else {
+      e = x.neg().exp();
+    }
+    return V(A(1)) / (V(A(1)) + e);
+  }
 }
 
 // Scalar-or-vector helpers so one lambda serves the vector body and the scalar tail.

@@ -10,24 +10,27 @@
 
 namespace customops {
 
-inline bool cpu_use_avx2() {
-#ifdef CUSTOMOPS_HAVE_AVX2
-  // ATen's own choice ("DEFAULT", "AVX2", "AVX512"; ATEN_CPU_CAPABILITY overrides it).
-  static const bool use = at::get_cpu_capability() != "DEFAULT";
-  return use;
-#else
-  return false;
-#endif
+// ATen's own choice ("DEFAULT", "AVX2", "AVX512"; ATEN_CPU_CAPABILITY overrides it).
+enum class CpuCapability { kDefault, kAvx2, kAvx512 };
+inline CpuCapability cpu_capability() {
+  static const CpuCapability cap = [] {
+    const std::string c = at::get_cpu_capability();
+    return c == "AVX512" ? CpuCapability::kAvx512 : c == "AVX2" ? CpuCapability::kAvx2 : CpuCapability::kDefault;
+  }();
+  return cap;
 }
 
 }  // namespace customops
 
-#ifdef CUSTOMOPS_HAVE_AVX2
+#if defined(CUSTOMOPS_HAVE_AVX2) && defined(CUSTOMOPS_HAVE_AVX512)
 #define CUSTOMOPS_CPU_KERNEL(ret, name, ...)  \
   namespace DEFAULT { ret name(__VA_ARGS__); } \
-  namespace AVX2 { ret name(__VA_ARGS__); }
-#define CUSTOMOPS_CPU_DISPATCH(name, ...) \
-  (::customops::cpu_use_avx2() ? AVX2::name(__VA_ARGS__) : DEFAULT::name(__VA_ARGS__))
+  namespace AVX2 { ret name(__VA_ARGS__); }    \
+  namespace AVX512 { ret name(__VA_ARGS__); }
+#define CUSTOMOPS_CPU_DISPATCH(name, ...)                                               \
+  (::customops::cpu_capability() == ::customops::CpuCapability::kAvx512 ? AVX512::name(__VA_ARGS__) \
+   : ::customops::cpu_capability() == ::customops::CpuCapability::kAvx2 ? AVX2::name(__VA_ARGS__)   \
+                                                                         : DEFAULT::name(__VA_ARGS__))
 #else
 #define CUSTOMOPS_CPU_KERNEL(ret, name, ...) \
   namespace DEFAULT { ret name(__VA_ARGS__); }
