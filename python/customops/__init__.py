@@ -49,4 +49,19 @@ def build_info() -> dict:
     return dict(_C.build_info())
 
 
-__all__ = ["muladd", "mul", "library_path", "build_info", "cmake_prefix_path", "__version__"]
+def runner_path() -> str:
+    """Absolute path of ``customops-run``, the C++ program (no Python) that runs AOTInductor
+    packages calling customops ops; see :mod:`customops.export` and ``customops-run --help``.
+
+    Raises:
+        FileNotFoundError: if this installation has no runner.
+    """
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", "customops-run")
+    if not os.access(path, os.X_OK):
+        raise FileNotFoundError(f"customops-run is not installed at {path}; reinstall customops "
+                                "(pip install --no-build-isolation .)")
+    return path
+
+
+__all__ = ["muladd", "mul", "library_path", "build_info", "runner_path", "cmake_prefix_path",
+           "__version__"]
