@@ -28,6 +28,7 @@ def _check_torch_version() -> None:
 _check_torch_version()
 
 from . import _C  # noqa: E402  (loads libcustomops.so and registers the ops)
+from . import export  # noqa: E402
 from ._ops import mul, muladd  # noqa: E402
 
 __version__ = _build_info.version
@@ -63,5 +64,5 @@ def runner_path() -> str:
     return path
 
 
-__all__ = ["muladd", "mul", "library_path", "build_info", "runner_path", "cmake_prefix_path",
+__all__ = ["muladd", "mul", "library_path", "build_info", "runner_path", "export", "cmake_prefix_path",
            "__version__"]
