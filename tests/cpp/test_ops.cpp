@@ -57,8 +57,8 @@ TEST(MulAdd, MatchesReferenceOnEveryDeviceAndDtype) {
 
 TEST(MulAdd, BackwardFromCpp) {
   for (auto device : devices()) {
-    auto opts = at::TensorOptions().device(device).dtype(at::kDouble).requires_grad(true);
-    at::Tensor a = at::randn({8, 3}, opts), b = at::randn({8, 3}, opts);
+    auto opts = at::TensorOptions().device(device).dtype(at::kDouble);
+    at::Tensor a = at::randn({8, 3}, opts).requires_grad_(true), b = at::randn({8, 3}, opts).requires_grad_(true);
     at::Tensor y = customops::muladd(a, b, 1.0).sum();
     auto grads = torch::autograd::grad({y}, {a, b});
     EXPECT_TRUE(at::allclose(grads[0], b.detach()));
