@@ -269,7 +269,8 @@ void write_outputs(const std::string& path, const std::vector<at::Tensor>& outpu
 }
 
 // Number of leaves of a pytree spec as torch serializes it (JSON; a leaf is {"type": null, ...}).
-// The in_spec of an exported program flattens (args, kwargs) into the model's inputs.
+// The in_spec of an exported program flattens (args, kwargs); its leaves are the model's inputs,
+// plus any non-tensor argument the export made a constant.
 std::optional<size_t> count_spec_leaves(const std::string& spec) {
   const std::string leaf = "\"type\": null";
   if (spec.find("children_spec") == std::string::npos) return std::nullopt;
@@ -309,6 +310,26 @@ std::string with_hint(const std::string& msg) {
   return msg + "\n(the library that registers that operator must be loaded in this process before the package)";
 }
 
+// The message for a failed run: the model's own words where torch passes them on (newer torch);
+// older torch passes on only which call failed, after the model printed its error on stderr.
+std::string run_error(const Options& o, std::string msg, size_t given, std::optional<size_t> spec_inputs) {
+  const std::string count_error = "expected inputs vector size to be ";
+  if (auto at = msg.find(count_error); at != std::string::npos) {
+    size_t want = std::strtoull(msg.c_str() + at + count_error.size(), nullptr, 10);
+    return o.package + " takes " + std::to_string(want) + " input tensor(s), but " + o.inputs + " holds " +
+           std::to_string(given);
+  }
+  if (msg.find("API call failed") != std::string::npos) {
+    if (spec_inputs && *spec_inputs != given) {
+      return o.package + " takes " + std::to_string(*spec_inputs) + " input tensor(s) by its call spec, but " +
+             o.inputs + " holds " + std::to_string(given) + " (the model's own error is printed above)";
+    }
+    msg += "\n(the model's own error is printed above)";
+  }
+  if (!o.check_inputs) msg += "\n(run without --no-check-inputs to have the model check its inputs)";
+  return "running " + o.package + " failed: " + msg;
+}
+
 int run(const Options& o) {
   auto meta = read_metadata(o);
   if (o.info) {
@@ -334,25 +355,16 @@ int run(const Options& o) {
   }
   double load_ms = ms_since(load_start);
 
-  auto call_spec = loader->get_call_spec();
-  if (!call_spec.empty()) {
-    auto want = count_spec_leaves(call_spec[0]);
-    if (want && *want != inputs.size()) {
-      throw UserError(o.package + " takes " + std::to_string(*want) + " input tensor(s), but " + o.inputs +
-                      " holds " + std::to_string(inputs.size()));
-    }
-  }
+  // Inputs by the call spec: exact for tensor inputs (the model itself checks the count when run).
+  std::optional<size_t> spec_inputs;
+  if (auto spec = loader->get_call_spec(); !spec.empty()) spec_inputs = count_spec_leaves(spec[0]);
 
   std::vector<at::Tensor> outputs;
   auto run_once = [&] {
     try {
       outputs = loader->run(inputs);
     } catch (const std::exception& e) {
-      std::string msg = message_of(e);
-      // Older torch reports only where the model's C ABI call failed; the model printed why.
-      if (msg.find("API call failed") != std::string::npos) msg += "\n(the model's own error is printed above)";
-      if (!o.check_inputs) msg += "\n(run without --no-check-inputs to have the model check its inputs)";
-      throw UserError("running " + o.package + " failed: " + msg);
+      throw UserError(run_error(o, message_of(e), inputs.size(), spec_inputs));
     }
     synchronize(device);
   };
