@@ -54,7 +54,9 @@ class EveryOp(torch.nn.Module):
 
         outs = []
         for op, args, kwargs in self.plans:
-            y = op(*(take(*a) for a in args), **{k: take(*v) for k, v in kwargs.items()})
+            # Positional first: in op(*gen, **{...}) Python builds the dict before it drains gen.
+            a = [take(*x) for x in args]
+            y = op(*a, **{k: take(*v) for k, v in kwargs.items()})
             outs.extend(y if isinstance(y, (tuple, list)) else (y,))
         return tuple(outs)
 
