@@ -24,7 +24,7 @@ struct Mul {
 void muladd_into(const at::Tensor& a, const at::Tensor& b, double c, const at::Tensor& out) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.scalar_type(), "customops::muladd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    cuda::launch_rows<scalar_t, 2, 1>(MulAdd<acc_t>{static_cast<acc_t>(c)}, {cuda::as_rows(a), cuda::as_rows(b)},
+    cuda::launch_rows<scalar_t, 2, 1>(MulAdd<acc_t>{static_cast<acc_t>(c)}, {as_rows(a), as_rows(b)},
                                       {out});
   });
 }
@@ -54,7 +54,7 @@ at::Tensor mul_cuda(const at::Tensor& a, const at::Tensor& b) {
   at::Tensor out = at::empty(a.sizes(), a.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.scalar_type(), "customops::mul", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    cuda::launch_rows<scalar_t, 2, 1>(Mul<acc_t>{}, {cuda::as_rows(a), cuda::as_rows(b)}, {out});
+    cuda::launch_rows<scalar_t, 2, 1>(Mul<acc_t>{}, {as_rows(a), as_rows(b)}, {out});
   });
   return out;
 }

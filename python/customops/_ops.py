@@ -39,3 +39,64 @@ def mul(a: Tensor, b: Tensor) -> Tensor:
         A new contiguous tensor shaped like ``a``.
     """
     return _ops.mul.default(a, b)
+
+
+def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """RMSNorm over the last dimension: ``x * rsqrt(mean(x**2, -1) + eps) * weight``.
+
+    Args:
+        x: Tensor of shape ``[..., n]`` (at least one dimension); float32, float64, float16 or
+            bfloat16. Any strides (non-contiguous inputs are read through a contiguous copy).
+        weight: Optional tensor of shape ``[n]`` with x's dtype and device.
+        eps: Added to the mean square before the reciprocal square root.
+
+    Returns:
+        Tensor shaped like ``x`` (contiguous), computed in float32 (float64 for float64) and rounded
+        once. The op itself, ``torch.ops.customops.rms_norm``, also returns ``rstd`` (shape
+        ``x.shape[:-1]``), which its backward reuses; this wrapper drops it. Differentiable in x and
+        weight; double backward raises.
+    """
+    return _ops.rms_norm.default(x, weight, eps)[0]
+
+
+def silu(x: Tensor) -> Tensor:
+    """SiLU (swish): ``x * sigmoid(x)``, elementwise.
+
+    Args:
+        x: Tensor of any shape and strides; float32, float64, float16 or bfloat16.
+
+    Returns:
+        A new contiguous tensor shaped like ``x``; half types are computed in float32.
+        Differentiable; double backward raises.
+    """
+    return _ops.silu.default(x)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """The SwiGLU product ``silu(gate) * up`` in one pass.
+
+    Args:
+        gate: Tensor of any shape; float32, float64, float16 or bfloat16.
+        up: Tensor with gate's shape, dtype and device. ``gate, up = x.chunk(2, -1)`` of a fused
+            gate-up projection is read in place (no copy).
+
+    Returns:
+        A new contiguous tensor shaped like ``gate``. Differentiable; double backward raises.
+    """
+    return _ops.silu_mul.default(gate, up)
+
+
+def scale_clamp(x: Tensor, scale: float, lo: float, hi: float) -> Tensor:
+    """``clamp(x * scale, lo, hi)`` in one pass.
+
+    Args:
+        x: Tensor of any shape and strides; float32, float64, float16 or bfloat16.
+        scale: Multiplier (a compile-time constant to torch.compile).
+        lo: Lower bound; must be <= hi.
+        hi: Upper bound.
+
+    Returns:
+        A new contiguous tensor shaped like ``x``. Its gradient is ``grad * scale`` where
+        ``lo < x * scale < hi`` and 0 elsewhere; double backward works.
+    """
+    return _ops.scale_clamp.default(x, scale, lo, hi)

@@ -44,6 +44,7 @@ class OpInfo:
     tolerances: dict = dataclasses.field(default_factory=lambda: dict(ROUNDED_ONCE))
     differentiable: bool = True  # out= variants are not
     double_backward: bool = True  # else: double backward must raise a clear error
+    diff_outputs: tuple = (0,)  # outputs that carry gradients (rms_norm's rstd does not)
 
     @property
     def op(self) -> torch._ops.OpOverload:
@@ -146,6 +147,85 @@ def _binary_bad_inputs(name: str, scalars: tuple = (), with_out: bool = False):
     return make
 
 
+def _rms_norm_ref(x, weight=None, eps=1e-6):
+    rstd = torch.rsqrt(x.pow(2).mean(-1) + eps)
+    y = x * rstd.unsqueeze(-1)
+    return (y * weight if weight is not None else y), rstd
+
+
+def _rms_norm_samples(device, dtype, requires_grad):
+    def w(n):
+        return (torch.rand(n, device=device, dtype=dtype) + 0.5).requires_grad_(requires_grad)
+
+    out = []
+    for shape, layout, with_w in [((5, 7), "contiguous", True), ((3, 4, 40), "contiguous", True),
+                                  ((2, 1031), "contiguous", False), ((9,), "contiguous", True),
+                                  ((6, 5), "transposed", True), ((4, 6), "strided", True),
+                                  ((0, 3), "contiguous", True), ((1, 64), "contiguous", True)]:
+        x = _rand(shape, device, dtype, requires_grad, layout=layout)
+        out.append(Sample((x, w(shape[-1]) if with_w else None, 1e-5), {}, f"{layout} {list(shape)}"
+                          + ("" if with_w else " no weight")))
+    return out
+
+
+def _rms_norm_batch(device, dtype, n):
+    return Sample((torch.randn(n, 16, device=device, dtype=dtype), torch.rand(16, device=device, dtype=dtype) + 0.5,
+                   1e-6), {}, f"batch {n}")
+
+
+def _rms_norm_bad_inputs(device):
+    op = "customops::rms_norm"
+    x = torch.randn(4, 8, device=device)
+    return [
+        (Sample((x, torch.ones(7, device=device), 1e-6)), rf"{op}: expected weight of shape \[8\]"),
+        (Sample((x, torch.ones(8, device=device, dtype=torch.float64), 1e-6)), rf"{op}: expected weight to have the dtype"),
+        (Sample((x.long(), None, 1e-6)), rf"{op}: x has dtype Long"),
+        (Sample((x, torch.ones(8, device="meta"), 1e-6)), rf"{op}: expected weight to be on the device of x"),
+        (Sample((torch.tensor(1.0, device=device), None, 1e-6)), rf"{op}: x must have at least one dimension"),
+    ]
+
+
+def _halves_samples(device, dtype, requires_grad):
+    """silu_mul samples, plus gate and up as the two halves of one gate-up tensor."""
+    out = _elementwise_samples(2)(device, dtype, requires_grad)
+    for shape in [(6, 2 * 24), (2, 3, 2 * 17)]:
+        base = torch.randn(shape, device=device, dtype=dtype)
+        gate, up = (h.detach().requires_grad_(requires_grad) for h in base.chunk(2, -1))
+        out.append(Sample((gate, up), {}, f"strided halves of {list(shape)}"))
+    return out
+
+
+def _unary_bad_inputs(name, scalars=()):
+    op = f"customops::{name}"
+
+    def make(device):
+        x = torch.randn(4, 4, device=device)
+        return [(Sample((x.long(),) + scalars), rf"{op}: x has dtype Long"),
+                (Sample((x.int(),) + scalars), rf"{op}: x has dtype Int"),
+                (Sample((x.bool(),) + scalars), rf"{op}: x has dtype Bool"),
+                (Sample((x.to(torch.complex64),) + scalars), rf"{op}: x has dtype ComplexFloat")]
+
+    return make
+
+
+def _silu_mul_bad_inputs(device):
+    op = "customops::silu_mul"
+    g = torch.randn(4, 4, device=device)
+    return [
+        (Sample((g, torch.randn(4, 5, device=device))), rf"{op}: expected up to have the shape"),
+        (Sample((g, g.double())), rf"{op}: expected up to have the dtype"),
+        (Sample((g.long(), g.long())), rf"{op}: gate has dtype Long"),
+        (Sample((g, g.to("meta"))), rf"{op}: expected up to be on the device of gate"),
+    ]
+
+
+def _scale_clamp_bad_inputs(device):
+    op = "customops::scale_clamp"
+    return _unary_bad_inputs("scale_clamp", (2.0, -1.0, 1.0))(device) + [
+        (Sample((torch.randn(3, device=device), 2.0, 1.0, -1.0)), rf"{op}: expected lo <= hi"),
+    ]
+
+
 # ---- the table ---------------------------------------------------------------------------------
 
 OPS: list[OpInfo] = [
@@ -170,6 +250,39 @@ OPS: list[OpInfo] = [
         batch=_elementwise_batch(2, (-1.5,), with_out=True),
         bad_inputs=_binary_bad_inputs("muladd.out", (-1.5,), with_out=True),
         differentiable=False,
+    ),
+    OpInfo(
+        name="rms_norm",
+        samples=_rms_norm_samples,
+        ref=_rms_norm_ref,
+        batch=_rms_norm_batch,
+        bad_inputs=_rms_norm_bad_inputs,
+        # a reduction over the row before the final rounding: a little looser than one rounding
+        tolerances={**ROUNDED_ONCE, torch.float32: (2e-5, 2e-5)},
+        double_backward=False,
+    ),
+    OpInfo(
+        name="silu",
+        samples=_elementwise_samples(1),
+        ref=lambda x: x * torch.sigmoid(x),
+        batch=_elementwise_batch(1),
+        bad_inputs=_unary_bad_inputs("silu"),
+        double_backward=False,
+    ),
+    OpInfo(
+        name="silu_mul",
+        samples=_halves_samples,
+        ref=lambda gate, up: gate * torch.sigmoid(gate) * up,
+        batch=_elementwise_batch(2),
+        bad_inputs=_silu_mul_bad_inputs,
+        double_backward=False,
+    ),
+    OpInfo(
+        name="scale_clamp",
+        samples=_elementwise_samples(1, (2.0, -1.0, 1.5)),
+        ref=lambda x, scale, lo, hi: torch.clamp(x * scale, lo, hi),
+        batch=_elementwise_batch(1, (2.0, -1.0, 1.5)),
+        bad_inputs=_scale_clamp_bad_inputs,
     ),
 ]
 
@@ -229,10 +342,12 @@ def _grad_inputs(args) -> list[torch.Tensor]:
     return [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
 
 
-def _loss(outputs) -> torch.Tensor:
-    # A fixed random weighting per output, so every output's gradient is exercised.
+def _loss(outputs, which=None) -> torch.Tensor:
+    # A fixed weighting per differentiable output, so every output's gradient is exercised.
     total = 0
     for i, y in enumerate(outputs):
+        if which is not None and i not in which:
+            continue
         if y.is_floating_point():
             w = torch.linspace(-1, 1, y.numel(), device=y.device, dtype=y.dtype).reshape(y.shape)
             total = total + (y * w).sum() * (i + 1)
@@ -246,14 +361,14 @@ def check_autograd(info: OpInfo, device, dtype=torch.float32) -> None:
     atol, rtol = info.tolerances[dtype]
     for s in info.samples(torch.device(device), dtype, True):
         xs = _grad_inputs(s.args)
-        got = torch.autograd.grad(_loss(_outputs(_call(info, s))), xs, allow_unused=True) if xs and any(
+        got = torch.autograd.grad(_loss(_outputs(_call(info, s)), info.diff_outputs), xs, allow_unused=True) if xs and any(
             x.numel() for x in xs) else None
         s64 = Sample(tree_map(lambda x: _to64(x).requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x,
                               s.args), {}, s.desc)
         xs64 = _grad_inputs(s64.args)
         if got is None:
             continue
-        want = torch.autograd.grad(_loss(_outputs(info.ref(*s64.args))), xs64, allow_unused=True)
+        want = torch.autograd.grad(_loss(_outputs(info.ref(*s64.args)), info.diff_outputs), xs64, allow_unused=True)
         for g, w in zip(got, want):
             torch.testing.assert_close(g.to(torch.float64), w, atol=atol * 10, rtol=rtol * 10,
                                        msg=lambda m: f"{info.qualname} grad [{s.desc}]: {m}")
@@ -287,7 +402,8 @@ def check_gradcheck(info: OpInfo, device) -> None:
             args = list(s.args)
             for i, t in zip(pos, ts):
                 args[i] = t
-            return info.op(*args, **s.kwargs)
+            outs = _outputs(info.op(*args, **s.kwargs))
+            return tuple(outs[i] for i in info.diff_outputs)
 
         assert torch.autograd.gradcheck(fn, xs), f"{info.qualname}: gradcheck failed [{s.desc}]"
         if info.double_backward:
@@ -343,8 +459,8 @@ def check_compile(info: OpInfo, device, backend="inductor", sizes=(3, 5, 17)) ->
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, msg=lambda m: f"{info.qualname} compiled forward, batch {n}: {m}")
         if info.differentiable:
-            gg = torch.autograd.grad(_loss(got), _grad_inputs(s.args))
-            gw = torch.autograd.grad(_loss(want), _grad_inputs(e.args))
+            gg = torch.autograd.grad(_loss(got, info.diff_outputs), _grad_inputs(s.args))
+            gw = torch.autograd.grad(_loss(want, info.diff_outputs), _grad_inputs(e.args))
             for g, w in zip(gg, gw):
                 torch.testing.assert_close(g, w, msg=lambda m: f"{info.qualname} compiled backward, batch {n}: {m}")
         # Dynamo may trace the first call twice (it retries with float arguments specialized);

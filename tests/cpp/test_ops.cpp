@@ -22,6 +22,14 @@ const std::vector<std::pair<std::string, std::string>> kOps = {
     {"customops::muladd", ""},
     {"customops::muladd", "out"},
     {"customops::mul", ""},
+    {"customops::rms_norm", ""},
+    {"customops::_rms_norm_backward", ""},
+    {"customops::silu", ""},
+    {"customops::_silu_backward", ""},
+    {"customops::silu_mul", ""},
+    {"customops::_silu_mul_backward", ""},
+    {"customops::scale_clamp", ""},
+    {"customops::_scale_clamp_backward", ""},
 };
 
 TEST(Registration, EveryOpHasEveryKernel) {
@@ -91,6 +99,50 @@ TEST(MulAdd, BadInputsRaiseNamedErrors) {
   at::Tensor buf = at::randn({20});
   at::Tensor x = buf.narrow(0, 0, 16).view({4, 4}), out = buf.narrow(0, 2, 16).view({4, 4});
   expect_error([&] { customops::muladd_out(x, x, 1.0, out); }, "customops::muladd.out: out overlaps a partially");
+}
+
+TEST(LlmOps, ForwardMatchesAtenOnEveryDevice) {
+  for (auto device : devices()) {
+    auto opts = at::TensorOptions().device(device).dtype(at::kFloat);
+    at::Tensor x = at::randn({6, 40}, opts), w = at::rand({40}, opts) + 0.5;
+    at::Tensor ref = x * at::rsqrt(x.pow(2).mean(-1, true) + 1e-6) * w;
+    EXPECT_TRUE(at::allclose(customops::rms_norm(x, w), ref, 1e-5, 1e-5)) << device;
+    auto [y, rstd] = customops::rms_norm_with_rstd(x, std::nullopt);
+    EXPECT_EQ(rstd.sizes(), at::IntArrayRef({6}));
+    EXPECT_TRUE(at::allclose(customops::silu(x), at::silu(x), 1e-5, 1e-5));
+    // gate and up as the two halves of one fused gate-up tensor (strided views)
+    at::Tensor gu = at::randn({6, 80}, opts);
+    auto halves = gu.chunk(2, -1);
+    EXPECT_TRUE(at::allclose(customops::silu_mul(halves[0], halves[1]), at::silu(halves[0]) * halves[1], 1e-5, 1e-5));
+    EXPECT_TRUE(at::allclose(customops::scale_clamp(x, 2.0, -1.0, 1.0), at::clamp(x * 2.0, -1.0, 1.0)));
+  }
+}
+
+TEST(LlmOps, RmsNormBackwardFromCpp) {
+  for (auto device : devices()) {
+    auto opts = at::TensorOptions().device(device).dtype(at::kDouble);
+    at::Tensor x = at::randn({5, 16}, opts).requires_grad_(true);
+    at::Tensor w = (at::rand({16}, opts) + 0.5).requires_grad_(true);
+    auto grads = torch::autograd::grad({customops::rms_norm(x, w).pow(2).sum()}, {x, w});
+    at::Tensor x2 = x.detach().clone().requires_grad_(true), w2 = w.detach().clone().requires_grad_(true);
+    at::Tensor ref = x2 * at::rsqrt(x2.pow(2).mean(-1, true) + 1e-6) * w2;
+    auto want = torch::autograd::grad({ref.pow(2).sum()}, {x2, w2});
+    EXPECT_TRUE(at::allclose(grads[0], want[0], 1e-8, 1e-8)) << device;
+    EXPECT_TRUE(at::allclose(grads[1], want[1], 1e-8, 1e-8)) << device;
+  }
+}
+
+TEST(LlmOps, BadInputsRaiseNamedErrors) {
+  at::Tensor x = at::randn({4, 8});
+  try {
+    customops::rms_norm(x, at::ones({7}));
+    ADD_FAILURE() << "no error for a weight of the wrong size";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("customops::rms_norm: expected weight of shape [8]"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(customops::scale_clamp(x, 1.0, 2.0, -2.0), c10::Error);
+  EXPECT_THROW(customops::silu(x.to(at::kInt)), c10::Error);
 }
 
 }  // namespace

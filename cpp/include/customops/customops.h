@@ -6,7 +6,9 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
+#include <tuple>
 
 #include "customops/macros.h"
 
@@ -18,6 +20,19 @@ CUSTOMOPS_API at::Tensor muladd(const at::Tensor& a, const at::Tensor& b, double
 CUSTOMOPS_API at::Tensor& muladd_out(const at::Tensor& a, const at::Tensor& b, double c, at::Tensor& out);
 // a * b, elementwise, with the same rules as muladd.
 CUSTOMOPS_API at::Tensor mul(const at::Tensor& a, const at::Tensor& b);
+
+// RMSNorm over the last dim: x * rsqrt(mean(x^2, -1) + eps) * weight (weight optional, shape
+// [x.size(-1)]). rms_norm_with_rstd also returns rstd (float32; float64 for float64 x).
+CUSTOMOPS_API at::Tensor rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& weight, double eps = 1e-6);
+CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> rms_norm_with_rstd(const at::Tensor& x,
+                                                                    const std::optional<at::Tensor>& weight,
+                                                                    double eps = 1e-6);
+// x * sigmoid(x).
+CUSTOMOPS_API at::Tensor silu(const at::Tensor& x);
+// silu(gate) * up (SwiGLU); gate and up may be the two halves of one tensor's last dim.
+CUSTOMOPS_API at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
+// clamp(x * scale, lo, hi); requires lo <= hi.
+CUSTOMOPS_API at::Tensor scale_clamp(const at::Tensor& x, double scale, double lo, double hi);
 
 // Version of customops and of the torch it was built against, e.g. "0.1.0", "2.13.0".
 CUSTOMOPS_API std::string version();

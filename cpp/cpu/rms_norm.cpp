@@ -1,0 +1,216 @@
+// CPU kernels of rms_norm and _rms_norm_backward: rows in parallel (at::parallel_for), each row
+// in float32 (float64 for float64) vectors. The weight gradient, a reduction over rows, is
+// accumulated per thread in float and summed once at the end, so tall and wide shapes both
+// run at memory speed.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "cpu/dispatch.h"
+#include "cpu/rows.h"
+#include "ops/llm.h"
+
+namespace customops {
+namespace CPU_CAPABILITY {
+
+namespace {
+
+template <typename A>
+A hsum(const Vectorized<A>& v) {
+  alignas(64) A buf[Vectorized<A>::size()];
+  v.store(buf);
+  A s = 0;
+  for (int i = 0; i < Vectorized<A>::size(); ++i) s += buf[i];
+  return s;
+}
+
+// sum(a[i] * b[i]) over n elements of T, in acc_t<T>; b == nullptr means b = a.
+template <typename T>
+acc_t<T> dot(const T* a, const T* b, int64_t n) {
+  using A = acc_t<T>;
+  AccVec<T> v0(A(0)), v1(A(0));
+  int64_t c = 0;
+  for (; c + kStep<T> <= n; c += kStep<T>) {
+    auto [a0, a1] = load2(a + c);
+    if (b == nullptr) {
+      v0 = at::vec::fmadd(a0, a0, v0);
+      v1 = at::vec::fmadd(a1, a1, v1);
+    } else {
+      auto [b0, b1] = load2(b + c);
+      v0 = at::vec::fmadd(a0, b0, v0);
+      v1 = at::vec::fmadd(a1, b1, v1);
+    }
+  }
+  A s = hsum(v0 + v1);
+  for (; c < n; ++c) s += A(a[c]) * A(b == nullptr ? a[c] : b[c]);
+  return s;
+}
+
+}  // namespace
+
+template <typename T>
+void rms_norm_fwd(const T* x, const T* w, T* y, acc_t<T>* rstd, int64_t rows, int64_t n, double eps) {
+  using A = acc_t<T>;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* xr = x + r * n;
+      T* yr = y + r * n;
+      const A rs = A(1) / std::sqrt(dot<T>(xr, nullptr, n) / A(n) + A(eps));
+      rstd[r] = rs;
+      const AccVec<T> vrs(rs);
+      int64_t c = 0;
+      for (; c + kStep<T> <= n; c += kStep<T>) {
+        auto [x0, x1] = load2(xr + c);
+        x0 = x0 * vrs;
+        x1 = x1 * vrs;
+        if (w != nullptr) {
+          auto [w0, w1] = load2(w + c);
+          x0 = x0 * w0;
+          x1 = x1 * w1;
+        }
+        store2(yr + c, x0, x1);
+      }
+      for (; c < n; ++c) yr[c] = static_cast<T>(A(xr[c]) * rs * (w != nullptr ? A(w[c]) : A(1)));
+    }
+  });
+}
+
+// dx = rstd * (w*dy) - x * rstd^3 / n * sum(w*dy*x);  dw = sum over rows of dy * x * rstd.
+template <typename T>
+void rms_norm_bwd(const T* dy, const T* x, const T* w, const acc_t<T>* rstd, T* dx, acc_t<T>* dw_partial,
+                  int64_t rows, int64_t n) {
+  using A = acc_t<T>;
+  using V = AccVec<T>;
+  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(n, 1)), [&](int64_t b, int64_t e) {
+    A* dwp = dw_partial == nullptr ? nullptr : dw_partial + at::get_thread_num() * n;
+    for (int64_t r = b; r < e; ++r) {
+      const T* dyr = dy + r * n;
+      const T* xr = x + r * n;
+      const A rs = rstd[r];
+      const V vrs(rs);
+      if (dx != nullptr) {
+        A s = 0;
+        {
+          V v0(A(0)), v1(A(0));
+          int64_t c = 0;
+          for (; c + kStep<T> <= n; c += kStep<T>) {
+            auto [g0, g1] = load2(dyr + c);
+            auto [x0, x1] = load2(xr + c);
+            if (w != nullptr) {
+              auto [w0, w1] = load2(w + c);
+              g0 = g0 * w0;
+              g1 = g1 * w1;
+            }
+            v0 = at::vec::fmadd(g0, x0, v0);
+            v1 = at::vec::fmadd(g1, x1, v1);
+          }
+          s = hsum(v0 + v1);
+          for (; c < n; ++c) s += A(dyr[c]) * (w != nullptr ? A(w[c]) : A(1)) * A(xr[c]);
+        }
+        const A k = s * rs * rs * rs / A(n);
+        const V vk(k);
+        T* dxr = dx + r * n;
+        int64_t c = 0;
+        for (; c + kStep<T> <= n; c += kStep<T>) {
+          auto [g0, g1] = load2(dyr + c);
+          auto [x0, x1] = load2(xr + c);
+          if (w != nullptr) {
+            auto [w0, w1] = load2(w + c);
+            g0 = g0 * w0;
+            g1 = g1 * w1;
+          }
+          store2(dxr + c, g0 * vrs - x0 * vk, g1 * vrs - x1 * vk);
+        }
+        for (; c < n; ++c) {
+          const A g = A(dyr[c]) * (w != nullptr ? A(w[c]) : A(1));
+          dxr[c] = static_cast<T>(g * rs - A(xr[c]) * k);
+        }
+      }
+      if (dwp != nullptr) {
+        int64_t c = 0;
+        for (; c + kStep<T> <= n; c += kStep<T>) {
+          auto [g0, g1] = load2(dyr + c);
+          auto [x0, x1] = load2(xr + c);
+          const int64_t h = V::size();
+          at::vec::fmadd(g0 * vrs, x0, V::loadu(dwp + c)).store(dwp + c);
+          at::vec::fmadd(g1 * vrs, x1, V::loadu(dwp + c + h)).store(dwp + c + h);
+        }
+        for (; c < n; ++c) dwp[c] += A(dyr[c]) * A(xr[c]) * rs;
+      }
+    }
+  });
+}
+
+void rms_norm_kernel(const at::Tensor& x, const at::Tensor& w, const at::Tensor& y, const at::Tensor& rstd,
+                     double eps) {
+  const int64_t n = x.size(-1), rows = n == 0 ? 0 : x.numel() / n;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "customops::rms_norm", [&] {
+    rms_norm_fwd<scalar_t>(x.const_data_ptr<scalar_t>(), w.defined() ? w.const_data_ptr<scalar_t>() : nullptr,
+                           y.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<acc_t<scalar_t>>(), rows, n, eps);
+  });
+}
+
+void rms_norm_backward_kernel(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
+                              const at::Tensor& rstd, const at::Tensor& dx, const at::Tensor& dw_partial) {
+  const int64_t n = x.size(-1), rows = n == 0 ? 0 : x.numel() / n;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "customops::_rms_norm_backward", [&] {
+    using A = acc_t<scalar_t>;
+    rms_norm_bwd<scalar_t>(dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
+                           w.defined() ? w.const_data_ptr<scalar_t>() : nullptr, rstd.const_data_ptr<A>(),
+                           dx.defined() ? dx.mutable_data_ptr<scalar_t>() : nullptr,
+                           dw_partial.defined() ? dw_partial.mutable_data_ptr<A>() : nullptr, rows, n);
+  });
+}
+
+}  // namespace CPU_CAPABILITY
+
+#ifdef CPU_CAPABILITY_DEFAULT
+CUSTOMOPS_CPU_KERNEL(void, rms_norm_kernel, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                     const at::Tensor&, double)
+CUSTOMOPS_CPU_KERNEL(void, rms_norm_backward_kernel, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                     const at::Tensor&, const at::Tensor&, const at::Tensor&)
+
+namespace {
+
+at::Tensor weight_or_undefined(const std::optional<at::Tensor>& w) {
+  return w.has_value() && w->defined() ? w->contiguous() : at::Tensor();
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                                                double eps) {
+  check_rms_norm("customops::rms_norm", x, weight);
+  const at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  at::Tensor rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(rms_norm_acc_dtype(x.scalar_type())));
+  CUSTOMOPS_CPU_DISPATCH(rms_norm_kernel, xc, weight_or_undefined(weight), y, rstd, eps);
+  return {y, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_y, const at::Tensor& x,
+                                                         const std::optional<at::Tensor>& weight,
+                                                         const at::Tensor& rstd, std::array<bool, 2> mask) {
+  check_rms_norm_backward(grad_y, x, weight, rstd);
+  const at::Tensor w = weight_or_undefined(weight);
+  at::Tensor dx = mask[0] ? at::empty(x.sizes(), x.options()) : at::Tensor();
+  at::Tensor dw_partial;
+  if (mask[1] && w.defined()) {
+    dw_partial = at::zeros({at::get_num_threads(), x.size(-1)}, rstd.options());
+  }
+  CUSTOMOPS_CPU_DISPATCH(rms_norm_backward_kernel, grad_y.contiguous(), x.contiguous(), w, rstd.contiguous(), dx,
+                         dw_partial);
+  return {dx.defined() ? dx : at::empty({0}, x.options()),
+          dw_partial.defined() ? dw_partial.sum(0).to(w.scalar_type()) : at::empty({0}, x.options())};
+}
+
+}  // namespace
+
+// CPU kernels of rms_norm.
+TORCH_LIBRARY_IMPL(customops, CPU, m) {
+  m.impl("rms_norm", &rms_norm_cpu);
+  m.impl("_rms_norm_backward", &rms_norm_backward_cpu);
+}
+#endif  // CPU_CAPABILITY_DEFAULT
+
+}  // namespace customops

@@ -1,0 +1,82 @@
+// Internal: argument checks of rms_norm, silu, silu_mul, scale_clamp and their backward ops,
+// shared by the Meta, CPU and CUDA kernels; and the typed calls of the private backward ops.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <optional>
+#include <tuple>
+
+#include "ops/checks.h"
+
+namespace customops {
+
+inline void check_rms_norm(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& weight) {
+  checks::float_dtype(op, "x", x);
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension (the one normalized), but it is a scalar");
+  if (weight.has_value() && weight->defined()) {
+    const at::Tensor& w = *weight;
+    checks::same_device(op, "weight", w, "x", x);
+    checks::same_dtype(op, "weight", w, "x", x);
+    TORCH_CHECK(w.dim() == 1, op, ": expected weight of shape [", x.sym_size(-1), "] (x's last dim), but got ",
+                w.sym_sizes());
+    TORCH_SYM_CHECK(w.sym_size(0).sym_eq(x.sym_size(-1)), op, ": expected weight of shape [", x.sym_size(-1),
+                    "] (x's last dim), but got ", w.sym_sizes());
+  }
+}
+
+// rstd: the accumulation dtype of x (float32; float64 for float64 x).
+inline at::ScalarType rms_norm_acc_dtype(at::ScalarType x) { return x == at::kDouble ? at::kDouble : at::kFloat; }
+
+inline void check_rms_norm_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                    const std::optional<at::Tensor>& weight, const at::Tensor& rstd) {
+  constexpr const char* op = "customops::_rms_norm_backward";
+  check_rms_norm(op, x, weight);
+  checks::defined(op, "grad_y", grad_y);
+  checks::same_device(op, "grad_y", grad_y, "x", x);
+  checks::same_dtype(op, "grad_y", grad_y, "x", x);
+  checks::same_shape(op, "grad_y", grad_y, "x", x);
+  checks::defined(op, "rstd", rstd);
+  checks::same_device(op, "rstd", rstd, "x", x);
+  TORCH_CHECK(rstd.scalar_type() == rms_norm_acc_dtype(x.scalar_type()), op, ": expected rstd of dtype ",
+              rms_norm_acc_dtype(x.scalar_type()), ", but got ", rstd.scalar_type());
+  TORCH_CHECK(rstd.dim() == x.dim() - 1, op, ": expected rstd of shape x.shape[:-1], but got ", rstd.sym_sizes());
+  for (int64_t i = 0; i < rstd.dim(); ++i) {
+    TORCH_SYM_CHECK(rstd.sym_size(i).sym_eq(x.sym_size(i)), op, ": expected rstd of shape x.shape[:-1], but got ",
+                    rstd.sym_sizes());
+  }
+}
+
+inline void check_unary(const char* op, const at::Tensor& x) { checks::float_dtype(op, "x", x); }
+
+inline void check_grad_like(const char* op, const at::Tensor& grad_y, const char* name, const at::Tensor& x) {
+  checks::float_dtype(op, "grad_y", grad_y);
+  checks::same_device(op, "grad_y", grad_y, name, x);
+  checks::same_dtype(op, "grad_y", grad_y, name, x);
+  checks::same_shape(op, "grad_y", grad_y, name, x);
+}
+
+inline void check_silu_mul(const char* op, const at::Tensor& gate, const at::Tensor& up) {
+  checks::float_dtype(op, "gate", gate);
+  checks::float_dtype(op, "up", up);
+  checks::same_device(op, "up", up, "gate", gate);
+  checks::same_dtype(op, "up", up, "gate", gate);
+  checks::same_shape(op, "up", up, "gate", gate);
+}
+
+inline void check_scale_clamp(const char* op, const at::Tensor& x, double lo, double hi) {
+  checks::float_dtype(op, "x", x);
+  TORCH_CHECK(lo <= hi, op, ": expected lo <= hi, but got lo=", lo, " and hi=", hi);
+}
+
+// Typed calls of the private backward ops, through the dispatcher.
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y, const at::Tensor& x,
+                                                     const std::optional<at::Tensor>& weight,
+                                                     const at::Tensor& rstd, std::array<bool, 2> output_mask);
+at::Tensor silu_backward(const at::Tensor& grad_y, const at::Tensor& x);
+std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& grad_y, const at::Tensor& gate,
+                                                     const at::Tensor& up);
+at::Tensor scale_clamp_backward(const at::Tensor& grad_y, const at::Tensor& x, double scale, double lo, double hi);
+
+}  // namespace customops

@@ -1,0 +1,120 @@
+// CUDA kernels of silu, silu_mul, scale_clamp and their backward ops: functors over the shared
+// row-view launcher (elementwise.cuh), so gate/up halves of one tensor are read in place.
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include "elementwise.cuh"
+#include "ops/llm.h"
+
+namespace customops {
+namespace {
+
+template <typename A>
+__device__ __forceinline__ A sigmoid(A x) {
+  return A(1) / (A(1) + exp(-x));
+}
+
+template <typename A>
+struct Silu {
+  __device__ void operator()(const A* x, A* y) const { y[0] = x[0] * sigmoid(x[0]); }
+};
+template <typename A>
+struct SiluBackward {  // (dy, x) -> dx
+  __device__ void operator()(const A* in, A* out) const {
+    const A s = sigmoid(in[1]);
+    out[0] = in[0] * s * (A(1) + in[1] * (A(1) - s));
+  }
+};
+template <typename A>
+struct SiluMul {  // (gate, up) -> y
+  __device__ void operator()(const A* in, A* out) const { out[0] = in[0] * sigmoid(in[0]) * in[1]; }
+};
+template <typename A>
+struct SiluMulBackward {  // (dy, gate, up) -> (dgate, dup)
+  __device__ void operator()(const A* in, A* out) const {
+    const A s = sigmoid(in[1]);
+    out[0] = in[0] * in[2] * s * (A(1) + in[1] * (A(1) - s));
+    out[1] = in[0] * in[1] * s;
+  }
+};
+template <typename A>
+struct ScaleClamp {
+  A scale, lo, hi;
+  __device__ void operator()(const A* x, A* y) const {
+    const A sx = x[0] * scale;
+    y[0] = sx != sx ? sx : fmin(fmax(sx, lo), hi);  // NaN stays NaN, as in torch.clamp
+  }
+};
+template <typename A>
+struct ScaleClampBackward {  // (dy, x) -> dx
+  A scale, lo, hi;
+  __device__ void operator()(const A* in, A* out) const {
+    const A sx = in[1] * scale;
+    out[0] = (sx > lo && sx < hi) ? in[0] * scale : A(0);
+  }
+};
+
+// Allocates the outputs (contiguous, shaped like ref) and runs Functor<acc> over the inputs.
+template <template <typename> class Functor, size_t NIn, size_t NOut, typename... Args>
+std::array<at::Tensor, NOut> run(const at::Tensor& ref, const std::array<at::Tensor, NIn>& in,
+                                 Args... args) {
+  c10::cuda::CUDAGuard guard(ref.device());
+  std::array<at::Tensor, NOut> out;
+  for (auto& o : out) o = at::empty(ref.sizes(), ref.options());
+  std::array<at::Tensor, NIn> rows;
+  for (size_t k = 0; k < NIn; ++k) rows[k] = as_rows(in[k]);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, ref.scalar_type(), "customops", [&] {
+    using A = at::opmath_type<scalar_t>;
+    cuda::launch_rows<scalar_t, NIn, NOut>(Functor<A>{static_cast<A>(args)...}, rows, out);
+  });
+  return out;
+}
+
+at::Tensor silu_cuda(const at::Tensor& x) {
+  check_unary("customops::silu", x);
+  return run<Silu, 1, 1>(x, {x})[0];
+}
+
+at::Tensor silu_backward_cuda(const at::Tensor& dy, const at::Tensor& x) {
+  check_unary("customops::_silu_backward", x);
+  check_grad_like("customops::_silu_backward", dy, "x", x);
+  return run<SiluBackward, 2, 1>(x, {dy, x})[0];
+}
+
+at::Tensor silu_mul_cuda(const at::Tensor& gate, const at::Tensor& up) {
+  check_silu_mul("customops::silu_mul", gate, up);
+  return run<SiluMul, 2, 1>(gate, {gate, up})[0];
+}
+
+std::tuple<at::Tensor, at::Tensor> silu_mul_backward_cuda(const at::Tensor& dy, const at::Tensor& gate,
+                                                          const at::Tensor& up) {
+  check_silu_mul("customops::_silu_mul_backward", gate, up);
+  check_grad_like("customops::_silu_mul_backward", dy, "gate", gate);
+  auto out = run<SiluMulBackward, 3, 2>(gate, {dy, gate, up});
+  return {out[0], out[1]};
+}
+
+at::Tensor scale_clamp_cuda(const at::Tensor& x, double scale, double lo, double hi) {
+  check_scale_clamp("customops::scale_clamp", x, lo, hi);
+  return run<ScaleClamp, 1, 1>(x, {x}, scale, lo, hi)[0];
+}
+
+at::Tensor scale_clamp_backward_cuda(const at::Tensor& dy, const at::Tensor& x, double scale, double lo, double hi) {
+  check_scale_clamp("customops::_scale_clamp_backward", x, lo, hi);
+  check_grad_like("customops::_scale_clamp_backward", dy, "x", x);
+  return run<ScaleClampBackward, 2, 1>(x, {dy, x}, scale, lo, hi)[0];
+}
+
+}  // namespace
+
+// CUDA kernels of silu, silu_mul, scale_clamp and their backward ops.
+TORCH_LIBRARY_IMPL(customops, CUDA, m) {
+  m.impl("silu", &silu_cuda);
+  m.impl("_silu_backward", &silu_backward_cuda);
+  m.impl("silu_mul", &silu_mul_cuda);
+  m.impl("_silu_mul_backward", &silu_mul_backward_cuda);
+  m.impl("scale_clamp", &scale_clamp_cuda);
+  m.impl("_scale_clamp_backward", &scale_clamp_backward_cuda);
+}
+
+}  // namespace customops
