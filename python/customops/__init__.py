@@ -28,6 +28,7 @@ def _check_torch_version() -> None:
 _check_torch_version()
 
 from . import _C  # noqa: E402  (loads libcustomops.so and registers the ops)
+from . import export  # noqa: E402
 from ._ops import mul, muladd, rms_norm, scale_clamp, silu, silu_mul  # noqa: E402
 
 __version__ = _build_info.version
@@ -49,6 +50,20 @@ def build_info() -> dict:
     return dict(_C.build_info())
 
 
+def runner_path() -> str:
+    """Absolute path of ``customops-run``, the C++ program (no Python) that runs AOTInductor
+    packages calling customops ops; see :mod:`customops.export` and ``customops-run --help``.
+
+    Raises:
+        FileNotFoundError: if this installation has no runner.
+    """
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", "customops-run")
+    if not os.access(path, os.X_OK):
+        raise FileNotFoundError(f"customops-run is not installed at {path}; reinstall customops "
+                                "(pip install --no-build-isolation .)")
+    return path
+
+
 __all__ = [
     "muladd",
     "mul",
@@ -56,4 +71,4 @@ __all__ = [
     "silu",
     "silu_mul",
     "scale_clamp",
-    "library_path", "build_info", "cmake_prefix_path", "__version__"]
+    "library_path", "build_info", "runner_path", "export", "cmake_prefix_path", "__version__"]

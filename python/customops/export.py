@@ -1,0 +1,113 @@
+"""Packaging models that call customops ops for Python-less inference (AOTInductor).
+
+:func:`package` exports a model and compiles it into a ``.pt2`` package; :func:`save_inputs`
+writes its inputs in the file format ``customops-run`` (:func:`customops.runner_path`) reads. A C++
+process runs the package once libcustomops.so is loaded, e.g.::
+
+    customops.export.package(model, (x,), "model.pt2", dynamic_shapes=({0: Dim("batch")},))
+    customops.export.save_inputs((x,), "inputs.pt")
+    # customops-run model.pt2 inputs.pt outputs.pt   (then torch.load("outputs.pt"))
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Sequence
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from . import _build_info
+
+# Namespaces whose operators every libtorch + libcustomops process has registered.
+_RUNNABLE_NAMESPACES = {"aten", "prims", "customops"}
+
+
+def package(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any],
+    path: str | os.PathLike,
+    *,
+    dynamic_shapes: Any = None,
+    size_oblivious: bool = True,
+    inductor_configs: dict[str, Any] | None = None,
+) -> str:
+    """Exports ``model`` with :func:`torch.export.export` and compiles it into an AOTInductor
+    package with :func:`torch._inductor.aoti_compile_and_package`.
+
+    The package is compiled for the device of ``example_inputs`` (and of the model's parameters)
+    and runs in any process that has libcustomops.so loaded: ``customops-run``, a C++ program that
+    links ``customops::customops``, or Python after ``import customops``. Its metadata records the
+    customops and torch versions it was built with (``customops-run --info`` prints them).
+
+    Args:
+        model: Module whose forward takes tensors as positional arguments.
+        example_inputs: Tuple of example positional inputs, on the target device.
+        path: Where to write the package; by convention it ends in ``.pt2``.
+        dynamic_shapes: As for :func:`torch.export.export`, e.g. ``({0: Dim("batch")},)`` for one
+            input whose first dimension varies. Without it every shape is fixed.
+        size_oblivious: Export without specializing dynamic sizes on 0 and 1
+            (``torch.fx.experimental._config.backed_size_oblivious``), so the package accepts a
+            batch of 1. Otherwise torch.export assumes every dynamic size is at least 2, and the
+            package rejects a batch of 1 ("dim value is too small ... expected it to be >= 2").
+            Turn it off if export fails with a data-dependent error under it.
+        inductor_configs: Extra Inductor options, as for ``aoti_compile_and_package``.
+
+    Returns:
+        The package's path, as a string.
+
+    Warns:
+        UserWarning: when the exported program calls operators outside aten and customops,
+        which a process with only libtorch and libcustomops.so loaded cannot find.
+    """
+    import torch.fx.experimental._config as fx_config
+
+    # Inductor re-derives the size ranges when it compiles, so the setting covers both steps.
+    with fx_config.patch(backed_size_oblivious=size_oblivious):
+        ep = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic_shapes)
+        return _compile(ep, path, inductor_configs)
+
+
+def _compile(ep: torch.export.ExportedProgram, path, inductor_configs) -> str:
+    foreign = sorted({
+        str(node.target._schema.name)
+        for node in ep.graph.nodes
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+        and node.target.namespace not in _RUNNABLE_NAMESPACES
+    })
+    if foreign:
+        warnings.warn(
+            f"customops.export.package: the model calls {', '.join(foreign)}; a process that runs "
+            "the package must have the libraries registering them loaded too (customops-run has "
+            "only libtorch and libcustomops.so)", stacklevel=3)
+    configs = dict(inductor_configs or {})
+    metadata = dict(configs.get("aot_inductor.metadata", {}))
+    metadata.setdefault("customops_version", _build_info.version)
+    metadata.setdefault("customops_torch_version", torch.__version__)
+    configs["aot_inductor.metadata"] = metadata
+    return torch._inductor.aoti_compile_and_package(ep, package_path=os.fspath(path), inductor_configs=configs)
+
+
+def save_inputs(inputs: Any, path: str | os.PathLike) -> None:
+    """Writes a model's inputs in the format ``customops-run`` reads: :func:`torch.save` of a list of
+    contiguous CPU tensors, flattened in the order torch.export flattens inputs.
+
+    Args:
+        inputs: A tensor, or a (nested) tuple or list of tensors, e.g. the ``example_inputs``
+            given to :func:`package`. Tensors may be on any device: the runner moves them to the
+            package's device.
+        path: File to write.
+
+    Raises:
+        TypeError: if ``inputs`` holds something other than tensors.
+    """
+    leaves = tree_leaves(inputs)
+    for i, x in enumerate(leaves):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"customops.export.save_inputs: input {i} is a {type(x).__name__}, not a "
+                            "tensor (an AOTInductor package takes tensors only)")
+    torch.save([x.detach().cpu().contiguous() for x in leaves], os.fspath(path))
+
+
+__all__ = ["package", "save_inputs"]

@@ -1,0 +1,346 @@
+"""Python-less inference: a module calling every op of the op table is exported with a dynamic
+batch, packaged with AOTInductor (once per device, customops.export.package) and run by
+customops-run in a clean environment, by a find_package(customops) consumer, and (the item 5
+reproducer) by aoti_load_package in the process that compiled it."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import customops
+import aoti_models as M
+from conftest import DEVICES
+
+HERE = Path(__file__).resolve().parent
+CONSUMER_SRC = HERE.parent / "cpp" / "consumer"
+PYTHON_LIBS = ("libpython", "libtorch_python")
+
+
+def clean_env() -> dict:
+    """PATH only (plus the GPU selection, which is not Python's): no PYTHONPATH, PYTHONHOME, venv."""
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    return env
+
+
+def run(cmd, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=clean_env(), timeout=300, **kw)
+
+
+def describe(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"was killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"was killed by signal {-rc}"
+    return f"exited with status {rc}"
+
+
+# ---- one package per device, shared by the module ----------------------------------------------
+
+class Package:
+    def __init__(self, device: str, root: Path):
+        torch.manual_seed(0)
+        self.device, self.root = device, root
+        self.case = M.every_op(device)
+        self.path = Path(customops.export.package(self.case.module, self.case.inputs(3), root / "every_op.pt2",
+                                                  dynamic_shapes=self.case.dynamic_shapes))
+
+    def write_inputs(self, n: int, name: str | None = None) -> tuple[Path, tuple]:
+        inputs = self.case.inputs(n)
+        path = self.root / (name or f"inputs-{n}.pt")
+        customops.export.save_inputs(inputs, path)
+        return path, inputs
+
+
+_packages: dict[str, Package] = {}
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory):
+    def get(device: str) -> Package:
+        if device not in _packages:
+            _packages[device] = Package(device, tmp_path_factory.mktemp(f"aoti-{device}"))
+        return _packages[device]
+
+    yield get
+    _packages.clear()
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def package(request, packages) -> Package:
+    return packages(request.param)
+
+
+# ---- customops-run ----------------------------------------------------------------------------
+
+def test_runner_is_installed_and_links_no_python():
+    runner = customops.runner_path()
+    assert "runner_path" in customops.__all__
+    ldd = subprocess.run(["ldd", runner], capture_output=True, text=True, check=True).stdout
+    assert "libcustomops" in ldd, ldd
+    assert "not found" not in ldd, ldd
+    for lib in PYTHON_LIBS:
+        assert lib not in ldd, f"customops-run links {lib}:\n{ldd}"
+    version = run([runner, "--version"])
+    assert version.returncode == 0 and customops.__version__ in version.stdout, version
+
+
+def test_runner_matches_eager_at_three_batch_sizes(package):
+    runner = customops.runner_path()
+    for n in M.BATCH_SIZES:
+        inputs_file, inputs = package.write_inputs(n)
+        outputs_file = package.root / f"outputs-{n}.pt"
+        r = run([runner, "--time", "--runs", "3", "--show-libraries", package.path, inputs_file, outputs_file])
+        assert r.returncode == 0, f"customops-run {describe(r.returncode)} at batch {n}:\n{r.stderr}"
+        got = torch.load(outputs_file, weights_only=True)
+        want = M.eager(package.case, inputs)
+        assert isinstance(got, tuple) and len(got) == len(want), (type(got), len(got), len(want))
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert g.device.type == "cpu"
+            torch.testing.assert_close(g, w.cpu(), msg=lambda m: f"batch {n}, output {i}: {m}")
+
+        assert re.search(r"^load: [\d.]+ ms$", r.stdout, re.M), r.stdout
+        assert re.search(rf"^run: [\d.]+ ms mean, [\d.]+ ms best, 3 run\(s\) on {package.device}", r.stdout, re.M), r.stdout
+        libs = [line.split(" ", 1)[1] for line in r.stdout.splitlines() if line.startswith("library: ")]
+        assert any("libcustomops.so" in lib for lib in libs), libs
+        assert any("/data/aotinductor/" in lib for lib in libs), f"the model's .so was not loaded: {libs}"
+        for lib in PYTHON_LIBS:
+            assert not any(lib in x for x in libs), f"customops-run loaded {lib}: {libs}"
+
+
+def test_runner_takes_the_device_from_the_package(package):
+    inputs_file, inputs = package.write_inputs(4)
+    out = package.root / "outputs-device.pt"
+    r = run([customops.runner_path(), "--device", package.device, package.path, inputs_file, out])
+    assert r.returncode == 0, r.stderr
+    other = "cpu" if package.device == "cuda" else "cuda"
+    r = run([customops.runner_path(), "--device", other, package.path, inputs_file, out])
+    assert r.returncode == 1
+    assert f"was compiled for {package.device} and cannot run on {other}" in r.stderr, r.stderr
+
+
+def test_runner_metadata_records_versions(package):
+    r = run([customops.runner_path(), "--info", package.path])
+    assert r.returncode == 0, r.stderr
+    assert f"AOTI_DEVICE_KEY: {package.device}" in r.stdout
+    assert f"customops_version: {customops.__version__}" in r.stdout
+    assert f"customops_torch_version: {torch.__version__}" in r.stdout
+
+
+def _static_dim(pkg: Package) -> tuple[int, int]:
+    """(input, dim) of the first dimension that is not the batch."""
+    spec = pkg.case.dynamic_shapes["flat"]
+    for i, x in enumerate(pkg.case.inputs(2)):
+        for d in range(x.dim()):
+            if d not in (spec[i] or {}):
+                return i, d
+    raise AssertionError("every input dimension is dynamic")
+
+
+def _bad_inputs(pkg: Package, case: str, path: Path) -> tuple[str, str | None]:
+    """Writes an inputs file that is wrong in one way. Returns the regex of the runner's
+    "customops-run: ..." line and, for errors the model itself reports, of the model's words
+    (which older torch prints on stderr before the runner's line instead of passing them on)."""
+    good = [t.cpu() for t in pkg.case.inputs(4)]
+    n = len(good)
+    pt2 = re.escape(str(pkg.path))
+    if case == "too_few":
+        torch.save(good[:-1], path)
+        return rf"{pt2} takes {n} input tensor\(s\)( by its call spec)?, but .* holds {n - 1}", None
+    if case == "too_many":
+        torch.save(good + good[:1], path)
+        return rf"{pt2} takes {n} input tensor\(s\)( by its call spec)?, but .* holds {n + 1}", None
+    if case == "shape":
+        i, d = _static_dim(pkg)
+        shape = list(good[i].shape)
+        shape[d] += 1
+        good[i] = torch.randn(shape, dtype=good[i].dtype)
+        torch.save(good, path)
+        return (rf"running {pt2} failed: ",
+                rf"input_handles\[{i}\]: unmatched dim value at {d}, expected: {shape[d] - 1}, but got: {shape[d]}")
+    if case == "dtype":
+        good[-1] = good[-1].to(torch.float64 if good[-1].dtype != torch.float64 else torch.float32)
+        torch.save(good, path)
+        return rf"running {pt2} failed: ", rf"input_handles\[{n - 1}\]: unmatched dtype"
+    if case == "not_a_tensor":
+        torch.save(good[:-1] + [3], path)
+        return rf"input {n - 1} in .* is not a tensor but Int", None
+    if case == "not_a_list":
+        torch.save({"x": good[0]}, path)
+        return r"the inputs file .* holds a GenericDict; expected a tensor, or a list or tuple of tensors", None
+    raise ValueError(case)
+
+
+@pytest.mark.parametrize("case", ["too_few", "too_many", "shape", "dtype", "not_a_tensor", "not_a_list"])
+def test_runner_rejects_bad_inputs(packages, tmp_path, case):
+    pkg = packages("cpu")
+    line, model_says = _bad_inputs(pkg, case, tmp_path / "bad.pt")
+    r = run([customops.runner_path(), pkg.path, tmp_path / "bad.pt", tmp_path / "out.pt"])
+    assert r.returncode == 1, f"{describe(r.returncode)}\n{r.stderr}"
+    assert re.search(r"^customops-run: " + line, r.stderr, re.M), f"{line}\n{r.stderr}"
+    if model_says:
+        assert re.search(model_says, r.stderr), f"{model_says}\n{r.stderr}"
+    assert not (tmp_path / "out.pt").exists()
+
+
+@pytest.mark.parametrize("case, rc, message", [
+    ("missing", 1, r"package not found: .*missing\.pt2"),
+    ("not_zip", 1, r"cannot load .*not_zip\.pt2: not an AOTInductor package"),
+    ("truncated", 1, r"cannot read .*truncated\.pt2 \(model 'model'\): not a valid AOTInductor package"),
+    ("other_zip", 1, r"cannot read .*other_zip\.pt2 \(model 'model'\): not a valid AOTInductor package"),
+    ("usage", 2, r"expected PACKAGE\.pt2 INPUTS\.pt OUTPUTS\.pt, got 2 arguments"),
+    ("bad_device", 1, r"--device expects cpu, cuda or cuda:N, got 'gpu'"),
+])
+def test_runner_rejects_bad_packages(packages, tmp_path, case, rc, message):
+    import zipfile
+
+    pkg = packages("cpu")
+    inputs_file, _ = pkg.write_inputs(2)
+    path = tmp_path / f"{case}.pt2"
+    if case == "not_zip":
+        path.write_bytes(os.urandom(4096))
+    elif case == "truncated":
+        path.write_bytes(pkg.path.read_bytes()[: pkg.path.stat().st_size // 2])
+    elif case == "other_zip":
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("x/a.txt", "a")
+            z.writestr("x/b.txt", "b")
+    elif case in ("usage", "bad_device"):
+        path = pkg.path
+    args = {"usage": [path, inputs_file], "bad_device": ["--device", "gpu", path, inputs_file, tmp_path / "o.pt"]}
+    r = run([customops.runner_path(), *args.get(case, [path, inputs_file, tmp_path / "o.pt"])])
+    assert r.returncode == rc, f"{describe(r.returncode)}\n{r.stderr}"
+    assert re.search(r"^customops-run: " + message, r.stderr, re.M), r.stderr
+
+
+@pytest.mark.skipif("cuda" in DEVICES, reason="checks the error on a machine without CUDA")
+def test_runner_explains_a_cuda_package_without_cuda(packages, tmp_path):
+    # A CPU package whose metadata says cuda stands in for a CUDA package here.
+    import zipfile
+
+    pkg = packages("cpu")
+    fake = tmp_path / "cuda.pt2"
+    with zipfile.ZipFile(pkg.path) as src, zipfile.ZipFile(fake, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename.endswith("wrapper_metadata.json"):
+                data = data.replace(b'"AOTI_DEVICE_KEY": "cpu"', b'"AOTI_DEVICE_KEY": "cuda"')
+            dst.writestr(item, data)
+    inputs_file, _ = pkg.write_inputs(2)
+    r = run([customops.runner_path(), fake, inputs_file, tmp_path / "o.pt"])
+    assert r.returncode == 1
+    assert "was compiled for cuda, but this process has no CUDA device" in r.stderr, r.stderr
+
+
+# ---- a find_package(customops) consumer --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def consumer(request) -> Path:
+    """tests/cpp/consumer configured against the installed customops and built (incrementally,
+    in pytest's cache folder); returns its build folder."""
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not installed")
+    build = Path(request.config.cache.mkdir("customops-consumer"))
+    prefix = ";".join([customops.cmake_prefix_path, torch.utils.cmake_prefix_path])
+    configure = ["cmake", "-S", CONSUMER_SRC, "-B", build, f"-DCMAKE_PREFIX_PATH={prefix}", "-DCMAKE_BUILD_TYPE=Release"]
+    if shutil.which("ninja") and not (build / "CMakeCache.txt").exists():
+        configure += ["-G", "Ninja"]
+    for cmd in (configure, ["cmake", "--build", build, "--target", "run_package", "run_package_without_customops"]):
+        r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, f"{' '.join(map(str, cmd))}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    return build
+
+
+def test_consumer_runs_the_package(package, consumer):
+    inputs_file, inputs = package.write_inputs(5, "consumer-inputs.pt")
+    expected = package.root / "consumer-expected.pt"
+    torch.save([t.cpu() for t in M.eager(package.case, inputs)], expected)
+    r = run([consumer / "run_package", package.path, inputs_file, expected])
+    assert r.returncode == 0, f"run_package {describe(r.returncode)}:\n{r.stdout}\n{r.stderr}"
+    assert "outputs match" in r.stdout
+
+
+def test_package_fails_to_load_without_customops(packages, consumer):
+    pkg = packages("cpu")
+    inputs_file, inputs = pkg.write_inputs(2)
+    r = run([consumer / "run_package_without_customops", pkg.path, inputs_file, inputs_file])
+    assert r.returncode == 1, f"{describe(r.returncode)}\n{r.stdout}\n{r.stderr}"
+    assert re.search(r"Could not find schema for customops::\w+", r.stderr), r.stderr
+
+
+def test_tensor_files_round_trip_between_python_and_cpp(consumer, tmp_path):
+    # torch.save -> torch::jit::pickle_load -> pickle_save -> torch.load(weights_only=True).
+    tensors = [
+        torch.randn(3, 4),
+        torch.randn(5, 3).t(),  # transposed: strides survive
+        torch.randn(4, 6)[:, ::2],  # strided view of a larger storage
+        torch.arange(10, dtype=torch.int64),
+        torch.randn(2, 3).to(torch.float16),
+        torch.randn(2, 3).to(torch.bfloat16),
+        torch.randn(2, 2, dtype=torch.float64),
+        torch.tensor([True, False]),
+        torch.tensor(2.5),  # 0-dim
+        torch.empty(0, 3),
+    ]
+    src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
+    torch.save(tensors, src)
+    r = run([consumer / "run_package", "--copy", src, dst])
+    assert r.returncode == 0, r.stderr
+    back = torch.load(dst, weights_only=True)
+    assert len(back) == len(tensors)
+    for i, (a, b) in enumerate(zip(tensors, back)):
+        assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.stride()), i
+        assert torch.equal(a, b), i
+
+
+# ---- item 5: compile and load in one Python process ---------------------------------------------
+
+def _same_process(device: str, model: str, out_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+    # The environment is the test's own: this runs Python on purpose.
+    return subprocess.run([sys.executable, "-X", "faulthandler", str(HERE / "aoti_same_process.py"), "--device",
+                           device, "--model", model, *extra, str(out_dir)],
+                          capture_output=True, text=True, timeout=900)
+
+
+def _last_stage(r: subprocess.CompletedProcess) -> str:
+    stages = [line for line in r.stdout.splitlines() if line.startswith("stage: ")]
+    return stages[-1] if stages else "(no stage reached)"
+
+
+SAME_PROCESS = [pytest.param(d, "every_op", id=f"{d}-every_op") for d in DEVICES]
+if "cuda" in DEVICES:
+    SAME_PROCESS.append(pytest.param("cuda", "aten_only", id="cuda-aten_only"))
+
+
+@pytest.mark.parametrize("device, model", SAME_PROCESS)
+def test_compile_then_load_in_one_python_process(device, model, tmp_path):
+    r = _same_process(device, model, tmp_path)
+    if r.returncode == 0:
+        assert "stage: exiting" in r.stdout
+        return
+    # Tell apart: the package, Python loading it, and loading it in the process that compiled it.
+    notes = []
+    pt2 = tmp_path / f"{model}-{device}.pt2"
+    if pt2.exists():
+        fresh = _same_process(device, model, tmp_path, "--load-only")
+        notes.append(f"the same package in a fresh Python process: {describe(fresh.returncode)} "
+                     f"after '{_last_stage(fresh)}'")
+        if model == "every_op":
+            case = M.every_op(device)
+            inputs = tmp_path / "inputs.pt"
+            customops.export.save_inputs(case.inputs(6), inputs)
+            c = run([customops.runner_path(), pt2, inputs, tmp_path / "outputs.pt"])
+            notes.append(f"the same package in customops-run: {describe(c.returncode)}")
+    pytest.fail(f"compile + aoti_load_package in one process ({device}, {model}) {describe(r.returncode)} "
+                f"after '{_last_stage(r)}'\n" + "\n".join(notes) + f"\n--- stderr (tail) ---\n{r.stderr[-6000:]}")
