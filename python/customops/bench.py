@@ -234,7 +234,7 @@ class Budget:
     overhead_rounds: int
 
 
-FULL = Budget(seconds=2.0, min_reps=15, rounds=5, overhead_calls=4000, overhead_rounds=25)
+FULL = Budget(seconds=2.0, min_reps=20, rounds=10, overhead_calls=3000, overhead_rounds=30)
 QUICK = Budget(seconds=0.05, min_reps=3, rounds=1, overhead_calls=200, overhead_rounds=3)
 
 
@@ -267,7 +267,7 @@ def _time_cpu(fns: dict[str, Callable], budget: Budget) -> dict[str, dict]:
         reps[name] = max(budget.min_reps, int(budget.seconds / per_call))
     samples: dict[str, list[float]] = {name: [] for name in fns}
     with _NoGC():
-        for r in range(budget.rounds):
+        for _ in range(budget.rounds):
             for name, fn in fns.items():
                 for _ in range(-(-reps[name] // budget.rounds)):
                     t0 = time.perf_counter()
