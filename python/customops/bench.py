@@ -93,8 +93,7 @@ def _elementwise_bytes(n_in: int, n_out: int):
 def _rms_norm_bytes(dims, itemsize):
     # Forward reads x and w, writes y; backward reads dy, x and w, writes dx and dw. rstd, which
     # a kernel may save to spare the backward a reduction, is not counted: it is not needed.
-    *rows, n = dims
-    xs, w = math.prod(dims) * itemsize, n * itemsize
+    xs, w = math.prod(dims) * itemsize, dims[-1] * itemsize
     return 2 * xs + w, 3 * xs + 2 * w
 
 
@@ -395,7 +394,7 @@ def _note(notes: list[str], note: str) -> None:
 
 
 def _run_case(bench: Bench, dims: tuple, dtype: torch.dtype, device: str, budget: Budget, copy: _Copy,
-              notes: list[str]) -> list[dict]:
+              notes: list[str], failures: list[str]) -> list[dict]:
     args = bench.inputs(dims, torch.device(device), dtype)
     fns = _impls(bench, device, notes)
     with torch.no_grad():
@@ -415,11 +414,21 @@ def _run_case(bench: Bench, dims: tuple, dtype: torch.dtype, device: str, budget
             calls = {k: _forward_backward(f, gargs, grad_out) for k, f in fns.items()}
             nbytes = fwd_bytes + bwd_bytes
         compile_s = {}
-        for k, f in calls.items():  # the first call compiles (torch.compile, Triton autotuning)
+        for k, f in list(calls.items()):  # the first call compiles (torch.compile, Triton autotuning)
             t0 = time.perf_counter()
-            f()
-            sync()
+            try:
+                f()
+                sync()
+            except Exception as e:  # the others are still timed; a customops failure fails the run
+                msg = (str(e).strip().splitlines() or [""])[0]
+                where = f"{bench.name} {'x'.join(map(str, dims))} {str(dtype).removeprefix('torch.')} {pass_}"
+                (failures if k.startswith("customops") else notes).append(
+                    f"{where}: {IMPL_LABEL[k]} failed, left out ({type(e).__name__}: {msg})")
+                del calls[k]
+                continue
             compile_s[k] = time.perf_counter() - t0
+        if "customops" not in calls:
+            continue
         times = timer({**calls, "copy": copy}, budget)
         copy_gbps = copy.record(times.pop("copy"))
         base = times["customops"]["median_ms"]
@@ -549,6 +558,7 @@ def run(ops: list[str] | None = None, device: str = "cpu", dtypes: list[torch.dt
     """Runs the benchmarks and returns the report (what --json writes)."""
     budget = QUICK if quick else FULL
     notes: list[str] = []
+    failures: list[str] = []  # customops calls that raised: the exit status is 1
     benches = []
     for b in (BENCHES_BY_NAME[n] for n in ops) if ops else BENCHES:
         if hasattr(_OPS, b.op):
@@ -582,15 +592,19 @@ def run(ops: list[str] | None = None, device: str = "cpu", dtypes: list[torch.dt
               leave=False) as bar:
         for b, dims, dt in cases:
             bar.set_postfix_str(f"{b.name} {'x'.join(map(str, dims))} {str(dt).removeprefix('torch.')}")
-            rows += _run_case(b, dims, dt, device, budget, copy, notes)
+            rows += _run_case(b, dims, dt, device, budget, copy, notes, failures)
             bar.update()
         for b in benches:
             bar.set_postfix_str(f"{b.name} overhead")
             if b.overhead is not None:
-                overhead += _overhead(b, device, budget)
+                try:
+                    overhead += _overhead(b, device, budget)
+                except Exception as e:
+                    msg = (str(e).strip().splitlines() or [""])[0]
+                    notes.append(f"{b.name}: per-call overhead not measured ({type(e).__name__}: {msg})")
             bar.update()
     return {"meta": meta, "copy": copy.summary(device, budget), "rows": rows, "overhead": overhead,
-            "targets": _targets(benches, rows, device), "notes": notes}
+            "targets": _targets(benches, rows, device), "notes": notes, "failures": failures}
 
 
 # ---- output -------------------------------------------------------------------------------------------
@@ -674,6 +688,8 @@ def print_report(report: dict) -> None:
         console.print(("[green]" if tg["met"] else "[red]") + _target_line(tg) + "[/]", highlight=False)
     for n in report["notes"]:
         console.print(f"[dim]note: {n}[/]", highlight=False)
+    for n in report["failures"]:
+        console.print(f"[bold red]FAILED: {n}[/]", highlight=False)
 
 
 def plot(report: dict, path: str) -> None:
@@ -705,7 +721,7 @@ def plot(report: dict, path: str) -> None:
                       label="copy" if i == 0 else None)
         ax.set_xticks(range(len(groups)), [f"{k[0]}\n{k[1]} {k[2]}" for k, _ in groups], fontsize=8)
         ax.set_xlim(-0.5, max(len(groups), 2) - 0.5)
-        ax.set_ylim(0, 1.15 * max([r["copy_gbps"] for _, g in groups for r in g] + [r["gbps"] for _, g in groups for r in g]))
+        ax.set_ylim(0, 1.15 * max(max(r["copy_gbps"], r["gbps"]) for _, g in groups for r in g))
         ax.set_ylabel("effective GB/s (labels: % of copy)")
         ax.set_title(p, fontsize=10, loc="left")
     axes[0, 0].legend(fontsize=8, loc="upper right", ncols=len(impls) + 1)
@@ -748,8 +764,8 @@ def markdown(report: dict, image: str | None = None) -> str:
                          f"`{r['aten']}` | {r['aten_us']:.2f} µs | {r['ratio']:.2f}x{flag} |")
     if report["targets"]:
         lines += ["", "Targets:", ""] + [f"- {_target_line(t)}" for t in report["targets"]]
-    if report["notes"]:
-        lines += ["", "Notes:", ""] + [f"- {n}" for n in report["notes"]]
+    if report["notes"] or report["failures"]:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in report["notes"]] + [f"- FAILED: {n}" for n in report["failures"]]
     return "\n".join(lines)
 
 
@@ -782,7 +798,8 @@ def _dtype_list(text: str) -> list[torch.dtype]:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m customops bench", description=__doc__.splitlines()[0],
                                 epilog="Ops whose customops:: operator is not in this build are skipped with a note.")
-    p.add_argument("ops", nargs="*", metavar="OP", help=f"benchmarks to run (default: all): {', '.join(BENCHES_BY_NAME)}")
+    p.add_argument("ops", nargs="*", metavar="OP",
+                   help=f"benchmarks to run (default: all): {', '.join(BENCHES_BY_NAME)}")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
     p.add_argument("--dtype", type=_dtype_list, action="extend",
                    help="dtypes to run every shape in, e.g. bfloat16 or float32,bfloat16 (default: per shape)")
@@ -816,4 +833,4 @@ def main(argv: list[str]) -> int:
     if args.doc:
         image = os.path.relpath(args.plot, os.path.dirname(os.path.abspath(args.doc))) if args.plot else None
         update_doc(args.doc, device, markdown(report, image))
-    return 0
+    return 1 if report["failures"] else 0

@@ -19,7 +19,8 @@ def test_bench_quick_report(tmp_path):
     assert "customops speed-up" in out.stdout and "copy roofline" in out.stdout
 
     report = json.loads((tmp_path / "report.json").read_text())
-    assert set(report) == {"meta", "copy", "rows", "overhead", "targets", "notes"}
+    assert set(report) == {"meta", "copy", "rows", "overhead", "targets", "notes", "failures"}
+    assert report["failures"] == []
     assert report["meta"]["device"] == "cpu" and report["meta"]["quick"] is True
     assert report["copy"]["gbps"] > 0 and report["copy"]["bytes"] > 0
 
