@@ -531,15 +531,22 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _versions() -> dict:
+def _versions(device: str) -> dict:
     v = {"torch": torch.__version__, "customops": customops.__version__, "python": platform.python_version()}
-    for mod in ("triton", "liger_kernel"):
-        try:
-            from importlib.metadata import version
+    if device != "cuda":
+        return v
+    import importlib
+    from importlib.metadata import PackageNotFoundError, version
 
-            v[mod] = version(mod.replace("_", "-"))
+    for mod, dist in (("triton", "triton"), ("liger_kernel", "liger-kernel")):
+        try:
+            m = importlib.import_module(mod)
         except Exception:
-            pass
+            continue
+        try:
+            v[mod] = version(dist)
+        except PackageNotFoundError:  # e.g. a source tree on PYTHONPATH
+            v[mod] = getattr(m, "__version__", "unknown version")
     return v
 
 
@@ -570,7 +577,7 @@ def run(ops: list[str] | None = None, device: str = "cpu", dtypes: list[torch.dt
         "device": device,
         "device_name": torch.cuda.get_device_name() if device == "cuda" else _cpu_name(),
         "threads": torch.get_num_threads(),
-        "versions": _versions(),
+        "versions": _versions(device),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "quick": quick,
         "timer": _timer_name(device),
