@@ -285,7 +285,7 @@ def _time_cuda(fns: dict[str, Callable], budget: Budget) -> dict[str, dict]:
     out = {}
     for name, fn in fns.items():
         if do_bench is not None:
-            rep = max(10.0, budget.seconds * 500)  # ms of repetitions, after a quarter of that warming up
+            rep = max(10.0, budget.seconds * 250)  # ms of repetitions, after a quarter of that warming up
             q = do_bench(fn, warmup=rep / 4, rep=rep, quantiles=[0.5, 0.1, 0.9])
             out[name] = {"median_ms": q[0], "p10_ms": q[1], "p90_ms": q[2], "reps": None}
         else:
@@ -303,7 +303,8 @@ def _cuda_events(fn: Callable, budget: Budget) -> list[float]:
         cache.zero_()
         fn()
     torch.cuda.synchronize()
-    n = max(budget.min_reps, min(2000, int(budget.seconds * 5 / (time.perf_counter() - t0))))
+    per_call = (time.perf_counter() - t0) / 5
+    n = max(budget.min_reps, min(5000, int(budget.seconds / 4 / per_call)))  # as long as do_bench
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
     for start, end in ev:
         cache.zero_()
