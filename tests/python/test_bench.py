@@ -1,0 +1,49 @@
+"""Smoke test of ``python -m customops bench --quick``: the report's structure, never its timings."""
+
+import json
+import subprocess
+import sys
+
+from customops import bench
+
+
+def test_bench_quick_report(tmp_path):
+    assert {"muladd", "rms_norm", "silu", "silu_mul", "scale_clamp"} <= set(bench.BENCHES_BY_NAME)
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# before\n<!-- bench:cpu -->\nold\n<!-- /bench:cpu -->\n# after\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "customops", "bench", "muladd", "--quick", "--device", "cpu", "--no-progress",
+         "--json", "report.json", "--plot", "chart.png", "--doc", str(doc)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "customops speed-up" in out.stdout and "copy roofline" in out.stdout
+
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert set(report) == {"meta", "copy", "rows", "overhead", "targets", "notes", "failures"}
+    assert report["failures"] == []
+    assert report["meta"]["device"] == "cpu" and report["meta"]["quick"] is True
+    assert report["copy"]["gbps"] > 0 and report["copy"]["bytes"] > 0
+
+    rows = report["rows"]
+    assert {r["op"] for r in rows} == {"muladd"}
+    for p in ("fwd", "fwd+bwd"):
+        impls = {r["impl"] for r in rows if r["pass"] == p}
+        assert {"customops", "eager", "compile"} <= impls and "liger" not in impls
+    for r in rows:
+        assert {"shape", "dtype", "median_ms", "p10_ms", "p90_ms", "bytes", "gbps", "pct_of_copy"} <= set(r)
+        assert r["median_ms"] > 0 and r["bytes"] > 0
+    n = rows[0]["shape"][0]
+    fwd = next(r for r in rows if r["impl"] == "customops" and r["pass"] == "fwd")
+    assert fwd["bytes"] == 3 * 4 * n  # reads a and b, writes the result, float32
+    assert set(fwd["speedup"]) == {"eager", "compile"}
+
+    assert {(o["path"], o["requires_grad"]) for o in report["overhead"]} == {
+        (p, g) for p in ("python", "torch.ops") for g in (False, True)}
+    assert all({"customops_us", "aten_us", "ratio", "within_limit"} <= set(o) for o in report["overhead"])
+    assert {t["against"] for t in report["targets"]} == {"eager", "compile"}  # muladd's CPU targets
+    assert any("Liger-Kernel" in n for n in report["notes"])
+
+    assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = doc.read_text()
+    assert text.startswith("# before\n<!-- bench:cpu -->\n") and text.endswith("<!-- /bench:cpu -->\n# after\n")
+    assert "| muladd |" in text and "old" not in text
