@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling
 
 _ops = torch.ops.customops
+
+# Outside torch.compile and torch.export the wrappers call the C++ callable that
+# OpOverload.__call__ forwards to (``overload._op``): the same dispatcher call, about 0.3 us less
+# per call on tiny tensors. Dynamo cannot trace that builtin, so while compiling they call the
+# OpOverload itself.
+_muladd, _muladd_out, _mul = _ops.muladd.default, _ops.muladd.out, _ops.mul.default
+_rms_norm, _silu, _silu_mul, _scale_clamp = (
+    _ops.rms_norm.default, _ops.silu.default, _ops.silu_mul.default, _ops.scale_clamp.default)
+_muladd_c, _mul_c, _rms_norm_c, _silu_c, _silu_mul_c, _scale_clamp_c = (
+    o._op for o in (_muladd, _mul, _rms_norm, _silu, _silu_mul, _scale_clamp))
 
 
 def muladd(a: Tensor, b: Tensor, c: float, *, out: Tensor | None = None) -> Tensor:
@@ -24,8 +35,8 @@ def muladd(a: Tensor, b: Tensor, c: float, *, out: Tensor | None = None) -> Tens
         and rounded once.
     """
     if out is None:
-        return _ops.muladd.default(a, b, c)
-    return _ops.muladd.out(a, b, c, out=out)
+        return _muladd(a, b, c) if is_compiling() else _muladd_c(a, b, c)
+    return _muladd_out(a, b, c, out=out)
 
 
 def mul(a: Tensor, b: Tensor) -> Tensor:
@@ -38,7 +49,7 @@ def mul(a: Tensor, b: Tensor) -> Tensor:
     Returns:
         A new contiguous tensor shaped like ``a``.
     """
-    return _ops.mul.default(a, b)
+    return _mul(a, b) if is_compiling() else _mul_c(a, b)
 
 
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
@@ -56,7 +67,7 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tens
         ``x.shape[:-1]``), which its backward reuses; this wrapper drops it. Differentiable in x and
         weight; double backward raises.
     """
-    return _ops.rms_norm.default(x, weight, eps)[0]
+    return (_rms_norm(x, weight, eps) if is_compiling() else _rms_norm_c(x, weight, eps))[0]
 
 
 def silu(x: Tensor) -> Tensor:
@@ -69,7 +80,7 @@ def silu(x: Tensor) -> Tensor:
         A new contiguous tensor shaped like ``x``; half types are computed in float32.
         Differentiable; double backward raises.
     """
-    return _ops.silu.default(x)
+    return _silu(x) if is_compiling() else _silu_c(x)
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
@@ -83,7 +94,7 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     Returns:
         A new contiguous tensor shaped like ``gate``. Differentiable; double backward raises.
     """
-    return _ops.silu_mul.default(gate, up)
+    return _silu_mul(gate, up) if is_compiling() else _silu_mul_c(gate, up)
 
 
 def scale_clamp(x: Tensor, scale: float, lo: float, hi: float) -> Tensor:
@@ -99,4 +110,4 @@ def scale_clamp(x: Tensor, scale: float, lo: float, hi: float) -> Tensor:
         A new contiguous tensor shaped like ``x``. Its gradient is ``grad * scale`` where
         ``lo < x * scale < hi`` and 0 elsewhere; double backward works.
     """
-    return _ops.scale_clamp.default(x, scale, lo, hi)
+    return _scale_clamp(x, scale, lo, hi) if is_compiling() else _scale_clamp_c(x, scale, lo, hi)
