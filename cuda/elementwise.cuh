@@ -1,7 +1,8 @@
 // Elementwise CUDA launcher shared by the customops kernels. Every tensor is seen as rows x cols
 // with a contiguous last dimension and its own row stride (ops/row_view.h), which covers
 // contiguous tensors (one row) and the halves of a fused gate-up projection without a copy.
-// Contiguous runs use 16-byte loads and stores; indices are 64-bit (tensors past 2^31 elements).
+// Contiguous runs use 16-byte loads and stores, several per thread; indices are 64-bit (tensors
+// past 2^31 elements).
 // The functor computes in at::opmath_type<T> (float for half types): f(const acc* in, acc* out).
 #pragma once
 
@@ -39,34 +40,48 @@ struct RowsArgs {
   int64_t cols;
 };
 
+// Each thread moves kUnroll packs of V elements per tensor, all loads issued before any math, so
+// enough bytes are in flight to keep HBM busy; a block covers kThreads * kUnroll packs of one row
+// (grid x: column tiles, grid y: rows), so no thread divides to find its row.
+constexpr int kThreads = 128;
+constexpr int kUnroll = 4;
+
 template <int V, size_t NIn, size_t NOut, typename T, typename F>
-__global__ void rows_kernel(RowsArgs<NIn, NOut, T> p, F f) {
+__global__ void __launch_bounds__(kThreads) rows_kernel(RowsArgs<NIn, NOut, T> p, F f) {
   using acc_t = at::opmath_type<T>;
-  const int64_t cols_v = p.cols / V;
-  const int64_t total = p.rows * cols_v;
-  const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += step) {
-    const int64_t r = p.rows == 1 ? 0 : i / cols_v;
-    const int64_t c = (i - r * cols_v) * V;
-    Pack<T, V> in[NIn];
+  const int64_t cols_v = p.cols / V;  // packs per row
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * (kThreads * kUnroll) + threadIdx.x;
+  for (int64_t r = blockIdx.y; r < p.rows; r += gridDim.y) {
+    Pack<T, V> in[kUnroll][NIn];
 #pragma unroll
-    for (size_t k = 0; k < NIn; ++k) {
-      in[k] = *reinterpret_cast<const Pack<T, V>*>(p.in[k] + r * p.in_stride[k] + c);
-    }
-    Pack<T, V> out[NOut];
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t c = c0 + u * kThreads;
+      if (c < cols_v) {
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      acc_t x[NIn];
-      acc_t y[NOut];
-#pragma unroll
-      for (size_t k = 0; k < NIn; ++k) x[k] = static_cast<acc_t>(in[k].v[j]);
-      f(x, y);
-#pragma unroll
-      for (size_t k = 0; k < NOut; ++k) out[k].v[j] = static_cast<T>(y[k]);
+        for (size_t k = 0; k < NIn; ++k) {
+          in[u][k] = *reinterpret_cast<const Pack<T, V>*>(p.in[k] + r * p.in_stride[k] + c * V);
+        }
+      }
     }
 #pragma unroll
-    for (size_t k = 0; k < NOut; ++k) {
-      *reinterpret_cast<Pack<T, V>*>(p.out[k] + r * p.out_stride[k] + c) = out[k];
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t c = c0 + u * kThreads;
+      if (c >= cols_v) break;
+      Pack<T, V> out[NOut];
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        acc_t x[NIn];
+        acc_t y[NOut];
+#pragma unroll
+        for (size_t k = 0; k < NIn; ++k) x[k] = static_cast<acc_t>(in[u][k].v[j]);
+        f(x, y);
+#pragma unroll
+        for (size_t k = 0; k < NOut; ++k) out[k].v[j] = static_cast<T>(y[k]);
+      }
+#pragma unroll
+      for (size_t k = 0; k < NOut; ++k) {
+        *reinterpret_cast<Pack<T, V>*>(p.out[k] + r * p.out_stride[k] + c * V) = out[k];
+      }
     }
   }
 }
@@ -91,16 +106,17 @@ void launch_rows(F f, const std::array<at::Tensor, NIn>& in, const std::array<at
   for (size_t k = 0; k < NOut; ++k) {
     p.out[k] = out[k].template mutable_data_ptr<T>();
     p.out_stride[k] = L.out_stride[k];
-    vec_ok = vec_ok && reinterpret_cast<uintptr_t>(p.out[k]) % 16 == 0;
+    vec_ok = vec_ok && L.out_stride[k] % kVec == 0 && reinterpret_cast<uintptr_t>(p.out[k]) % 16 == 0;
   }
-  const int threads = 256;
-  const int64_t work = vec_ok ? numel / kVec : numel;
-  const int64_t blocks = std::min<int64_t>((work + threads - 1) / threads, max_resident_blocks(threads));
+  const int64_t cols_v = vec_ok ? p.cols / kVec : p.cols;
+  const dim3 grid(static_cast<unsigned>((cols_v + kThreads * kUnroll - 1) / (kThreads * kUnroll)),
+                  static_cast<unsigned>(std::min<int64_t>(p.rows, 65535)));
+  TORCH_INTERNAL_ASSERT(cols_v / (kThreads * kUnroll) < (int64_t{1} << 31), "customops: row too long for one grid");
   auto stream = at::cuda::getCurrentCUDAStream();
   if (vec_ok) {
-    rows_kernel<kVec, NIn, NOut, T><<<blocks, threads, 0, stream>>>(p, f);
+    rows_kernel<kVec, NIn, NOut, T><<<grid, kThreads, 0, stream>>>(p, f);
   } else {
-    rows_kernel<1, NIn, NOut, T><<<blocks, threads, 0, stream>>>(p, f);
+    rows_kernel<1, NIn, NOut, T><<<grid, kThreads, 0, stream>>>(p, f);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

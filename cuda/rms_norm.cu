@@ -1,10 +1,13 @@
-// CUDA kernels of rms_norm and _rms_norm_backward. One block per row at a time (grid-stride over
-// rows), 16-byte loads, the row kept in registers between the reduction and the write when it
-// fits. The weight gradient is accumulated per block in shared memory over all the rows that
+// CUDA kernels of rms_norm and _rms_norm_backward. 16-byte loads; a few threads per row, each
+// keeping up to kCache vectors of it in registers between the reduction and the write, so a row
+// is read from memory once. Forward: one block per row. Backward: grid-stride over rows. The weight gradient is accumulated per block in shared memory over all the rows that
 // block visits (each thread owns fixed columns, so no atomics), then one small kernel sums the
 // per-block partials: fast for tall (many rows) and wide (long rows) shapes alike.
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
 
 #include "elementwise.cuh"
 #include "ops/llm.h"
@@ -93,6 +96,10 @@ __global__ void rms_norm_fwd_kernel(const T* __restrict__ x, const T* __restrict
 }
 
 // dx = rstd * (w*dy) - x * rstd^3 / n * sum(w*dy*x); dw_partial[block] += dy * x * rstd.
+// The row's dy and x stay in registers (up to kCache vectors per thread) between the reduction
+// and the write. dw accumulators: shared memory, element j of vector i at [j * nv + i], so a
+// warp's 32 threads touch 32 consecutive words (no bank conflicts); each thread owns its columns
+// in every row the block visits, so no atomics.
 template <typename T, int V>
 __global__ void rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
                                     const at::opmath_type<T>* __restrict__ rstd, T* __restrict__ dx,
@@ -110,39 +117,62 @@ __global__ void rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restric
     const T* dyr = dy + r * n;
     const T* xr = x + r * n;
     const A rs = rstd[r];
-    A k = 0;
+    Pack<T, V> gc[kCache], xc[kCache];
+#pragma unroll
+    for (int k = 0; k < kCache; ++k) {
+      const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      if (i < nv) {
+        gc[k] = load<T, V>(dyr + i * V);
+        xc[k] = load<T, V>(xr + i * V);
+      }
+    }
+    A coef = 0;
     if (dx != nullptr) {
       A s = 0;
-      for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) {
-        const auto g = load<T, V>(dyr + i * V), xv = load<T, V>(xr + i * V);
+      auto dot = [&](int64_t i, const Pack<T, V>& g, const Pack<T, V>& xv) {
         Pack<T, V> wv;
         if (w != nullptr) wv = load<T, V>(w + i * V);
 #pragma unroll
         for (int j = 0; j < V; ++j) s += A(g.v[j]) * (w != nullptr ? A(wv.v[j]) : A(1)) * A(xv.v[j]);
+      };
+#pragma unroll
+      for (int k = 0; k < kCache; ++k) {
+        const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+        if (i < nv) dot(i, gc[k], xc[k]);
       }
-      k = block_sum(s, red) * rs * rs * rs / A(n);
+      for (int64_t i = threadIdx.x + static_cast<int64_t>(kCache) * blockDim.x; i < nv; i += blockDim.x) {
+        dot(i, load<T, V>(dyr + i * V), load<T, V>(xr + i * V));
+      }
+      coef = block_sum(s, red) * rs * rs * rs / A(n);
     }
-    for (int64_t i = threadIdx.x; i < nv; i += blockDim.x) {
-      const auto g = load<T, V>(dyr + i * V), xv = load<T, V>(xr + i * V);
+    auto emit = [&](int64_t i, const Pack<T, V>& g, const Pack<T, V>& xv) {
       if (dx != nullptr) {
         Pack<T, V> wv, out;
         if (w != nullptr) wv = load<T, V>(w + i * V);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
           const A gw = A(g.v[j]) * (w != nullptr ? A(wv.v[j]) : A(1));
-          out.v[j] = static_cast<T>(gw * rs - A(xv.v[j]) * k);
+          out.v[j] = static_cast<T>(gw * rs - A(xv.v[j]) * coef);
         }
         store<T, V>(dx + r * n + i * V, out);
       }
       if (dw_partial != nullptr) {
 #pragma unroll
-        for (int j = 0; j < V; ++j) dw_acc[i * V + j] += A(g.v[j]) * A(xv.v[j]) * rs;
+        for (int j = 0; j < V; ++j) dw_acc[j * nv + i] += A(g.v[j]) * A(xv.v[j]) * rs;
       }
+    };
+#pragma unroll
+    for (int k = 0; k < kCache; ++k) {
+      const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      if (i < nv) emit(i, gc[k], xc[k]);
+    }
+    for (int64_t i = threadIdx.x + static_cast<int64_t>(kCache) * blockDim.x; i < nv; i += blockDim.x) {
+      emit(i, load<T, V>(dyr + i * V), load<T, V>(xr + i * V));
     }
   }
   if (dw_partial != nullptr) {
     __syncthreads();
-    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) dw_partial[blockIdx.x * n + c] = dw_acc[c];
+    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) dw_partial[blockIdx.x * n + c] = dw_acc[(c % V) * nv + c / V];
   }
 }
 
@@ -156,10 +186,11 @@ __global__ void sum_partials_kernel(const at::opmath_type<T>* __restrict__ parti
   dw[c] = static_cast<T>(s);
 }
 
-// Threads per row: one vector each up to 512 (a multiple of 32).
-int row_threads(int64_t nv) {
-  const int64_t t = (std::min<int64_t>(nv, 512) + 31) / 32 * 32;
-  return static_cast<int>(std::max<int64_t>(t, 32));
+// Threads per row: enough to hold the row in kCache vectors each (a multiple of
+// 32, at most 1024); longer rows loop.
+int cached_row_threads(int64_t nv) {
+  const int64_t t = ((nv + kCache - 1) / kCache + 31) / 32 * 32;
+  return static_cast<int>(std::clamp<int64_t>(t, 32, 1024));
 }
 
 template <typename T>
@@ -190,8 +221,11 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cuda(const at::Tensor& x_in, const s
     using A = at::opmath_type<scalar_t>;
     const scalar_t* wp = w.defined() ? w.const_data_ptr<scalar_t>() : nullptr;
     const int v = vec_width<scalar_t>(n, {x.const_data_ptr(), wp, y.const_data_ptr()});
-    const int threads = row_threads(n / v);
-    const int64_t blocks = std::min<int64_t>(rows, cuda::max_resident_blocks(threads));
+    // Few threads per row, each caching up to kCache vectors: many rows per SM have their loads
+    // in flight while others reduce, which a wide block per row (all threads waiting at the
+    // reduction) does not give. One block per row; the hardware balances them.
+    const int threads = cached_row_threads(n / v);
+    const int64_t blocks = std::min<int64_t>(rows, std::numeric_limits<int32_t>::max());
     auto stream = at::cuda::getCurrentCUDAStream();
     constexpr int kVec = 16 / sizeof(scalar_t);
     if (v == kVec) {
@@ -228,13 +262,15 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
     const scalar_t* wp = w.defined() ? w.const_data_ptr<scalar_t>() : nullptr;
     scalar_t* dxp = mask[0] ? dx.mutable_data_ptr<scalar_t>() : nullptr;
     const int v = vec_width<scalar_t>(n, {x.const_data_ptr(), dy.const_data_ptr(), wp, dxp});
-    const int threads = row_threads(n / v);
+    const int threads = cached_row_threads(n / v);
     const auto* prop = at::cuda::getCurrentDeviceProperties();
     // Per-block dw accumulators live in shared memory; rows too long for it fall back to ATen.
     const size_t smem = (32 + (want_dw ? n : 0)) * sizeof(A);
     const bool dw_in_kernel = want_dw && smem <= prop->sharedMemPerBlockOptin;
     const size_t launch_smem = dw_in_kernel ? smem : 32 * sizeof(A);
-    const int64_t blocks = std::min<int64_t>(rows, cuda::max_resident_blocks(threads));
+    // Half the SM's threads: enough loads in flight, and half as many dw partials to write and sum
+    // as full occupancy would give.
+    const int64_t blocks = std::min<int64_t>(rows, std::max<int64_t>(1, cuda::max_resident_blocks(threads) / 2));
     at::Tensor partial = dw_in_kernel ? at::empty({blocks, n}, x.options().dtype(rstd.scalar_type())) : at::Tensor();
     auto stream = at::cuda::getCurrentCUDAStream();
     auto launch = [&](auto kernel) {

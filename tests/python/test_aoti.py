@@ -246,12 +246,14 @@ def test_runner_explains_a_cuda_package_without_cuda(packages, tmp_path):
 # ---- a find_package(customops) consumer --------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def consumer(request) -> Path:
+def consumer(request, tmp_path_factory) -> Path:
     """tests/cpp/consumer configured against the installed customops and built (incrementally,
-    in pytest's cache folder); returns its build folder."""
+    in pytest's cache folder, or in a temporary one under -p no:cacheprovider); returns its build
+    folder."""
     if shutil.which("cmake") is None:
         pytest.skip("cmake is not installed")
-    build = Path(request.config.cache.mkdir("customops-consumer"))
+    cache = getattr(request.config, "cache", None)
+    build = Path(cache.mkdir("customops-consumer")) if cache is not None else tmp_path_factory.mktemp("consumer")
     prefix = ";".join([customops.cmake_prefix_path, torch.utils.cmake_prefix_path])
     configure = ["cmake", "-S", CONSUMER_SRC, "-B", build, f"-DCMAKE_PREFIX_PATH={prefix}", "-DCMAKE_BUILD_TYPE=Release"]
     if shutil.which("ninja") and not (build / "CMakeCache.txt").exists():
