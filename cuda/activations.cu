@@ -3,50 +3,68 @@
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
+#include <type_traits>
+
 #include "elementwise.cuh"
 #include "ops/llm.h"
 
 namespace customops {
 namespace {
 
-template <typename A>
-__device__ __forceinline__ A sigmoid(A x) {
-  return A(1) / (A(1) + exp(-x));
+// Half types round the result to 8 or 11 bits, far coarser than the few-ulp error of the fast
+// hardware exp and divide, which keep these kernels memory-bound instead of ALU-bound (an accurate
+// expf and division cost about as long as moving a bf16 element on an H100/H200); float32 and
+// float64 use the accurate functions.
+template <typename T>
+__device__ __forceinline__ at::opmath_type<T> sigmoid(at::opmath_type<T> x) {
+  using A = at::opmath_type<T>;
+  if constexpr (std::is_same_v<T, at::Half> || std::is_same_v<T, at::BFloat16>) {
+    return __fdividef(1.0f, 1.0f + __expf(-x));
+  } else {
+    return A(1) / (A(1) + exp(-x));
+  }
 }
 
-template <typename A>
+// Functors over the storage type T, computing in A = at::opmath_type<T>.
+template <typename T>
 struct Silu {
-  __device__ void operator()(const A* x, A* y) const { y[0] = x[0] * sigmoid(x[0]); }
+  using A = at::opmath_type<T>;
+  __device__ void operator()(const A* x, A* y) const { y[0] = x[0] * sigmoid<T>(x[0]); }
 };
-template <typename A>
+template <typename T>
 struct SiluBackward {  // (dy, x) -> dx
+  using A = at::opmath_type<T>;
   __device__ void operator()(const A* in, A* out) const {
-    const A s = sigmoid(in[1]);
+    const A s = sigmoid<T>(in[1]);
     out[0] = in[0] * s * (A(1) + in[1] * (A(1) - s));
   }
 };
-template <typename A>
+template <typename T>
 struct SiluMul {  // (gate, up) -> y
-  __device__ void operator()(const A* in, A* out) const { out[0] = in[0] * sigmoid(in[0]) * in[1]; }
+  using A = at::opmath_type<T>;
+  __device__ void operator()(const A* in, A* out) const { out[0] = in[0] * sigmoid<T>(in[0]) * in[1]; }
 };
-template <typename A>
+template <typename T>
 struct SiluMulBackward {  // (dy, gate, up) -> (dgate, dup)
+  using A = at::opmath_type<T>;
   __device__ void operator()(const A* in, A* out) const {
-    const A s = sigmoid(in[1]);
+    const A s = sigmoid<T>(in[1]);
     out[0] = in[0] * in[2] * s * (A(1) + in[1] * (A(1) - s));
     out[1] = in[0] * in[1] * s;
   }
 };
-template <typename A>
+template <typename T>
 struct ScaleClamp {
+  using A = at::opmath_type<T>;
   A scale, lo, hi;
   __device__ void operator()(const A* x, A* y) const {
     const A sx = x[0] * scale;
     y[0] = sx != sx ? sx : fmin(fmax(sx, lo), hi);  // NaN stays NaN, as in torch.clamp
   }
 };
-template <typename A>
+template <typename T>
 struct ScaleClampBackward {  // (dy, x) -> dx
+  using A = at::opmath_type<T>;
   A scale, lo, hi;
   __device__ void operator()(const A* in, A* out) const {
     const A sx = in[1] * scale;
@@ -54,7 +72,7 @@ struct ScaleClampBackward {  // (dy, x) -> dx
   }
 };
 
-// Allocates the outputs (contiguous, shaped like ref) and runs Functor<acc> over the inputs.
+// Allocates the outputs (contiguous, shaped like ref) and runs Functor<scalar_t> over the inputs.
 template <template <typename> class Functor, size_t NIn, size_t NOut, typename... Args>
 std::array<at::Tensor, NOut> run(const at::Tensor& ref, const std::array<at::Tensor, NIn>& in,
                                  Args... args) {
@@ -65,7 +83,7 @@ std::array<at::Tensor, NOut> run(const at::Tensor& ref, const std::array<at::Ten
   for (size_t k = 0; k < NIn; ++k) rows[k] = as_rows(in[k]);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, ref.scalar_type(), "customops", [&] {
     using A = at::opmath_type<scalar_t>;
-    cuda::launch_rows<scalar_t, NIn, NOut>(Functor<A>{static_cast<A>(args)...}, rows, out);
+    cuda::launch_rows<scalar_t, NIn, NOut>(Functor<scalar_t>{static_cast<A>(args)...}, rows, out);
   });
   return out;
 }

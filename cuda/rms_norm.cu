@@ -53,13 +53,22 @@ __global__ void rms_norm_fwd_kernel(const T* __restrict__ x, const T* __restrict
   const int64_t nv = n / V;
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * n;
-    Pack<T, V> cache[kCache];
+    Pack<T, V> cache[kCache], wcache[kCache];
     A ss = 0;
+    // Every load first, then the math: a load used right away would wait a full memory round
+    // trip before the next one is issued.
 #pragma unroll
     for (int k = 0; k < kCache; ++k) {
       const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
       if (i < nv) {
         cache[k] = load<T, V>(xr + i * V);
+        if (w != nullptr) wcache[k] = load<T, V>(w + i * V);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kCache; ++k) {
+      const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      if (i < nv) {
 #pragma unroll
         for (int j = 0; j < V; ++j) ss += A(cache[k].v[j]) * A(cache[k].v[j]);
       }
@@ -72,25 +81,21 @@ __global__ void rms_norm_fwd_kernel(const T* __restrict__ x, const T* __restrict
     const A rs = A(1) / sqrt(block_sum(ss, red) / A(n) + eps);
     if (threadIdx.x == 0) rstd[r] = rs;
     T* yr = y + r * n;
-    auto write = [&](int64_t i, const Pack<T, V>& p) {
+    auto write = [&](int64_t i, const Pack<T, V>& p, const Pack<T, V>& pw) {
       Pack<T, V> out;
-      if (w != nullptr) {
-        const auto pw = load<T, V>(w + i * V);
 #pragma unroll
-        for (int j = 0; j < V; ++j) out.v[j] = static_cast<T>(A(p.v[j]) * rs * A(pw.v[j]));
-      } else {
-#pragma unroll
-        for (int j = 0; j < V; ++j) out.v[j] = static_cast<T>(A(p.v[j]) * rs);
+      for (int j = 0; j < V; ++j) {
+        out.v[j] = static_cast<T>(w != nullptr ? A(p.v[j]) * rs * A(pw.v[j]) : A(p.v[j]) * rs);
       }
       store<T, V>(yr + i * V, out);
     };
 #pragma unroll
     for (int k = 0; k < kCache; ++k) {
       const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-      if (i < nv) write(i, cache[k]);
+      if (i < nv) write(i, cache[k], wcache[k]);
     }
     for (int64_t i = threadIdx.x + static_cast<int64_t>(kCache) * blockDim.x; i < nv; i += blockDim.x) {
-      write(i, load<T, V>(xr + i * V));
+      write(i, load<T, V>(xr + i * V), w != nullptr ? load<T, V>(w + i * V) : Pack<T, V>{});
     }
   }
 }
