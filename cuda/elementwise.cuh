@@ -24,12 +24,6 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
-// Enough blocks of `threads` to fill every SM of the current device (grid-stride loops).
-inline int64_t max_resident_blocks(int threads) {
-  const auto* prop = at::cuda::getCurrentDeviceProperties();
-  return static_cast<int64_t>(prop->multiProcessorCount) * (prop->maxThreadsPerMultiProcessor / threads);
-}
-
 template <size_t NIn, size_t NOut, typename T>
 struct RowsArgs {
   const T* in[NIn];

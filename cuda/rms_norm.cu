@@ -1,13 +1,24 @@
-// CUDA kernels of rms_norm and _rms_norm_backward. 16-byte loads; a few threads per row, each
-// keeping up to kCache vectors of it in registers between the reduction and the write, so a row
-// is read from memory once. Forward: one block per row. Backward: grid-stride over rows. The weight gradient is accumulated per block in shared memory over all the rows that
-// block visits (each thread owns fixed columns, so no atomics), then one small kernel sums the
-// per-block partials: fast for tall (many rows) and wide (long rows) shapes alike.
+// CUDA kernels of rms_norm and _rms_norm_backward.
+//
+// Rows up to a few thousand vectors (every LLM hidden size) take the register path: a row is
+// split over the threads of a block, each holding K 16-byte vectors of it in registers, so the
+// row is read from memory once; every load of a row is issued before any math on it.
+// - Forward: one block per row (about 256 threads); the hardware keeps several rows per SM in
+//   flight while others reduce.
+// - Backward: one wave of blocks, grid-stride over rows; the next row's dy and x are loaded
+//   before the current row's reduction, so memory stays busy across it. Each thread owns fixed
+//   columns in every row, so it accumulates their weight gradient in registers (no atomics); one
+//   small kernel sums the per-block partials. Fast for tall (32768 x 4096) and wide (4096 x 8192)
+//   shapes alike.
+// Longer rows take a plain loop kernel that reads the row twice (and ATen ops for dw).
 #include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <limits>
+#include <type_traits>
+#include <utility>
 
 #include "elementwise.cuh"
 #include "ops/llm.h"
@@ -19,7 +30,7 @@ using cuda::Pack;
 
 // Sum of v over the block; every thread gets the total. red: >= 32 elements of shared memory.
 template <typename A>
-__device__ A block_sum(A v, A* red) {
+__device__ __forceinline__ A block_sum(A v, A* red) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -32,171 +43,221 @@ __device__ A block_sum(A v, A* red) {
   return v;
 }
 
-template <typename T, int V>
-__device__ __forceinline__ Pack<T, V> load(const T* p) {
-  return *reinterpret_cast<const Pack<T, V>*>(p);
-}
+// ---- register path: nv <= K * blockDim.x vectors of V elements per row ----------------------------
 
-template <typename T, int V>
-__device__ __forceinline__ void store(T* p, const Pack<T, V>& v) {
-  *reinterpret_cast<Pack<T, V>*>(p) = v;
-}
-
-constexpr int kCache = 4;  // vectors per thread kept in registers between the two passes
-
-template <typename T, int V>
-__global__ void rms_norm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
-                                    at::opmath_type<T>* __restrict__ rstd, int64_t rows, int64_t n,
-                                    at::opmath_type<T> eps) {
+template <typename T, int V, int K>
+__global__ void __launch_bounds__(1024)
+    rms_norm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+                        at::opmath_type<T>* __restrict__ rstd, int64_t rows, int nv, at::opmath_type<T> eps) {
   using A = at::opmath_type<T>;
+  using P = Pack<T, V>;
   __shared__ A red[32];
-  const int64_t nv = n / V;
+  const P* wp = reinterpret_cast<const P*>(w);
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* xr = x + r * n;
-    Pack<T, V> cache[kCache], wcache[kCache];
+    const P* xr = reinterpret_cast<const P*>(x) + r * nv;
+    P xv[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i < nv) xv[k] = xr[i];
+    }
     A ss = 0;
-    // Every load first, then the math: a load used right away would wait a full memory round
-    // trip before the next one is issued.
 #pragma unroll
-    for (int k = 0; k < kCache; ++k) {
-      const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-      if (i < nv) {
-        cache[k] = load<T, V>(xr + i * V);
-        if (w != nullptr) wcache[k] = load<T, V>(w + i * V);
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kCache; ++k) {
-      const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-      if (i < nv) {
-#pragma unroll
-        for (int j = 0; j < V; ++j) ss += A(cache[k].v[j]) * A(cache[k].v[j]);
-      }
-    }
-    for (int64_t i = threadIdx.x + static_cast<int64_t>(kCache) * blockDim.x; i < nv; i += blockDim.x) {
-      const auto p = load<T, V>(xr + i * V);
-#pragma unroll
-      for (int j = 0; j < V; ++j) ss += A(p.v[j]) * A(p.v[j]);
-    }
-    const A rs = A(1) / sqrt(block_sum(ss, red) / A(n) + eps);
-    if (threadIdx.x == 0) rstd[r] = rs;
-    T* yr = y + r * n;
-    auto write = [&](int64_t i, const Pack<T, V>& p, const Pack<T, V>& pw) {
-      Pack<T, V> out;
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        out.v[j] = static_cast<T>(w != nullptr ? A(p.v[j]) * rs * A(pw.v[j]) : A(p.v[j]) * rs);
-      }
-      store<T, V>(yr + i * V, out);
-    };
-#pragma unroll
-    for (int k = 0; k < kCache; ++k) {
-      const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-      if (i < nv) write(i, cache[k], wcache[k]);
-    }
-    for (int64_t i = threadIdx.x + static_cast<int64_t>(kCache) * blockDim.x; i < nv; i += blockDim.x) {
-      write(i, load<T, V>(xr + i * V), w != nullptr ? load<T, V>(w + i * V) : Pack<T, V>{});
-    }
-  }
-}
-
-// dx = rstd * (w*dy) - x * rstd^3 / n * sum(w*dy*x); dw_partial[block] += dy * x * rstd.
-// The row's dy and x stay in registers (up to kCache vectors per thread) between the reduction
-// and the write. dw accumulators: shared memory, element j of vector i at [j * nv + i], so a
-// warp's 32 threads touch 32 consecutive words (no bank conflicts); each thread owns its columns
-// in every row the block visits, so no atomics.
-template <typename T, int V>
-__global__ void rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
-                                    const at::opmath_type<T>* __restrict__ rstd, T* __restrict__ dx,
-                                    at::opmath_type<T>* __restrict__ dw_partial, int64_t rows, int64_t n) {
-  using A = at::opmath_type<T>;
-  extern __shared__ unsigned char smem_raw[];
-  A* red = reinterpret_cast<A*>(smem_raw);
-  A* dw_acc = red + 32;  // n accumulators when dw_partial != nullptr
-  const int64_t nv = n / V;
-  if (dw_partial != nullptr) {
-    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) dw_acc[c] = 0;
-    __syncthreads();  // zeroed in a different thread-to-column mapping than they are accumulated
-  }
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* dyr = dy + r * n;
-    const T* xr = x + r * n;
-    const A rs = rstd[r];
-    Pack<T, V> gc[kCache], xc[kCache];
-#pragma unroll
-    for (int k = 0; k < kCache; ++k) {
-      const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-      if (i < nv) {
-        gc[k] = load<T, V>(dyr + i * V);
-        xc[k] = load<T, V>(xr + i * V);
-      }
-    }
-    A coef = 0;
-    if (dx != nullptr) {
-      A s = 0;
-      auto dot = [&](int64_t i, const Pack<T, V>& g, const Pack<T, V>& xv) {
-        Pack<T, V> wv;
-        if (w != nullptr) wv = load<T, V>(w + i * V);
-#pragma unroll
-        for (int j = 0; j < V; ++j) s += A(g.v[j]) * (w != nullptr ? A(wv.v[j]) : A(1)) * A(xv.v[j]);
-      };
-#pragma unroll
-      for (int k = 0; k < kCache; ++k) {
-        const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-        if (i < nv) dot(i, gc[k], xc[k]);
-      }
-      for (int64_t i = threadIdx.x + static_cast<int64_t>(kCache) * blockDim.x; i < nv; i += blockDim.x) {
-        dot(i, load<T, V>(dyr + i * V), load<T, V>(xr + i * V));
-      }
-      coef = block_sum(s, red) * rs * rs * rs / A(n);
-    }
-    auto emit = [&](int64_t i, const Pack<T, V>& g, const Pack<T, V>& xv) {
-      if (dx != nullptr) {
-        Pack<T, V> wv, out;
-        if (w != nullptr) wv = load<T, V>(w + i * V);
+    for (int k = 0; k < K; ++k) {
+      if (threadIdx.x + k * blockDim.x < nv) {
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          const A gw = A(g.v[j]) * (w != nullptr ? A(wv.v[j]) : A(1));
-          out.v[j] = static_cast<T>(gw * rs - A(xv.v[j]) * coef);
+          const A a = static_cast<A>(xv[k].v[j]);
+          ss += a * a;
         }
-        store<T, V>(dx + r * n + i * V, out);
       }
-      if (dw_partial != nullptr) {
-#pragma unroll
-        for (int j = 0; j < V; ++j) dw_acc[j * nv + i] += A(g.v[j]) * A(xv.v[j]) * rs;
-      }
-    };
-#pragma unroll
-    for (int k = 0; k < kCache; ++k) {
-      const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-      if (i < nv) emit(i, gc[k], xc[k]);
     }
-    for (int64_t i = threadIdx.x + static_cast<int64_t>(kCache) * blockDim.x; i < nv; i += blockDim.x) {
-      emit(i, load<T, V>(dyr + i * V), load<T, V>(xr + i * V));
+    const A rs = A(1) / sqrt(block_sum(ss, red) / A(nv * V) + eps);
+    if (threadIdx.x == 0) rstd[r] = rs;
+    P* yr = reinterpret_cast<P*>(y) + r * nv;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i < nv) {
+        P o;
+        if (wp != nullptr) {
+          const P wv = wp[i];
+#pragma unroll
+          for (int j = 0; j < V; ++j) o.v[j] = static_cast<T>(static_cast<A>(xv[k].v[j]) * rs * static_cast<A>(wv.v[j]));
+        } else {
+#pragma unroll
+          for (int j = 0; j < V; ++j) o.v[j] = static_cast<T>(static_cast<A>(xv[k].v[j]) * rs);
+        }
+        yr[i] = o;
+      }
+    }
+  }
+}
+
+// dx = rstd * (w*dy) - x * rstd^3 / n * sum(w*dy*x); dw_partial[block] = sum over the block's rows of
+// dy * x * rstd. dx and dw_partial may be null (not wanted).
+template <typename T, int V, int K>
+__global__ void __launch_bounds__(1024)
+    rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
+                        const at::opmath_type<T>* __restrict__ rstd, T* __restrict__ dx,
+                        at::opmath_type<T>* __restrict__ dw_partial, int64_t rows, int nv) {
+  using A = at::opmath_type<T>;
+  using P = Pack<T, V>;
+  __shared__ A red[32];
+  const P* wp = reinterpret_cast<const P*>(w);
+  P wv[K];
+  A dw[K][V];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int i = threadIdx.x + k * blockDim.x;
+    if (wp != nullptr && i < nv) wv[k] = wp[i];
+#pragma unroll
+    for (int j = 0; j < V; ++j) dw[k][j] = 0;
+  }
+  P g[K], xv[K];
+  int64_t r = blockIdx.x;
+  if (r < rows) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i < nv) {
+        g[k] = reinterpret_cast<const P*>(dy)[r * nv + i];
+        xv[k] = reinterpret_cast<const P*>(x)[r * nv + i];
+      }
+    }
+  }
+  for (; r < rows; r += gridDim.x) {
+    // The next row's loads go out now and land while this row reduces.
+    const int64_t next = r + gridDim.x;
+    P gn[K], xn[K];
+    if (next < rows) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < nv) {
+          gn[k] = reinterpret_cast<const P*>(dy)[next * nv + i];
+          xn[k] = reinterpret_cast<const P*>(x)[next * nv + i];
+        }
+      }
+    }
+    const A rs = rstd[r];
+    if (dx != nullptr) {
+      A s = 0;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if (threadIdx.x + k * blockDim.x < nv) {
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            const A gw = static_cast<A>(g[k].v[j]) * (wp != nullptr ? static_cast<A>(wv[k].v[j]) : A(1));
+            s += gw * static_cast<A>(xv[k].v[j]);
+          }
+        }
+      }
+      const A coef = block_sum(s, red) * rs * rs * rs / A(nv * V);
+      P* dxr = reinterpret_cast<P*>(dx) + r * nv;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < nv) {
+          P o;
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            const A gw = static_cast<A>(g[k].v[j]) * (wp != nullptr ? static_cast<A>(wv[k].v[j]) : A(1));
+            o.v[j] = static_cast<T>(gw * rs - static_cast<A>(xv[k].v[j]) * coef);
+          }
+          dxr[i] = o;
+        }
+      }
+    }
+    if (dw_partial != nullptr) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) dw[k][j] += static_cast<A>(g[k].v[j]) * static_cast<A>(xv[k].v[j]) * rs;
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      g[k] = gn[k];
+      xv[k] = xn[k];
     }
   }
   if (dw_partial != nullptr) {
-    __syncthreads();
-    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) dw_partial[blockIdx.x * n + c] = dw_acc[(c % V) * nv + c / V];
+    A* out = dw_partial + static_cast<int64_t>(blockIdx.x) * nv * V;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i < nv) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) out[i * V + j] = dw[k][j];
+      }
+    }
+  }
+}
+
+// dw[c] = sum over b of partial[b, c]: 32 columns per block, 8 threads summing each.
+template <typename T>
+__global__ void sum_partials_kernel(const at::opmath_type<T>* __restrict__ partial, T* __restrict__ dw, int blocks,
+                                    int64_t n) {
+  using A = at::opmath_type<T>;
+  __shared__ A tile[8][33];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  A s = 0;
+  if (c < n) {
+    for (int b = threadIdx.y; b < blocks; b += 8) s += partial[b * n + c];
+  }
+  tile[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < n) {
+#pragma unroll
+    for (int k = 1; k < 8; ++k) s += tile[k][threadIdx.x];
+    dw[c] = static_cast<T>(s);
+  }
+}
+
+// ---- loop path: rows too long for registers; each row is read twice --------------------------------
+
+template <typename T>
+__global__ void rms_norm_fwd_loop_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+                                         at::opmath_type<T>* __restrict__ rstd, int64_t rows, int64_t n,
+                                         at::opmath_type<T> eps) {
+  using A = at::opmath_type<T>;
+  __shared__ A red[32];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* xr = x + r * n;
+    A ss = 0;
+    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) ss += static_cast<A>(xr[c]) * static_cast<A>(xr[c]);
+    const A rs = A(1) / sqrt(block_sum(ss, red) / A(n) + eps);
+    if (threadIdx.x == 0) rstd[r] = rs;
+    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+      y[r * n + c] = static_cast<T>(static_cast<A>(xr[c]) * rs * (w != nullptr ? static_cast<A>(w[c]) : A(1)));
+    }
   }
 }
 
 template <typename T>
-__global__ void sum_partials_kernel(const at::opmath_type<T>* __restrict__ partial, T* __restrict__ dw, int blocks,
-                                    int64_t n) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= n) return;
-  at::opmath_type<T> s = 0;
-  for (int b = 0; b < blocks; ++b) s += partial[b * n + c];
-  dw[c] = static_cast<T>(s);
+__global__ void rms_norm_dx_loop_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
+                                        const at::opmath_type<T>* __restrict__ rstd, T* __restrict__ dx,
+                                        int64_t rows, int64_t n) {
+  using A = at::opmath_type<T>;
+  __shared__ A red[32];
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* dyr = dy + r * n;
+    const T* xr = x + r * n;
+    const A rs = rstd[r];
+    A s = 0;
+    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+      s += static_cast<A>(dyr[c]) * (w != nullptr ? static_cast<A>(w[c]) : A(1)) * static_cast<A>(xr[c]);
+    }
+    const A coef = block_sum(s, red) * rs * rs * rs / A(n);
+    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+      const A gw = static_cast<A>(dyr[c]) * (w != nullptr ? static_cast<A>(w[c]) : A(1));
+      dx[r * n + c] = static_cast<T>(gw * rs - static_cast<A>(xr[c]) * coef);
+    }
+  }
 }
 
-// Threads per row: enough to hold the row in kCache vectors each (a multiple of
-// 32, at most 1024); longer rows loop.
-int cached_row_threads(int64_t nv) {
-  const int64_t t = ((nv + kCache - 1) / kCache + 31) / 32 * 32;
-  return static_cast<int>(std::clamp<int64_t>(t, 32, 1024));
-}
+// ---- launch ----------------------------------------------------------------------------------------
 
 template <typename T>
 int vec_width(int64_t n, std::initializer_list<const void*> ptrs) {
@@ -208,9 +269,42 @@ int vec_width(int64_t n, std::initializer_list<const void*> ptrs) {
   return kVec;
 }
 
+// Vectors per thread (1, 2, 4 ... max_k) for about 256 threads per row, and the threads; 0 threads
+// when the row does not fit in 1024 threads of max_k vectors.
+std::pair<int, int> row_split(int64_t nv, int max_k) {
+  int k = 1;
+  while (k < max_k && (nv + k - 1) / k > 256) k *= 2;
+  const int64_t threads = ((nv + k - 1) / k + 31) / 32 * 32;
+  return {k, threads > 1024 ? 0 : static_cast<int>(threads)};
+}
+
+// Calls f(std::integral_constant<int, V>, std::integral_constant<int, K>) for the runtime v
+// (kVec or 1) and k (1, 2, 4 ... kMaxK).
+template <int kVec, int kMaxK, typename F>
+void with_vk(int v, int k, F&& f) {
+  auto with_k = [&](auto vc) {
+    if (k == 1) {
+      f(vc, std::integral_constant<int, 1>{});
+    } else if (k == 2) {
+      f(vc, std::integral_constant<int, 2>{});
+    } else if (k == 4) {
+      f(vc, std::integral_constant<int, 4>{});
+    } else {
+      if constexpr (kMaxK >= 8) f(vc, std::integral_constant<int, 8>{});
+    }
+  };
+  if (v == kVec) {
+    with_k(std::integral_constant<int, kVec>{});
+  } else {
+    with_k(std::integral_constant<int, 1>{});
+  }
+}
+
 at::Tensor weight_or_undefined(const std::optional<at::Tensor>& w) {
   return w.has_value() && w->defined() ? w->contiguous() : at::Tensor();
 }
+
+constexpr int64_t kMaxGrid = std::numeric_limits<int32_t>::max();
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_cuda(const at::Tensor& x_in, const std::optional<at::Tensor>& weight,
                                                  double eps) {
@@ -224,21 +318,20 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cuda(const at::Tensor& x_in, const s
   if (rows == 0) return {y, rstd};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "customops::rms_norm", [&] {
     using A = at::opmath_type<scalar_t>;
+    constexpr int kVec = 16 / sizeof(scalar_t);
     const scalar_t* wp = w.defined() ? w.const_data_ptr<scalar_t>() : nullptr;
     const int v = vec_width<scalar_t>(n, {x.const_data_ptr(), wp, y.const_data_ptr()});
-    // Few threads per row, each caching up to kCache vectors: many rows per SM have their loads
-    // in flight while others reduce, which a wide block per row (all threads waiting at the
-    // reduction) does not give. One block per row; the hardware balances them.
-    const int threads = cached_row_threads(n / v);
-    const int64_t blocks = std::min<int64_t>(rows, std::numeric_limits<int32_t>::max());
+    const auto [k, threads] = row_split(n / v, 8);
+    const int64_t blocks = std::min(rows, kMaxGrid);
     auto stream = at::cuda::getCurrentCUDAStream();
-    constexpr int kVec = 16 / sizeof(scalar_t);
-    if (v == kVec) {
-      rms_norm_fwd_kernel<scalar_t, kVec><<<blocks, threads, 0, stream>>>(
-          x.const_data_ptr<scalar_t>(), wp, y.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<A>(), rows, n,
-          static_cast<A>(eps));
+    if (threads > 0) {
+      with_vk<kVec, 8>(v, k, [&](auto V, auto K) {
+        rms_norm_fwd_kernel<scalar_t, decltype(V)::value, decltype(K)::value><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+            x.const_data_ptr<scalar_t>(), wp, y.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<A>(), rows,
+            static_cast<int>(n / decltype(V)::value), static_cast<A>(eps));
+      });
     } else {
-      rms_norm_fwd_kernel<scalar_t, 1><<<blocks, threads, 0, stream>>>(
+      rms_norm_fwd_loop_kernel<scalar_t><<<static_cast<unsigned>(blocks), 1024, 0, stream>>>(
           x.const_data_ptr<scalar_t>(), wp, y.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<A>(), rows, n,
           static_cast<A>(eps));
     }
@@ -264,47 +357,41 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "customops::_rms_norm_backward", [&] {
     using A = at::opmath_type<scalar_t>;
+    constexpr int kVec = 16 / sizeof(scalar_t);
     const scalar_t* wp = w.defined() ? w.const_data_ptr<scalar_t>() : nullptr;
     scalar_t* dxp = mask[0] ? dx.mutable_data_ptr<scalar_t>() : nullptr;
     const int v = vec_width<scalar_t>(n, {x.const_data_ptr(), dy.const_data_ptr(), wp, dxp});
-    const int threads = cached_row_threads(n / v);
-    const auto* prop = at::cuda::getCurrentDeviceProperties();
-    // Per-block dw accumulators live in shared memory; rows too long for it fall back to ATen.
-    const size_t smem = (32 + (want_dw ? n : 0)) * sizeof(A);
-    const bool dw_in_kernel = want_dw && smem <= prop->sharedMemPerBlockOptin;
-    const size_t launch_smem = dw_in_kernel ? smem : 32 * sizeof(A);
-    // Half the SM's threads: enough loads in flight, and half as many dw partials to write and sum
-    // as full occupancy would give.
-    const int64_t blocks = std::min<int64_t>(rows, std::max<int64_t>(1, cuda::max_resident_blocks(threads) / 2));
-    at::Tensor partial = dw_in_kernel ? at::empty({blocks, n}, x.options().dtype(rstd.scalar_type())) : at::Tensor();
+    const auto [k, threads] = row_split(n / v, 4);  // two rows of K vectors in flight per thread
     auto stream = at::cuda::getCurrentCUDAStream();
-    auto launch = [&](auto kernel) {
-      if (launch_smem > 48 * 1024) {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(launch_smem)));
+    if (threads > 0) {
+      with_vk<kVec, 4>(v, k, [&](auto V, auto K) {
+        auto kernel = rms_norm_bwd_kernel<scalar_t, decltype(V)::value, decltype(K)::value>;
+        int per_sm = 0;
+        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+        const int64_t blocks =
+            std::min<int64_t>(rows, int64_t{std::max(per_sm, 1)} * at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+        at::Tensor partial = want_dw ? at::empty({blocks, n}, x.options().dtype(rstd.scalar_type())) : at::Tensor();
+        kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), wp,
+                                               rstd.const_data_ptr<A>(), dxp,
+                                               want_dw ? partial.mutable_data_ptr<A>() : nullptr, rows,
+                                               static_cast<int>(n / decltype(V)::value));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        if (want_dw) {
+          sum_partials_kernel<scalar_t><<<static_cast<unsigned>((n + 31) / 32), dim3(32, 8), 0, stream>>>(
+              partial.const_data_ptr<A>(), dw.mutable_data_ptr<scalar_t>(), static_cast<int>(blocks), n);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+      });
+    } else {
+      if (dxp != nullptr) {
+        rms_norm_dx_loop_kernel<scalar_t><<<static_cast<unsigned>(std::min(rows, kMaxGrid)), 1024, 0, stream>>>(
+            dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), wp, rstd.const_data_ptr<A>(), dxp, rows, n);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
-      kernel<<<blocks, threads, launch_smem, stream>>>(dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), wp,
-                                                        rstd.const_data_ptr<A>(), dxp,
-                                                        dw_in_kernel ? partial.mutable_data_ptr<A>() : nullptr, rows, n);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    constexpr int kVec = 16 / sizeof(scalar_t);
-    if (dxp != nullptr || dw_in_kernel) {
-      if (v == kVec) {
-        launch(rms_norm_bwd_kernel<scalar_t, kVec>);
-      } else {
-        launch(rms_norm_bwd_kernel<scalar_t, 1>);
+      if (want_dw) {
+        const at::Tensor xhat = x.to(rstd.scalar_type()) * rstd.unsqueeze(-1);
+        dw.copy_((dy.to(rstd.scalar_type()) * xhat).reshape({rows, n}).sum(0));
       }
-    }
-    if (dw_in_kernel) {
-      const int t = 256;
-      sum_partials_kernel<scalar_t><<<(n + t - 1) / t, t, 0, stream>>>(partial.const_data_ptr<A>(),
-                                                                      dw.mutable_data_ptr<scalar_t>(),
-                                                                      static_cast<int>(blocks), n);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    } else if (want_dw) {
-      const at::Tensor xhat = x.to(rstd.scalar_type()) * rstd.unsqueeze(-1);
-      dw.copy_((dy.to(rstd.scalar_type()) * xhat).reshape({rows, n}).sum(0));
     }
   });
   return {dx, dw};

@@ -64,3 +64,27 @@ def test_more_than_2_31_elements():
     y = customops.silu_mul(a, b)
     assert torch.isclose(y[-1].float(), torch.tensor(3.0 / (1 + torch.exp(torch.tensor(-3.0))) * 2, device="cuda"),
                          rtol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, n", [
+    (3, 4096 * 8 + 8),  # float32: longer than the register path (8 vectors x 1024 threads): the loop kernels
+    (5, 8193),  # odd: scalar loads; forward loop kernel, backward loop kernel and ATen for dw
+    (7, 4097),  # odd: forward register path (K = 8), backward loop path
+    (2100, 64),  # more rows than the backward's one wave of blocks: grid-stride with prefetch
+    (1, 24),  # fewer vectors than threads
+])
+def test_rms_norm_kernel_paths(rows, n, dtype):
+    x = torch.randn(rows, n, device="cuda", dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(n, device="cuda", dtype=dtype)).requires_grad_()
+    dy = torch.randn(rows, n, device="cuda", dtype=dtype)
+    y = customops.rms_norm(x, w, 1e-6)
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    y64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w64
+    dx64, dw64 = torch.autograd.grad(y64, (x64, w64), dy.double())
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(y.double(), y64, **tol)
+    torch.testing.assert_close(dx.double(), dx64, **tol)
+    # dw sums `rows` products: its rounding grows with the number of rows.
+    torch.testing.assert_close(dw.double(), dw64, atol=tol["atol"] * rows, rtol=tol["rtol"] * 4)
