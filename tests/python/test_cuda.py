@@ -71,7 +71,7 @@ def test_more_than_2_31_elements():
     (3, 4096 * 8 + 8),  # float32: longer than the register path (8 vectors x 1024 threads): the loop kernels
     (5, 8193),  # odd: scalar loads; forward loop kernel, backward loop kernel and ATen for dw
     (7, 4097),  # odd: forward register path (K = 8), backward loop path
-    (2100, 64),  # more rows than the backward's one wave of blocks: grid-stride with prefetch
+    (40000, 64),  # more rows than the backward's one wave of blocks: grid-stride with prefetch
     (1, 24),  # fewer vectors than threads
 ])
 def test_rms_norm_kernel_paths(rows, n, dtype):
@@ -86,5 +86,5 @@ def test_rms_norm_kernel_paths(rows, n, dtype):
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(y.double(), y64, **tol)
     torch.testing.assert_close(dx.double(), dx64, **tol)
-    # dw sums `rows` products: its rounding grows with the number of rows.
-    torch.testing.assert_close(dw.double(), dw64, atol=tol["atol"] * rows, rtol=tol["rtol"] * 4)
+    # dw sums `rows` products: its rounding error grows about as the square root of their number.
+    torch.testing.assert_close(dw.double(), dw64, atol=tol["atol"] * 4 * rows**0.5, rtol=tol["rtol"] * 4)
