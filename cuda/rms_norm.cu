@@ -1,16 +1,13 @@
-// CUDA kernels of rms_norm and _rms_norm_backward.
-//
-// Rows up to a few thousand vectors (every LLM hidden size) take the register path: a row is
-// split over the threads of a block, each holding K 16-byte vectors of it in registers, so the
-// row is read from memory once; every load of a row is issued before any math on it.
-// - Forward: one block per row (about 256 threads); the hardware keeps several rows per SM in
-//   flight while others reduce.
-// - Backward: one wave of blocks, grid-stride over rows; the next row's dy and x are loaded
-//   before the current row's reduction, so memory stays busy across it. Each thread owns fixed
-//   columns in every row, so it accumulates their weight gradient in registers (no atomics); one
-//   small kernel sums the per-block partials. Fast for tall (32768 x 4096) and wide (4096 x 8192)
-//   shapes alike.
-// Longer rows take a plain loop kernel that reads the row twice (and ATen ops for dw).
+// CUDA kernels of rms_norm and _rms_norm_backward. 16-byte loads; every load of a row is issued
+// before any math on it.
+// - Forward: one block per row (about 256 threads), each thread holding K vectors of the row in
+//   registers, so the row is read once; the hardware keeps several rows per SM in flight while
+//   others reduce. Rows longer than 1024 threads x 8 vectors take a loop kernel that reads them twice.
+// - Backward: half an SM's worth of blocks, grid-stride over rows, dy and x of a row cached in
+//   registers (kCache vectors per thread) between the reduction and the write. Each thread owns
+//   fixed columns in every row, so it accumulates their weight gradient in shared memory without
+//   atomics (element j of vector i at [j * nv + i]: no bank conflicts); a column-tiled kernel sums
+//   the per-block partials. Rows whose accumulators do not fit in shared memory use ATen for dw.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/library.h>
@@ -94,104 +91,97 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-// dx = rstd * (w*dy) - x * rstd^3 / n * sum(w*dy*x); dw_partial[block] = sum over the block's rows of
-// dy * x * rstd. dx and dw_partial may be null (not wanted).
-template <typename T, int V, int K>
-__global__ void __launch_bounds__(1024)
-    rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
-                        const at::opmath_type<T>* __restrict__ rstd, T* __restrict__ dx,
-                        at::opmath_type<T>* __restrict__ dw_partial, int64_t rows, int nv) {
+template <typename T, int V>
+__device__ __forceinline__ Pack<T, V> load(const T* p) {
+  return *reinterpret_cast<const Pack<T, V>*>(p);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store(T* p, const Pack<T, V>& v) {
+  *reinterpret_cast<Pack<T, V>*>(p) = v;
+}
+
+constexpr int kCache = 4;  // backward: vectors of dy and of x per thread kept in registers
+
+// Backward, one block per row at a time (grid-stride over rows).
+// dx = rstd * (w*dy) - x * rstd^3 / n * sum(w*dy*x); dw_partial[block] += dy * x * rstd.
+// The row's dy and x stay in registers (up to kCache vectors per thread) between the reduction
+// and the write. dw accumulators: shared memory, element j of vector i at [j * nv + i], so a
+// warp's 32 threads touch 32 consecutive words (no bank conflicts); each thread owns its columns
+// in every row the block visits, so no atomics.
+template <typename T, int V>
+__global__ void rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
+                                    const at::opmath_type<T>* __restrict__ rstd, T* __restrict__ dx,
+                                    at::opmath_type<T>* __restrict__ dw_partial, int64_t rows, int64_t n) {
   using A = at::opmath_type<T>;
-  using P = Pack<T, V>;
-  __shared__ A red[32];
-  const P* wp = reinterpret_cast<const P*>(w);
-  P wv[K];
-  A dw[K][V];
-#pragma unroll
-  for (int k = 0; k < K; ++k) {
-    const int i = threadIdx.x + k * blockDim.x;
-    if (wp != nullptr && i < nv) wv[k] = wp[i];
-#pragma unroll
-    for (int j = 0; j < V; ++j) dw[k][j] = 0;
+  extern __shared__ unsigned char smem_raw[];
+  A* red = reinterpret_cast<A*>(smem_raw);
+  A* dw_acc = red + 32;  // n accumulators when dw_partial != nullptr
+  const int64_t nv = n / V;
+  if (dw_partial != nullptr) {
+    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) dw_acc[c] = 0;
+    __syncthreads();  // zeroed in a different thread-to-column mapping than they are accumulated
   }
-  P g[K], xv[K];
-  int64_t r = blockIdx.x;
-  if (r < rows) {
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int i = threadIdx.x + k * blockDim.x;
-      if (i < nv) {
-        g[k] = reinterpret_cast<const P*>(dy)[r * nv + i];
-        xv[k] = reinterpret_cast<const P*>(x)[r * nv + i];
-      }
-    }
-  }
-  for (; r < rows; r += gridDim.x) {
-    // The next row's loads go out now and land while this row reduces.
-    const int64_t next = r + gridDim.x;
-    P gn[K], xn[K];
-    if (next < rows) {
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        const int i = threadIdx.x + k * blockDim.x;
-        if (i < nv) {
-          gn[k] = reinterpret_cast<const P*>(dy)[next * nv + i];
-          xn[k] = reinterpret_cast<const P*>(x)[next * nv + i];
-        }
-      }
-    }
+  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const T* dyr = dy + r * n;
+    const T* xr = x + r * n;
     const A rs = rstd[r];
+    Pack<T, V> gc[kCache], xc[kCache];
+#pragma unroll
+    for (int k = 0; k < kCache; ++k) {
+      const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      if (i < nv) {
+        gc[k] = load<T, V>(dyr + i * V);
+        xc[k] = load<T, V>(xr + i * V);
+      }
+    }
+    A coef = 0;
     if (dx != nullptr) {
       A s = 0;
+      auto dot = [&](int64_t i, const Pack<T, V>& g, const Pack<T, V>& xv) {
+        Pack<T, V> wv;
+        if (w != nullptr) wv = load<T, V>(w + i * V);
 #pragma unroll
-      for (int k = 0; k < K; ++k) {
-        if (threadIdx.x + k * blockDim.x < nv) {
+        for (int j = 0; j < V; ++j) s += A(g.v[j]) * (w != nullptr ? A(wv.v[j]) : A(1)) * A(xv.v[j]);
+      };
 #pragma unroll
-          for (int j = 0; j < V; ++j) {
-            const A gw = static_cast<A>(g[k].v[j]) * (wp != nullptr ? static_cast<A>(wv[k].v[j]) : A(1));
-            s += gw * static_cast<A>(xv[k].v[j]);
-          }
-        }
+      for (int k = 0; k < kCache; ++k) {
+        const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+        if (i < nv) dot(i, gc[k], xc[k]);
       }
-      const A coef = block_sum(s, red) * rs * rs * rs / A(nv * V);
-      P* dxr = reinterpret_cast<P*>(dx) + r * nv;
-#pragma unroll
-      for (int k = 0; k < K; ++k) {
-        const int i = threadIdx.x + k * blockDim.x;
-        if (i < nv) {
-          P o;
-#pragma unroll
-          for (int j = 0; j < V; ++j) {
-            const A gw = static_cast<A>(g[k].v[j]) * (wp != nullptr ? static_cast<A>(wv[k].v[j]) : A(1));
-            o.v[j] = static_cast<T>(gw * rs - static_cast<A>(xv[k].v[j]) * coef);
-          }
-          dxr[i] = o;
-        }
+      for (int64_t i = threadIdx.x + static_cast<int64_t>(kCache) * blockDim.x; i < nv; i += blockDim.x) {
+        dot(i, load<T, V>(dyr + i * V), load<T, V>(xr + i * V));
       }
+      coef = block_sum(s, red) * rs * rs * rs / A(n);
     }
-    if (dw_partial != nullptr) {
+    auto emit = [&](int64_t i, const Pack<T, V>& g, const Pack<T, V>& xv) {
+      if (dx != nullptr) {
+        Pack<T, V> wv, out;
+        if (w != nullptr) wv = load<T, V>(w + i * V);
 #pragma unroll
-      for (int k = 0; k < K; ++k) {
-#pragma unroll
-        for (int j = 0; j < V; ++j) dw[k][j] += static_cast<A>(g[k].v[j]) * static_cast<A>(xv[k].v[j]) * rs;
+        for (int j = 0; j < V; ++j) {
+          const A gw = A(g.v[j]) * (w != nullptr ? A(wv.v[j]) : A(1));
+          out.v[j] = static_cast<T>(gw * rs - A(xv.v[j]) * coef);
+        }
+        store<T, V>(dx + r * n + i * V, out);
       }
-    }
+      if (dw_partial != nullptr) {
 #pragma unroll
-    for (int k = 0; k < K; ++k) {
-      g[k] = gn[k];
-      xv[k] = xn[k];
+        for (int j = 0; j < V; ++j) dw_acc[j * nv + i] += A(g.v[j]) * A(xv.v[j]) * rs;
+      }
+    };
+#pragma unroll
+    for (int k = 0; k < kCache; ++k) {
+      const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      if (i < nv) emit(i, gc[k], xc[k]);
+    }
+    for (int64_t i = threadIdx.x + static_cast<int64_t>(kCache) * blockDim.x; i < nv; i += blockDim.x) {
+      emit(i, load<T, V>(dyr + i * V), load<T, V>(xr + i * V));
     }
   }
   if (dw_partial != nullptr) {
-    A* out = dw_partial + static_cast<int64_t>(blockIdx.x) * nv * V;
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int i = threadIdx.x + k * blockDim.x;
-      if (i < nv) {
-#pragma unroll
-        for (int j = 0; j < V; ++j) out[i * V + j] = dw[k][j];
-      }
-    }
+    __syncthreads();
+    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) dw_partial[blockIdx.x * n + c] = dw_acc[(c % V) * nv + c / V];
   }
 }
 
@@ -231,28 +221,6 @@ __global__ void rms_norm_fwd_loop_kernel(const T* __restrict__ x, const T* __res
     if (threadIdx.x == 0) rstd[r] = rs;
     for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
       y[r * n + c] = static_cast<T>(static_cast<A>(xr[c]) * rs * (w != nullptr ? static_cast<A>(w[c]) : A(1)));
-    }
-  }
-}
-
-template <typename T>
-__global__ void rms_norm_dx_loop_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
-                                        const at::opmath_type<T>* __restrict__ rstd, T* __restrict__ dx,
-                                        int64_t rows, int64_t n) {
-  using A = at::opmath_type<T>;
-  __shared__ A red[32];
-  for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* dyr = dy + r * n;
-    const T* xr = x + r * n;
-    const A rs = rstd[r];
-    A s = 0;
-    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
-      s += static_cast<A>(dyr[c]) * (w != nullptr ? static_cast<A>(w[c]) : A(1)) * static_cast<A>(xr[c]);
-    }
-    const A coef = block_sum(s, red) * rs * rs * rs / A(n);
-    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
-      const A gw = static_cast<A>(dyr[c]) * (w != nullptr ? static_cast<A>(w[c]) : A(1));
-      dx[r * n + c] = static_cast<T>(gw * rs - static_cast<A>(xr[c]) * coef);
     }
   }
 }
@@ -357,41 +325,46 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "customops::_rms_norm_backward", [&] {
     using A = at::opmath_type<scalar_t>;
-    constexpr int kVec = 16 / sizeof(scalar_t);
     const scalar_t* wp = w.defined() ? w.const_data_ptr<scalar_t>() : nullptr;
     scalar_t* dxp = mask[0] ? dx.mutable_data_ptr<scalar_t>() : nullptr;
     const int v = vec_width<scalar_t>(n, {x.const_data_ptr(), dy.const_data_ptr(), wp, dxp});
-    const auto [k, threads] = row_split(n / v, 4);  // two rows of K vectors in flight per thread
+    const int threads = static_cast<int>(std::clamp<int64_t>(((n / v + kCache - 1) / kCache + 31) / 32 * 32, 32, 1024));
+    const auto* prop = at::cuda::getCurrentDeviceProperties();
+    // Per-block dw accumulators live in shared memory; rows too long for it fall back to ATen.
+    const size_t smem = (32 + (want_dw ? n : 0)) * sizeof(A);
+    const bool dw_in_kernel = want_dw && smem <= prop->sharedMemPerBlockOptin;
+    const size_t launch_smem = dw_in_kernel ? smem : 32 * sizeof(A);
+    // Half the SM's threads: enough loads in flight, and half as many dw partials to write and sum
+    // as full occupancy would give.
+    const int64_t resident = int64_t{prop->multiProcessorCount} * (prop->maxThreadsPerMultiProcessor / threads);
+    const int64_t blocks = std::min<int64_t>(rows, std::max<int64_t>(1, resident / 2));
+    at::Tensor partial = dw_in_kernel ? at::empty({blocks, n}, x.options().dtype(rstd.scalar_type())) : at::Tensor();
     auto stream = at::cuda::getCurrentCUDAStream();
-    if (threads > 0) {
-      with_vk<kVec, 4>(v, k, [&](auto V, auto K) {
-        auto kernel = rms_norm_bwd_kernel<scalar_t, decltype(V)::value, decltype(K)::value>;
-        int per_sm = 0;
-        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
-        const int64_t blocks =
-            std::min<int64_t>(rows, int64_t{std::max(per_sm, 1)} * at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
-        at::Tensor partial = want_dw ? at::empty({blocks, n}, x.options().dtype(rstd.scalar_type())) : at::Tensor();
-        kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), wp,
-                                               rstd.const_data_ptr<A>(), dxp,
-                                               want_dw ? partial.mutable_data_ptr<A>() : nullptr, rows,
-                                               static_cast<int>(n / decltype(V)::value));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        if (want_dw) {
-          sum_partials_kernel<scalar_t><<<static_cast<unsigned>((n + 31) / 32), dim3(32, 8), 0, stream>>>(
-              partial.const_data_ptr<A>(), dw.mutable_data_ptr<scalar_t>(), static_cast<int>(blocks), n);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        }
-      });
-    } else {
-      if (dxp != nullptr) {
-        rms_norm_dx_loop_kernel<scalar_t><<<static_cast<unsigned>(std::min(rows, kMaxGrid)), 1024, 0, stream>>>(
-            dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), wp, rstd.const_data_ptr<A>(), dxp, rows, n);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+    auto launch = [&](auto kernel) {
+      if (launch_smem > 48 * 1024) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(launch_smem)));
       }
-      if (want_dw) {
-        const at::Tensor xhat = x.to(rstd.scalar_type()) * rstd.unsqueeze(-1);
-        dw.copy_((dy.to(rstd.scalar_type()) * xhat).reshape({rows, n}).sum(0));
+      kernel<<<static_cast<unsigned>(blocks), threads, launch_smem, stream>>>(dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), wp,
+                                                        rstd.const_data_ptr<A>(), dxp,
+                                                        dw_in_kernel ? partial.mutable_data_ptr<A>() : nullptr, rows, n);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    };
+    constexpr int kVec = 16 / sizeof(scalar_t);
+    if (dxp != nullptr || dw_in_kernel) {
+      if (v == kVec) {
+        launch(rms_norm_bwd_kernel<scalar_t, kVec>);
+      } else {
+        launch(rms_norm_bwd_kernel<scalar_t, 1>);
       }
+    }
+    if (dw_in_kernel) {
+      sum_partials_kernel<scalar_t><<<static_cast<unsigned>((n + 31) / 32), dim3(32, 8), 0, stream>>>(
+          partial.const_data_ptr<A>(), dw.mutable_data_ptr<scalar_t>(), static_cast<int>(blocks), n);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    } else if (want_dw) {
+      const at::Tensor xhat = x.to(rstd.scalar_type()) * rstd.unsqueeze(-1);
+      dw.copy_((dy.to(rstd.scalar_type()) * xhat).reshape({rows, n}).sum(0));
     }
   });
   return {dx, dw};

@@ -68,10 +68,10 @@ def test_more_than_2_31_elements():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, n", [
-    (3, 4096 * 8 + 8),  # float32: longer than the register path (8 vectors x 1024 threads): the loop kernels
-    (5, 8193),  # odd: scalar loads; forward loop kernel, backward loop kernel and ATen for dw
-    (7, 4097),  # odd: forward register path (K = 8), backward loop path
-    (40000, 64),  # more rows than the backward's one wave of blocks: grid-stride with prefetch
+    (3, 4096 * 8 + 8),  # float32: longer than the forward's registers (8 vectors x 1024 threads): loop kernel
+    (5, 8193),  # odd: scalar loads, forward loop kernel, backward past its cached vectors
+    (7, 4097),  # odd: forward registers with K = 8
+    (40000, 64),  # more rows than the backward has blocks: grid-stride
     (1, 24),  # fewer vectors than threads
 ])
 def test_rms_norm_kernel_paths(rows, n, dtype):
