@@ -110,7 +110,7 @@ constexpr int kCache = 4;  // backward: vectors of dy and of x per thread kept i
 // warp's 32 threads touch 32 consecutive words (no bank conflicts); each thread owns its columns
 // in every row the block visits, so no atomics.
 template <typename T, int V>
-__global__ void rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
+__global__ void __launch_bounds__(512) rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
                                     const at::opmath_type<T>* __restrict__ rstd, T* __restrict__ dx,
                                     at::opmath_type<T>* __restrict__ dw_partial, int64_t rows, int64_t n) {
   using A = at::opmath_type<T>;
@@ -328,7 +328,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
     const scalar_t* wp = w.defined() ? w.const_data_ptr<scalar_t>() : nullptr;
     scalar_t* dxp = mask[0] ? dx.mutable_data_ptr<scalar_t>() : nullptr;
     const int v = vec_width<scalar_t>(n, {x.const_data_ptr(), dy.const_data_ptr(), wp, dxp});
-    const int threads = static_cast<int>(std::clamp<int64_t>(((n / v + kCache - 1) / kCache + 31) / 32 * 32, 32, 1024));
+    // At most 512 threads, so the kernel's registers fit any GPU (longer rows loop past the cache).
+    const int threads = static_cast<int>(std::clamp<int64_t>(((n / v + kCache - 1) / kCache + 31) / 32 * 32, 32, 512));
     const auto* prop = at::cuda::getCurrentDeviceProperties();
     // Per-block dw accumulators live in shared memory; rows too long for it fall back to ATen.
     const size_t smem = (32 + (want_dw ? n : 0)) * sizeof(A);
