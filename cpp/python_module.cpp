@@ -34,6 +34,7 @@ NB_MODULE(_C, m) {
     d["cuda_version"] = std::string(CUSTOMOPS_CUDA_COMPILER);
     d["cuda_archs"] = customops::has_cuda() ? std::string(CUSTOMOPS_CUDA_ARCHS) : std::string();
     d["compiler"] = std::string(CUSTOMOPS_COMPILER);
+    d["cpu_threads"] = std::string(CUSTOMOPS_CPU_THREADS);
     return d;
-  }, "How libcustomops.so was built: versions, CUDA architectures, compiler.");
+  }, "How libcustomops.so was built: versions, CUDA architectures, compiler, CPU threading.");
 }

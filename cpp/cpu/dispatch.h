@@ -4,6 +4,7 @@
 // are compiled only in the DEFAULT copy and call CUSTOMOPS_CPU_DISPATCH(kernel, args...).
 #pragma once
 
+#include <ATen/Config.h>
 #include <ATen/Version.h>
 
 #include <string>
@@ -21,6 +22,12 @@ inline CpuCapability cpu_capability() {
 }
 
 }  // namespace customops
+
+// With torch's OpenMP backend, at::parallel_for is parallel only in code compiled with OpenMP
+// (cmake/CustomopsTorch.cmake: customops_use_torch_threads); never run serially by accident.
+#if AT_PARALLEL_OPENMP && !defined(_OPENMP) && !defined(CUSTOMOPS_SERIAL_CPU)
+#error "customops: torch parallelizes with OpenMP, so the CPU kernels must be compiled with -fopenmp"
+#endif
 
 #if defined(CUSTOMOPS_HAVE_AVX2) && defined(CUSTOMOPS_HAVE_AVX512)
 #define CUSTOMOPS_CPU_KERNEL(ret, name, ...)  \

@@ -106,7 +106,8 @@ def main(argv: list[str]) -> int:
     info = customops.build_info()
     cuda = f"CUDA {info['cuda_version']} (sm {info['cuda_archs']})" if info["cuda"] else "cpu only"
     header = (f"customops {info['version']} | built against torch {info['torch_version']} | {cuda} | "
-              f"{info['compiler']} | running torch {torch.__version__} on {', '.join(devices)}")
+              f"{info['compiler']} | CPU threads: {info['cpu_threads']} | running torch {torch.__version__} on "
+              f"{', '.join(devices)}")
     start = time.perf_counter()
     rows = run(devices, args.compile_backend, args.op)
     _print(rows, header)

@@ -40,6 +40,17 @@ def test_build_info():
     assert info["cuda"] == bool(info["cuda_archs"])
 
 
+def test_cpu_kernels_use_torchs_openmp_runtime():
+    # at::parallel_for is inline: without -fopenmp the CPU kernels would silently run on one
+    # thread. They must share torch's OpenMP runtime: one libgomp in the process.
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        pytest.skip("torch does not parallelize with OpenMP")
+    assert customops.build_info()["cpu_threads"].startswith("OpenMP")
+    with open("/proc/self/maps") as f:
+        gomp = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(gomp) == 1, gomp
+
+
 def test_cmake_prefix_path_has_the_package_config():
     assert os.path.exists(os.path.join(customops.cmake_prefix_path, "customops", "customopsConfig.cmake"))
 
