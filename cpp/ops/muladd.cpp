@@ -5,10 +5,10 @@
 #include <ATen/FunctionalTensorWrapper.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
-#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 #include "customops/customops.h"
+#include "ops/autograd.h"
 #include "ops/muladd.h"
 
 namespace customops {
@@ -103,29 +103,12 @@ class MulFunction : public torch::autograd::Function<MulFunction> {
   }
 };
 
-// With no input requiring grad, call below autograd directly, as ATen's VariableType kernels do:
-// Function::apply would build a graph node only to drop it (about 1 us per call on tiny tensors).
-// Dual tensors still go through Function::apply, which raises for forward-mode AD.
-bool needs_autograd(const at::Tensor& a, const at::Tensor& b) {
-  using torch::autograd::isFwGradDefined;
-  return (at::GradMode::is_enabled() && (a.requires_grad() || b.requires_grad())) || isFwGradDefined(a) ||
-         isFwGradDefined(b);
-}
-
 at::Tensor muladd_autograd(const at::Tensor& a, const at::Tensor& b, double c) {
-  if (!needs_autograd(a, b)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return muladd_op().call(a, b, c);
-  }
-  return MulAddFunction::apply(a, b, c);
+  return needs_autograd(a, b) ? MulAddFunction::apply(a, b, c) : call_below_autograd(muladd_op(), a, b, c);
 }
 
 at::Tensor mul_autograd(const at::Tensor& a, const at::Tensor& b) {
-  if (!needs_autograd(a, b)) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return mul_op().call(a, b);
-  }
-  return MulFunction::apply(a, b);
+  return needs_autograd(a, b) ? MulFunction::apply(a, b) : call_below_autograd(mul_op(), a, b);
 }
 
 // As ATen's out= ops: no gradient flows through out=, so refuse rather than drop it silently.

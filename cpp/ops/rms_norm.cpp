@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "customops/customops.h"
+#include "ops/autograd.h"
 #include "ops/llm.h"
 
 namespace customops {
@@ -108,13 +109,14 @@ class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
     const std::array<bool, 2> mask{ctx->needs_input_grad(0), weight.defined() && ctx->needs_input_grad(1)};
     if (!mask[0] && !mask[1]) return {at::Tensor(), at::Tensor(), at::Tensor()};
-    auto outs = RmsNormBackwardFunction::apply(grads[0], x, optional_defined(weight), rstd, mask);
-    return {mask[0] ? outs[0] : at::Tensor(), mask[1] ? outs[1] : at::Tensor(), at::Tensor()};
+    auto [dx, dw] = customops::rms_norm_backward(grads[0], x, optional_defined(weight), rstd, mask);
+    return {mask[0] ? dx : at::Tensor(), mask[1] ? dw : at::Tensor(), at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_autograd(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                                                      double eps) {
+  if (!needs_autograd(x, weight)) return call_below_autograd(rms_norm_op(), x, weight, eps);
   auto outs = RmsNormFunction::apply(x, weight, eps);
   return {outs[0], outs[1]};
 }
@@ -122,6 +124,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_autograd(const at::Tensor& x, const 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_autograd(const at::Tensor& grad_y, const at::Tensor& x,
                                                               const std::optional<at::Tensor>& weight,
                                                               const at::Tensor& rstd, std::array<bool, 2> mask) {
+  if (!needs_autograd(grad_y, x, weight, rstd)) {
+    return call_below_autograd(rms_norm_backward_op(), grad_y, x, weight, rstd, mask);
+  }
   auto outs = RmsNormBackwardFunction::apply(grad_y, x, weight, rstd, mask);
   return {outs[0], outs[1]};
 }
