@@ -23,6 +23,11 @@ TORCH_LIBRARY(customops, m) {
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
   // (grad_gate, grad_up) of silu_mul.
   m.def("_silu_mul_backward(Tensor grad_y, Tensor gate, Tensor up) -> (Tensor, Tensor)");
+  // silu(x[..., :n]) * x[..., n:] with n = x.size(-1) / 2: silu_mul of a fused gate-up tensor,
+  // whose backward writes the gradient of x as one tensor (no concatenation of two halves).
+  m.def("swiglu(Tensor x) -> Tensor");
+  // grad of x for swiglu: [..., 2n], the gate half then the up half.
+  m.def("_swiglu_backward(Tensor grad_y, Tensor x) -> Tensor");
   // clamp(x * scale, lo, hi).
   m.def("scale_clamp(Tensor x, float scale, float lo, float hi) -> Tensor");
   // grad_y * scale where lo < x * scale < hi, else 0.

@@ -1,5 +1,6 @@
-// CUDA kernels of silu, silu_mul, scale_clamp and their backward ops: functors over the shared
-// row-view launcher (elementwise.cuh), so gate/up halves of one tensor are read in place.
+// CUDA kernels of silu, silu_mul, swiglu, scale_clamp and their backward ops: functors over the
+// shared row-view launcher (elementwise.cuh), so gate/up halves of one tensor are read and written
+// in place (swiglu is silu_mul's functors on them).
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
@@ -72,19 +73,25 @@ struct ScaleClampBackward {  // (dy, x) -> dx
   }
 };
 
+// Runs Functor<scalar_t> over the inputs, writing the outputs (row views) in place.
+template <template <typename> class Functor, size_t NIn, size_t NOut, typename... Args>
+void run_into(const std::array<at::Tensor, NIn>& in, const std::array<at::Tensor, NOut>& out, Args... args) {
+  c10::cuda::CUDAGuard guard(out[0].device());
+  std::array<at::Tensor, NIn> rows;
+  for (size_t k = 0; k < NIn; ++k) rows[k] = as_rows(in[k]);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out[0].scalar_type(), "customops", [&] {
+    using A = at::opmath_type<scalar_t>;
+    cuda::launch_rows<scalar_t, NIn, NOut>(Functor<scalar_t>{static_cast<A>(args)...}, rows, out);
+  });
+}
+
 // Allocates the outputs (contiguous, shaped like ref) and runs Functor<scalar_t> over the inputs.
 template <template <typename> class Functor, size_t NIn, size_t NOut, typename... Args>
 std::array<at::Tensor, NOut> run(const at::Tensor& ref, const std::array<at::Tensor, NIn>& in,
                                  Args... args) {
-  c10::cuda::CUDAGuard guard(ref.device());
   std::array<at::Tensor, NOut> out;
   for (auto& o : out) o = at::empty(ref.sizes(), ref.options());
-  std::array<at::Tensor, NIn> rows;
-  for (size_t k = 0; k < NIn; ++k) rows[k] = as_rows(in[k]);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, ref.scalar_type(), "customops", [&] {
-    using A = at::opmath_type<scalar_t>;
-    cuda::launch_rows<scalar_t, NIn, NOut>(Functor<scalar_t>{static_cast<A>(args)...}, rows, out);
-  });
+  run_into<Functor>(in, out, args...);
   return out;
 }
 
@@ -112,6 +119,23 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward_cuda(const at::Tensor& dy, 
   return {out[0], out[1]};
 }
 
+at::Tensor swiglu_cuda(const at::Tensor& x) {
+  check_swiglu("customops::swiglu", x);
+  c10::cuda::CUDAGuard guard(x.device());
+  const auto [gate, up] = halves(as_rows(x));
+  return run<SiluMul, 2, 1>(gate, {gate, up})[0];
+}
+
+at::Tensor swiglu_backward_cuda(const at::Tensor& dy, const at::Tensor& x) {
+  check_swiglu_backward(dy, x);
+  c10::cuda::CUDAGuard guard(x.device());
+  const auto [gate, up] = halves(as_rows(x));
+  at::Tensor dx = at::empty(x.sizes(), x.options());
+  const auto [dgate, dup] = halves(dx);
+  run_into<SiluMulBackward>(std::array<at::Tensor, 3>{dy, gate, up}, std::array<at::Tensor, 2>{dgate, dup});
+  return dx;
+}
+
 at::Tensor scale_clamp_cuda(const at::Tensor& x, double scale, double lo, double hi) {
   check_scale_clamp("customops::scale_clamp", x, lo, hi);
   return run<ScaleClamp, 1, 1>(x, {x}, scale, lo, hi)[0];
@@ -125,12 +149,14 @@ at::Tensor scale_clamp_backward_cuda(const at::Tensor& dy, const at::Tensor& x, 
 
 }  // namespace
 
-// CUDA kernels of silu, silu_mul, scale_clamp and their backward ops.
+// CUDA kernels of silu, silu_mul, swiglu, scale_clamp and their backward ops.
 TORCH_LIBRARY_IMPL(customops, CUDA, m) {
   m.impl("silu", &silu_cuda);
   m.impl("_silu_backward", &silu_backward_cuda);
   m.impl("silu_mul", &silu_mul_cuda);
   m.impl("_silu_mul_backward", &silu_mul_backward_cuda);
+  m.impl("swiglu", &swiglu_cuda);
+  m.impl("_swiglu_backward", &swiglu_backward_cuda);
   m.impl("scale_clamp", &scale_clamp_cuda);
   m.impl("_scale_clamp_backward", &scale_clamp_backward_cuda);
 }

@@ -80,8 +80,8 @@ __global__ void __launch_bounds__(kThreads) rows_kernel(RowsArgs<NIn, NOut, T> p
   }
 }
 
-// Runs f over same-shaped tensors of dtype T. Inputs must be row views (customops::as_rows);
-// outputs are contiguous tensors this library allocated.
+// Runs f over same-shaped tensors of dtype T, all of them row views (customops::as_rows): inputs,
+// and outputs this library allocated (contiguous, or the halves of one tensor).
 template <typename T, size_t NIn, size_t NOut, typename F>
 void launch_rows(F f, const std::array<at::Tensor, NIn>& in, const std::array<at::Tensor, NOut>& out) {
   const int64_t numel = out[0].numel();

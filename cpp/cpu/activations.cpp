@@ -1,6 +1,6 @@
-// CPU kernels of silu, silu_mul, scale_clamp and their backward ops: one multi-threaded,
-// vectorized pass (cpu/rows.h) that reads strided row views such as the halves of a gate-up
-// tensor in place. Half types compute in float32.
+// CPU kernels of silu, silu_mul, swiglu, scale_clamp and their backward ops: one multi-threaded,
+// vectorized pass (cpu/rows.h) that reads and writes strided row views such as the halves of a
+// gate-up tensor in place (swiglu is silu_mul's kernels on them). Half types compute in float32.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -174,6 +174,23 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward_cpu(const at::Tensor& dy, c
   return {dgate, dup};
 }
 
+at::Tensor swiglu_cpu(const at::Tensor& x) {
+  check_swiglu("customops::swiglu", x);
+  const auto [gate, up] = halves(as_rows(x));
+  at::Tensor y = at::empty(gate.sizes(), x.options());
+  CUSTOMOPS_CPU_DISPATCH(silu_mul_kernel, gate, up, y);
+  return y;
+}
+
+at::Tensor swiglu_backward_cpu(const at::Tensor& dy, const at::Tensor& x) {
+  check_swiglu_backward(dy, x);
+  const auto [gate, up] = halves(as_rows(x));
+  at::Tensor dx = at::empty(x.sizes(), x.options());
+  const auto [dgate, dup] = halves(dx);
+  CUSTOMOPS_CPU_DISPATCH(silu_mul_backward_kernel, as_rows(dy), gate, up, dgate, dup);
+  return dx;
+}
+
 at::Tensor scale_clamp_cpu(const at::Tensor& x, double scale, double lo, double hi) {
   check_scale_clamp("customops::scale_clamp", x, lo, hi);
   at::Tensor y = at::empty(x.sizes(), x.options());
@@ -191,12 +208,14 @@ at::Tensor scale_clamp_backward_cpu(const at::Tensor& dy, const at::Tensor& x, d
 
 }  // namespace
 
-// CPU kernels of silu, silu_mul, scale_clamp and their backward ops.
+// CPU kernels of silu, silu_mul, swiglu, scale_clamp and their backward ops.
 TORCH_LIBRARY_IMPL(customops, CPU, m) {
   m.impl("silu", &silu_cpu);
   m.impl("_silu_backward", &silu_backward_cpu);
   m.impl("silu_mul", &silu_mul_cpu);
   m.impl("_silu_mul_backward", &silu_mul_backward_cpu);
+  m.impl("swiglu", &swiglu_cpu);
+  m.impl("_swiglu_backward", &swiglu_backward_cpu);
   m.impl("scale_clamp", &scale_clamp_cpu);
   m.impl("_scale_clamp_backward", &scale_clamp_backward_cpu);
 }

@@ -1,13 +1,14 @@
-// silu, silu_mul and scale_clamp with their private backward ops, device-independent parts:
-// typed C++ API, Meta kernels and Autograd kernels. scale_clamp's backward is linear in grad_y
-// and piecewise constant in x, so its double backward is exact; silu's and silu_mul's would need
-// silu'' and raise a clear error instead.
+// silu, silu_mul, swiglu and scale_clamp with their private backward ops, device-independent
+// parts: typed C++ API, Meta kernels and Autograd kernels. scale_clamp's backward is linear in
+// grad_y and piecewise constant in x, so its double backward is exact; silu's, silu_mul's and
+// swiglu's would need silu'' and raise a clear error instead.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include "customops/customops.h"
+#include "ops/autograd.h"
 #include "ops/llm.h"
 
 namespace customops {
@@ -38,6 +39,14 @@ const auto& silu_mul_backward_op() {
       "customops::_silu_mul_backward");
   return op;
 }
+const auto& swiglu_op() {
+  static auto op = find_op<at::Tensor(const at::Tensor&)>("customops::swiglu");
+  return op;
+}
+const auto& swiglu_backward_op() {
+  static auto op = find_op<at::Tensor(const at::Tensor&, const at::Tensor&)>("customops::_swiglu_backward");
+  return op;
+}
 const auto& scale_clamp_op() {
   static auto op = find_op<at::Tensor(const at::Tensor&, double, double, double)>("customops::scale_clamp");
   return op;
@@ -56,6 +65,10 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) { return silu_
 std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& grad_y, const at::Tensor& gate,
                                                      const at::Tensor& up) {
   return silu_mul_backward_op().call(grad_y, gate, up);
+}
+at::Tensor swiglu(const at::Tensor& x) { return swiglu_op().call(x); }
+at::Tensor swiglu_backward(const at::Tensor& grad_y, const at::Tensor& x) {
+  return swiglu_backward_op().call(grad_y, x);
 }
 at::Tensor scale_clamp(const at::Tensor& x, double scale, double lo, double hi) {
   return scale_clamp_op().call(x, scale, lo, hi);
@@ -88,6 +101,16 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward_meta(const at::Tensor& dy, 
   check_grad_like("customops::_silu_mul_backward", dy, "gate", gate);
   return {like(gate), like(gate)};
 }
+at::Tensor swiglu_meta(const at::Tensor& x) {
+  check_swiglu("customops::swiglu", x);
+  auto sizes = x.sym_sizes().vec();
+  sizes.back() = sizes.back() / 2;
+  return at::empty_symint(sizes, x.options());
+}
+at::Tensor swiglu_backward_meta(const at::Tensor& dy, const at::Tensor& x) {
+  check_swiglu_backward(dy, x);
+  return like(x);
+}
 at::Tensor scale_clamp_meta(const at::Tensor& x, double /*scale*/, double lo, double hi) {
   check_scale_clamp("customops::scale_clamp", x, lo, hi);
   return like(x);
@@ -107,6 +130,7 @@ template <const char* kOp>
 }
 constexpr char kSilu[] = "silu";
 constexpr char kSiluMul[] = "silu_mul";
+constexpr char kSwiglu[] = "swiglu";
 
 class SiluBackwardFunction : public torch::autograd::Function<SiluBackwardFunction> {
  public:
@@ -125,7 +149,7 @@ class SiluFunction : public torch::autograd::Function<SiluFunction> {
     return silu_op().call(x);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {SiluBackwardFunction::apply(grads[0], ctx->get_saved_variables()[0])};
+    return {customops::silu_backward(grads[0], ctx->get_saved_variables()[0])};
   }
 };
 
@@ -148,8 +172,29 @@ class SiluMulFunction : public torch::autograd::Function<SiluMulFunction> {
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    auto g = SiluMulBackwardFunction::apply(grads[0], saved[0], saved[1]);
-    return {ctx->needs_input_grad(0) ? g[0] : at::Tensor(), ctx->needs_input_grad(1) ? g[1] : at::Tensor()};
+    auto [dgate, dup] = customops::silu_mul_backward(grads[0], saved[0], saved[1]);
+    return {ctx->needs_input_grad(0) ? dgate : at::Tensor(), ctx->needs_input_grad(1) ? dup : at::Tensor()};
+  }
+};
+
+class SwigluBackwardFunction : public torch::autograd::Function<SwigluBackwardFunction> {
+ public:
+  static at::Tensor forward(AutogradContext*, const at::Tensor& dy, const at::Tensor& x) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return swiglu_backward_op().call(dy, x);
+  }
+  static variable_list backward(AutogradContext*, variable_list) { no_double_backward<kSwiglu>(); }
+};
+
+class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->save_for_backward({x});
+    return swiglu_op().call(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {customops::swiglu_backward(grads[0], ctx->get_saved_variables()[0])};
   }
 };
 
@@ -186,49 +231,66 @@ class ScaleClampFunction : public torch::autograd::Function<ScaleClampFunction> 
     return scale_clamp_op().call(x, scale, lo, hi);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {ScaleClampBackwardFunction::apply(grads[0], ctx->get_saved_variables()[0],
-                                              ctx->saved_data["scale"].toDouble(), ctx->saved_data["lo"].toDouble(),
-                                              ctx->saved_data["hi"].toDouble()),
+    return {customops::scale_clamp_backward(grads[0], ctx->get_saved_variables()[0], ctx->saved_data["scale"].toDouble(),
+                                 ctx->saved_data["lo"].toDouble(), ctx->saved_data["hi"].toDouble()),
             at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-at::Tensor silu_autograd(const at::Tensor& x) { return SiluFunction::apply(x); }
-at::Tensor silu_backward_autograd(const at::Tensor& dy, const at::Tensor& x) {
-  return SiluBackwardFunction::apply(dy, x);
+at::Tensor silu_autograd(const at::Tensor& x) {
+  return needs_autograd(x) ? SiluFunction::apply(x) : call_below_autograd(silu_op(), x);
 }
-at::Tensor silu_mul_autograd(const at::Tensor& gate, const at::Tensor& up) { return SiluMulFunction::apply(gate, up); }
+at::Tensor silu_backward_autograd(const at::Tensor& dy, const at::Tensor& x) {
+  return needs_autograd(dy, x) ? SiluBackwardFunction::apply(dy, x) : call_below_autograd(silu_backward_op(), dy, x);
+}
+at::Tensor silu_mul_autograd(const at::Tensor& gate, const at::Tensor& up) {
+  return needs_autograd(gate, up) ? SiluMulFunction::apply(gate, up) : call_below_autograd(silu_mul_op(), gate, up);
+}
 std::tuple<at::Tensor, at::Tensor> silu_mul_backward_autograd(const at::Tensor& dy, const at::Tensor& gate,
                                                               const at::Tensor& up) {
+  if (!needs_autograd(dy, gate, up)) return call_below_autograd(silu_mul_backward_op(), dy, gate, up);
   auto g = SiluMulBackwardFunction::apply(dy, gate, up);
   return {g[0], g[1]};
 }
+at::Tensor swiglu_autograd(const at::Tensor& x) {
+  return needs_autograd(x) ? SwigluFunction::apply(x) : call_below_autograd(swiglu_op(), x);
+}
+at::Tensor swiglu_backward_autograd(const at::Tensor& dy, const at::Tensor& x) {
+  return needs_autograd(dy, x) ? SwigluBackwardFunction::apply(dy, x)
+                               : call_below_autograd(swiglu_backward_op(), dy, x);
+}
 at::Tensor scale_clamp_autograd(const at::Tensor& x, double scale, double lo, double hi) {
-  return ScaleClampFunction::apply(x, scale, lo, hi);
+  return needs_autograd(x) ? ScaleClampFunction::apply(x, scale, lo, hi)
+                           : call_below_autograd(scale_clamp_op(), x, scale, lo, hi);
 }
 at::Tensor scale_clamp_backward_autograd(const at::Tensor& dy, const at::Tensor& x, double scale, double lo,
                                          double hi) {
-  return ScaleClampBackwardFunction::apply(dy, x, scale, lo, hi);
+  return needs_autograd(dy, x) ? ScaleClampBackwardFunction::apply(dy, x, scale, lo, hi)
+                               : call_below_autograd(scale_clamp_backward_op(), dy, x, scale, lo, hi);
 }
 
 }  // namespace
 
-// Meta kernels of silu, silu_mul, scale_clamp and their backward ops.
+// Meta kernels of silu, silu_mul, swiglu, scale_clamp and their backward ops.
 TORCH_LIBRARY_IMPL(customops, Meta, m) {
   m.impl("silu", &silu_meta);
   m.impl("_silu_backward", &silu_backward_meta);
   m.impl("silu_mul", &silu_mul_meta);
   m.impl("_silu_mul_backward", &silu_mul_backward_meta);
+  m.impl("swiglu", &swiglu_meta);
+  m.impl("_swiglu_backward", &swiglu_backward_meta);
   m.impl("scale_clamp", &scale_clamp_meta);
   m.impl("_scale_clamp_backward", &scale_clamp_backward_meta);
 }
 
-// Autograd kernels of silu, silu_mul, scale_clamp and their backward ops.
+// Autograd kernels of silu, silu_mul, swiglu, scale_clamp and their backward ops.
 TORCH_LIBRARY_IMPL(customops, Autograd, m) {
   m.impl("silu", &silu_autograd);
   m.impl("_silu_backward", &silu_backward_autograd);
   m.impl("silu_mul", &silu_mul_autograd);
   m.impl("_silu_mul_backward", &silu_mul_backward_autograd);
+  m.impl("swiglu", &swiglu_autograd);
+  m.impl("_swiglu_backward", &swiglu_backward_autograd);
   m.impl("scale_clamp", &scale_clamp_autograd);
   m.impl("_scale_clamp_backward", &scale_clamp_backward_autograd);
 }

@@ -65,6 +65,31 @@ inline void check_silu_mul(const char* op, const at::Tensor& gate, const at::Ten
   checks::same_shape(op, "up", up, "gate", gate);
 }
 
+// swiglu's x holds gate and up side by side in its last dim.
+inline void check_swiglu(const char* op, const at::Tensor& x) {
+  checks::float_dtype(op, "x", x);
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension (gate and up are the halves of its last), "
+              "but it is a scalar");
+  TORCH_SYM_CHECK((x.sym_size(-1) % 2).sym_eq(0), op, ": x's last dimension holds gate and up side by side, so its ",
+                  "size must be even, but x has shape ", x.sym_sizes());
+}
+
+inline void check_swiglu_backward(const at::Tensor& grad_y, const at::Tensor& x) {
+  constexpr const char* op = "customops::_swiglu_backward";
+  check_swiglu(op, x);
+  checks::float_dtype(op, "grad_y", grad_y);
+  checks::same_device(op, "grad_y", grad_y, "x", x);
+  checks::same_dtype(op, "grad_y", grad_y, "x", x);
+  bool same_rank = grad_y.dim() == x.dim();
+  TORCH_CHECK(same_rank, op, ": expected grad_y of shape x.shape[:-1] + [x.shape[-1] / 2] (x: ", x.sym_sizes(),
+              "), but got ", grad_y.sym_sizes());
+  for (int64_t i = 0; i < x.dim(); ++i) {
+    const c10::SymInt want = i == x.dim() - 1 ? x.sym_size(i) / 2 : x.sym_size(i);
+    TORCH_SYM_CHECK(grad_y.sym_size(i).sym_eq(want), op, ": expected grad_y of shape x.shape[:-1] + [x.shape[-1] / 2] (x: ",
+                    x.sym_sizes(), "), but got ", grad_y.sym_sizes());
+  }
+}
+
 inline void check_scale_clamp(const char* op, const at::Tensor& x, double lo, double hi) {
   checks::float_dtype(op, "x", x);
   TORCH_CHECK(lo <= hi, op, ": expected lo <= hi, but got lo=", lo, " and hi=", hi);
@@ -77,6 +102,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y, c
 at::Tensor silu_backward(const at::Tensor& grad_y, const at::Tensor& x);
 std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& grad_y, const at::Tensor& gate,
                                                      const at::Tensor& up);
+at::Tensor swiglu_backward(const at::Tensor& grad_y, const at::Tensor& x);
 at::Tensor scale_clamp_backward(const at::Tensor& grad_y, const at::Tensor& x, double scale, double lo, double hi);
 
 }  // namespace customops

@@ -1,6 +1,7 @@
 // Internal: tensors seen as rows x cols with a contiguous last dim and one stride between rows.
 // Contiguous tensors are one row; the halves of a fused gate-up projection (x[..., :n] and
-// x[..., n:]) are rows with stride 2n, so kernels read them in place. Shared by CPU and CUDA.
+// x[..., n:]) are rows with stride 2n, so kernels read (and write) them in place. Shared by CPU
+// and CUDA.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -31,8 +32,15 @@ inline at::Tensor as_rows(const at::Tensor& t) {
   return is_row_view(t, s) ? t : t.contiguous();
 }
 
-// The common rows x cols of some same-shaped row views (inputs) and contiguous outputs. When all
-// inputs are contiguous everything is one row of numel elements.
+// The two halves of t's last dim, t[..., :n] and t[..., n:] (n = t.size(-1) / 2): gate and up of
+// a fused gate-up tensor, or the two gradients written into one. Row views when t is one.
+inline std::array<at::Tensor, 2> halves(const at::Tensor& t) {
+  const int64_t n = t.size(-1) / 2;
+  return {t.narrow(-1, 0, n), t.narrow(-1, n, n)};
+}
+
+// The common rows x cols of some same-shaped row views (inputs, and outputs written in place).
+// When all of them are contiguous everything is one row of numel elements.
 template <size_t NIn, size_t NOut>
 struct RowLayout {
   int64_t rows = 1, cols = 0;
@@ -43,17 +51,16 @@ struct RowLayout {
     const at::Tensor& ref = out[0];
     bool all_contiguous = true;
     for (const auto& t : in) all_contiguous = all_contiguous && t.is_contiguous();
+    for (const auto& t : out) all_contiguous = all_contiguous && t.is_contiguous();
     cols = (all_contiguous || ref.dim() == 0) ? ref.numel() : ref.size(-1);
     rows = cols == 0 ? 0 : ref.numel() / cols;
-    for (size_t k = 0; k < NIn; ++k) {
+    auto stride_of = [&](const at::Tensor& t) {
       int64_t s = cols;
-      if (!all_contiguous) TORCH_INTERNAL_ASSERT(is_row_view(in[k], s), "customops: input is not a row view");
-      in_stride[k] = s;
-    }
-    for (size_t k = 0; k < NOut; ++k) {
-      TORCH_INTERNAL_ASSERT(out[k].is_contiguous());
-      out_stride[k] = cols;
-    }
+      if (!all_contiguous) TORCH_INTERNAL_ASSERT(is_row_view(t, s), "customops: tensor is not a row view");
+      return s;
+    };
+    for (size_t k = 0; k < NIn; ++k) in_stride[k] = stride_of(in[k]);
+    for (size_t k = 0; k < NOut; ++k) out_stride[k] = stride_of(out[k]);
   }
 };
 

@@ -29,7 +29,7 @@ _check_torch_version()
 
 from . import _C  # noqa: E402  (loads libcustomops.so and registers the ops)
 from . import export  # noqa: E402
-from ._ops import mul, muladd, rms_norm, scale_clamp, silu, silu_mul  # noqa: E402
+from ._ops import mul, muladd, rms_norm, scale_clamp, silu, silu_mul, swiglu  # noqa: E402
 
 __version__ = _build_info.version
 
@@ -70,5 +70,6 @@ __all__ = [
     "rms_norm",
     "silu",
     "silu_mul",
+    "swiglu",
     "scale_clamp",
     "library_path", "build_info", "runner_path", "export", "cmake_prefix_path", "__version__"]

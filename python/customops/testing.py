@@ -219,6 +219,38 @@ def _silu_mul_bad_inputs(device):
     ]
 
 
+def _swiglu_ref(x):
+    gate, up = x.chunk(2, -1)
+    return gate * torch.sigmoid(gate) * up
+
+
+def _swiglu_samples(device, dtype, requires_grad):
+    """x of shape [..., 2n] in every layout (n odd too), and an x that is itself a strided view."""
+    out = []
+    for shape, layout in [((5, 14), "contiguous"), ((2 * 1031,), "contiguous"), ((3, 4, 34), "contiguous"),
+                          ((6, 10), "transposed"), ((4, 12), "strided"), ((0, 6), "contiguous"),
+                          ((3, 0), "contiguous")]:
+        out.append(Sample((_rand(shape, device, dtype, requires_grad, layout=layout),), {}, f"{layout} {list(shape)}"))
+    wide = torch.randn(4, 3 * 8, device=device, dtype=dtype)[:, 8:]  # rows of 16 with row stride 24
+    out.append(Sample((wide.detach().requires_grad_(requires_grad),), {}, "strided rows [4, 16] of [4, 24]"))
+    return out
+
+
+def _swiglu_batch(device, dtype, n):
+    return Sample((torch.randn(n, 16, device=device, dtype=dtype),), {}, f"batch {n}")
+
+
+def _swiglu_bad_inputs(device):
+    op = "customops::swiglu"
+    x = torch.randn(4, 6, device=device)
+    return _unary_bad_inputs("swiglu")(device) + [
+        (Sample((torch.randn(4, 7, device=device),)), rf"{op}: x's last dimension holds gate and up side by side, "
+         r"so its size must be even, but x has shape \[4, 7\]"),
+        (Sample((torch.tensor(1.0, device=device),)), rf"{op}: x must have at least one dimension"),
+        (Sample((x[:, :5],)), rf"{op}: x's last dimension .* must be even"),
+    ]
+
+
 def _scale_clamp_bad_inputs(device):
     op = "customops::scale_clamp"
     return _unary_bad_inputs("scale_clamp", (2.0, -1.0, 1.0))(device) + [
@@ -275,6 +307,14 @@ OPS: list[OpInfo] = [
         ref=lambda gate, up: gate * torch.sigmoid(gate) * up,
         batch=_elementwise_batch(2),
         bad_inputs=_silu_mul_bad_inputs,
+        double_backward=False,
+    ),
+    OpInfo(
+        name="swiglu",
+        samples=_swiglu_samples,
+        ref=_swiglu_ref,
+        batch=_swiglu_batch,
+        bad_inputs=_swiglu_bad_inputs,
         double_backward=False,
     ),
     OpInfo(

@@ -28,6 +28,8 @@ const std::vector<std::pair<std::string, std::string>> kOps = {
     {"customops::_silu_backward", ""},
     {"customops::silu_mul", ""},
     {"customops::_silu_mul_backward", ""},
+    {"customops::swiglu", ""},
+    {"customops::_swiglu_backward", ""},
     {"customops::scale_clamp", ""},
     {"customops::_scale_clamp_backward", ""},
 };
@@ -114,6 +116,7 @@ TEST(LlmOps, ForwardMatchesAtenOnEveryDevice) {
     at::Tensor gu = at::randn({6, 80}, opts);
     auto halves = gu.chunk(2, -1);
     EXPECT_TRUE(at::allclose(customops::silu_mul(halves[0], halves[1]), at::silu(halves[0]) * halves[1], 1e-5, 1e-5));
+    EXPECT_TRUE(at::allclose(customops::swiglu(gu), at::silu(halves[0]) * halves[1], 1e-5, 1e-5));
     EXPECT_TRUE(at::allclose(customops::scale_clamp(x, 2.0, -1.0, 1.0), at::clamp(x * 2.0, -1.0, 1.0)));
   }
 }
@@ -143,6 +146,7 @@ TEST(LlmOps, BadInputsRaiseNamedErrors) {
   }
   EXPECT_THROW(customops::scale_clamp(x, 1.0, 2.0, -2.0), c10::Error);
   EXPECT_THROW(customops::silu(x.to(at::kInt)), c10::Error);
+  EXPECT_THROW(customops::swiglu(at::randn({4, 7})), c10::Error);
 }
 
 }  // namespace
