@@ -8,7 +8,7 @@ from customops import bench
 
 
 def test_bench_quick_report(tmp_path):
-    assert {"muladd", "rms_norm", "silu", "silu_mul", "scale_clamp"} <= set(bench.BENCHES_BY_NAME)
+    assert {"muladd", "rms_norm", "silu", "silu_mul", "swiglu", "scale_clamp"} <= set(bench.BENCHES_BY_NAME)
     doc = tmp_path / "benchmarks.md"
     doc.write_text("# before\n<!-- bench:cpu -->\nold\n<!-- /bench:cpu -->\n# after\n")
     out = subprocess.run(
