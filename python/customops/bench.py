@@ -238,6 +238,8 @@ BENCHES_BY_NAME = {b.name: b for b in BENCHES}
 IMPLS = ("customops", "customops_out", "eager", "compile", "liger")
 ALTERNATIVES = ("eager", "compile", "liger")  # what customops' speed-up is measured against
 PASSES = ("fwd", "fwd+bwd")
+# Allocator settings that change what a fresh output costs; recorded with the results when set.
+ALLOCATOR_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "THP_MEM_ALLOC_ENABLE", "PYTORCH_CUDA_ALLOC_CONF")
 OVERHEAD_MAX = 1.5  # customops' per-call time on tiny tensors, as a multiple of the ATen op's
 
 # ---- timers ---------------------------------------------------------------------------------------
@@ -606,6 +608,7 @@ def run(ops: list[str] | None = None, device: str = "cpu", dtypes: list[torch.dt
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "quick": quick,
         "timer": _timer_name(device),
+        "env": {k: os.environ[k] for k in ALLOCATOR_ENV if k in os.environ},
         "command": None,  # main() fills it in
     }
     if device == "cpu":
@@ -679,8 +682,9 @@ def _target_line(t: dict) -> str:
 def _header(report: dict) -> str:
     m, v = report["meta"], report["meta"]["versions"]
     extra = "".join(f", {k} {v[k]}" for k in ("triton", "liger_kernel") if k in v)
+    env = "".join(f" | {k}={val}" for k, val in m.get("env", {}).items())
     return (f"{m['device_name']} ({m['device']}, {m['threads']} threads) | torch {v['torch']}, customops "
-            f"{v['customops']}{extra} | {m['date']}{' | --quick: timings not meaningful' if m['quick'] else ''}")
+            f"{v['customops']}{extra} | {m['date']}{env}{' | --quick: timings not meaningful' if m['quick'] else ''}")
 
 
 def print_report(report: dict) -> None:
@@ -802,9 +806,9 @@ def markdown(report: dict, image: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def update_doc(path: str, device: str, section: str) -> None:
-    """Replaces what lies between `<!-- bench:DEVICE -->` and `<!-- /bench:DEVICE -->` in path."""
-    begin, end = f"<!-- bench:{device} -->", f"<!-- /bench:{device} -->"
+def update_doc(path: str, name: str, section: str) -> None:
+    """Replaces what lies between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` in path."""
+    begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
     with open(path) as f:
         text = f.read()
     i, j = text.find(begin), text.find(end)
@@ -843,6 +847,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--doc", metavar="PATH",
                    help="rewrite this device's section of a Markdown file (e.g. docs/benchmarks.md), between "
                         "<!-- bench:DEVICE --> and <!-- /bench:DEVICE -->")
+    p.add_argument("--section", metavar="NAME",
+                   help="the markers --doc writes between: <!-- bench:NAME --> (default: the device)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
 
@@ -856,7 +862,8 @@ def main(argv: list[str]) -> int:
         p.error(f"unknown op {', '.join(unknown)}; one of {', '.join(BENCHES_BY_NAME)}")
     report = run(list(dict.fromkeys(args.ops)) or None, device, args.dtype, args.quick,
                  progress=not args.no_progress)
-    report["meta"]["command"] = " ".join(["python -m customops bench", *argv])
+    env = [f"{k}={v}" for k, v in report["meta"]["env"].items()]
+    report["meta"]["command"] = " ".join([*env, "python -m customops bench", *argv])
     print_report(report)
     if args.json:
         with open(args.json, "w") as f:
@@ -865,5 +872,5 @@ def main(argv: list[str]) -> int:
         plot(report, args.plot)
     if args.doc:
         image = os.path.relpath(args.plot, os.path.dirname(os.path.abspath(args.doc))) if args.plot else None
-        update_doc(args.doc, device, markdown(report, image))
+        update_doc(args.doc, args.section or device, markdown(report, image))
     return 1 if report["failures"] else 0
