@@ -38,8 +38,10 @@ endmacro()
 # torch's intra-op threads. With torch's OpenMP backend (ATen/Config.h: AT_PARALLEL_OPENMP)
 # at::parallel_for is an inline template that is parallel only where the code is compiled with
 # OpenMP; without -fopenmp it silently runs on one thread. So: compile with -fopenmp and link the
-# libgomp that torch itself loads (torch/lib/libgomp.so.1 in the wheels), so the process holds one
-# OpenMP runtime and torch.set_num_threads applies to customops too. Sets CUSTOMOPS_CPU_THREADS.
+# libgomp that torch itself loads (torch/lib/libgomp.so.1 in the wheels, else GCC's when torch
+# needs that one), so the process holds one OpenMP runtime and torch.set_num_threads applies to
+# customops too; with any other runtime the kernels build serially, with a warning. Sets
+# CUSTOMOPS_CPU_THREADS.
 # Example:
 #   customops_use_torch_threads(customops)
 function(customops_use_torch_threads target)
@@ -59,21 +61,33 @@ function(customops_use_torch_threads target)
   file(GLOB _torch_gomp "${TORCH_LIBRARY_DIR}/libgomp.so*" "${TORCH_LIBRARY_DIR}/libgomp-*.so*")
   if(_torch_gomp)
     list(GET _torch_gomp 0 _torch_gomp)
-    target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-fopenmp>)
+    # clang's plain -fopenmp would call its own runtime (libomp), which torch's libgomp is not.
+    target_compile_options(${target} PRIVATE $<IF:$<COMPILE_LANG_AND_ID:CXX,Clang>,-fopenmp=libgomp,$<$<COMPILE_LANGUAGE:CXX>:-fopenmp>>)
     target_link_libraries(${target} PRIVATE "${_torch_gomp}")
     get_filename_component(_name "${_torch_gomp}" NAME)
     set(_how "OpenMP (torch's ${_name})")
   else()
-    find_package(OpenMP COMPONENTS CXX)
-    if(NOT OpenMP_CXX_FOUND)
+    # torch was linked against a libgomp outside its folder (a distribution's or conda's build):
+    # GCC's own libgomp is then the same runtime. Any other OpenMP runtime (clang's libomp, Intel's
+    # libiomp5) would give the process two thread pools, so the kernels run serially instead.
+    set(_same_runtime OFF)
+    if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU")
+      find_package(OpenMP COMPONENTS CXX)
+      file(STRINGS "${TORCH_LIBRARY_DIR}/libtorch_cpu.so" _needs_gomp REGEX "^libgomp\\.so\\.1$" LIMIT_COUNT 1)
+      if(OpenMP_CXX_FOUND AND _needs_gomp)
+        set(_same_runtime ON)
+      endif()
+    endif()
+    if(NOT _same_runtime)
       # The kernels' headers refuse to build serially by accident (cpp/cpu/dispatch.h).
       target_compile_definitions(${target} PRIVATE CUSTOMOPS_SERIAL_CPU)
-      set(CUSTOMOPS_CPU_THREADS "one thread (no OpenMP found)" PARENT_SCOPE)
-      message(WARNING "customops: torch uses OpenMP but the compiler has none: CPU kernels run on one thread")
+      set(CUSTOMOPS_CPU_THREADS "one thread (no OpenMP runtime shared with torch)" PARENT_SCOPE)
+      message(WARNING "customops: torch uses OpenMP, but this compiler's runtime is not known to be torch's: "
+                      "CPU kernels run on one thread (build with GCC for threaded CPU kernels)")
       return()
     endif()
     target_link_libraries(${target} PRIVATE OpenMP::OpenMP_CXX)
-    set(_how "OpenMP (${OpenMP_CXX_FLAGS}, the compiler's runtime)")
+    set(_how "OpenMP (GCC's libgomp, as torch's)")
   endif()
   set(CUSTOMOPS_CPU_THREADS "${_how}" PARENT_SCOPE)
   message(STATUS "customops: CPU kernels use torch's threads through ${_how}")

@@ -1,11 +1,12 @@
 // CPU kernels of rms_norm and _rms_norm_backward: rows in parallel (at::parallel_for), each row
 // in float32 (float64 for float64) vectors. The weight gradient, a reduction over rows, is
-// accumulated per thread in float and summed once at the end, so tall and wide shapes both
-// run at memory speed.
+// accumulated per block of rows (one block per thread) in float and summed once at the end, so
+// tall and wide shapes both run at memory speed.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "cpu/dispatch.h"
@@ -78,22 +79,45 @@ void rms_norm_fwd(const T* x, const T* w, T* y, acc_t<T>* rstd, int64_t rows, in
 }
 
 // dx = rstd * (w*dy) - x * rstd^3 / n * sum(w*dy*x);  dw = sum over rows of dy * x * rstd.
+// Rows go in `blocks` contiguous blocks, one parallel task each; block k adds its rows' dw into
+// row k of dw_partial ([blocks, n], zeroed), so no two tasks share an accumulator whatever the
+// thread pool does.
 template <typename T>
 void rms_norm_bwd(const T* dy, const T* x, const T* w, const acc_t<T>* rstd, T* dx, acc_t<T>* dw_partial,
-                  int64_t rows, int64_t n) {
+                  int64_t rows, int64_t n, int64_t blocks) {
   using A = acc_t<T>;
   using V = AccVec<T>;
-  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / std::max<int64_t>(n, 1)), [&](int64_t b, int64_t e) {
-    A* dwp = dw_partial == nullptr ? nullptr : dw_partial + at::get_thread_num() * n;
-    for (int64_t r = b; r < e; ++r) {
-      const T* dyr = dy + r * n;
-      const T* xr = x + r * n;
-      const A rs = rstd[r];
-      const V vrs(rs);
-      if (dx != nullptr) {
-        A s = 0;
-        {
-          V v0(A(0)), v1(A(0));
+  const int64_t per_block = (rows + blocks - 1) / blocks;
+  at::parallel_for(0, blocks, 1, [&](int64_t kb, int64_t ke) {
+    for (int64_t k = kb; k < ke; ++k) {
+      A* dwp = dw_partial == nullptr ? nullptr : dw_partial + k * n;
+      for (int64_t r = k * per_block; r < std::min(rows, (k + 1) * per_block); ++r) {
+        const T* dyr = dy + r * n;
+        const T* xr = x + r * n;
+        const A rs = rstd[r];
+        const V vrs(rs);
+        if (dx != nullptr) {
+          A s = 0;
+          {
+            V v0(A(0)), v1(A(0));
+            int64_t c = 0;
+            for (; c + kStep<T> <= n; c += kStep<T>) {
+              auto [g0, g1] = load2(dyr + c);
+              auto [x0, x1] = load2(xr + c);
+              if (w != nullptr) {
+                auto [w0, w1] = load2(w + c);
+                g0 = g0 * w0;
+                g1 = g1 * w1;
+              }
+              v0 = at::vec::fmadd(g0, x0, v0);
+              v1 = at::vec::fmadd(g1, x1, v1);
+            }
+            s = hsum(v0 + v1);
+            for (; c < n; ++c) s += A(dyr[c]) * (w != nullptr ? A(w[c]) : A(1)) * A(xr[c]);
+          }
+          const A k = s * rs * rs * rs / A(n);
+          const V vk(k);
+          T* dxr = dx + r * n;
           int64_t c = 0;
           for (; c + kStep<T> <= n; c += kStep<T>) {
             auto [g0, g1] = load2(dyr + c);
@@ -103,41 +127,24 @@ void rms_norm_bwd(const T* dy, const T* x, const T* w, const acc_t<T>* rstd, T* 
               g0 = g0 * w0;
               g1 = g1 * w1;
             }
-            v0 = at::vec::fmadd(g0, x0, v0);
-            v1 = at::vec::fmadd(g1, x1, v1);
+            store2(dxr + c, g0 * vrs - x0 * vk, g1 * vrs - x1 * vk);
           }
-          s = hsum(v0 + v1);
-          for (; c < n; ++c) s += A(dyr[c]) * (w != nullptr ? A(w[c]) : A(1)) * A(xr[c]);
-        }
-        const A k = s * rs * rs * rs / A(n);
-        const V vk(k);
-        T* dxr = dx + r * n;
-        int64_t c = 0;
-        for (; c + kStep<T> <= n; c += kStep<T>) {
-          auto [g0, g1] = load2(dyr + c);
-          auto [x0, x1] = load2(xr + c);
-          if (w != nullptr) {
-            auto [w0, w1] = load2(w + c);
-            g0 = g0 * w0;
-            g1 = g1 * w1;
+          for (; c < n; ++c) {
+            const A g = A(dyr[c]) * (w != nullptr ? A(w[c]) : A(1));
+            dxr[c] = static_cast<T>(g * rs - A(xr[c]) * k);
           }
-          store2(dxr + c, g0 * vrs - x0 * vk, g1 * vrs - x1 * vk);
         }
-        for (; c < n; ++c) {
-          const A g = A(dyr[c]) * (w != nullptr ? A(w[c]) : A(1));
-          dxr[c] = static_cast<T>(g * rs - A(xr[c]) * k);
+        if (dwp != nullptr) {
+          int64_t c = 0;
+          for (; c + kStep<T> <= n; c += kStep<T>) {
+            auto [g0, g1] = load2(dyr + c);
+            auto [x0, x1] = load2(xr + c);
+            const int64_t h = V::size();
+            at::vec::fmadd(g0 * vrs, x0, V::loadu(dwp + c)).store(dwp + c);
+            at::vec::fmadd(g1 * vrs, x1, V::loadu(dwp + c + h)).store(dwp + c + h);
+          }
+          for (; c < n; ++c) dwp[c] += A(dyr[c]) * A(xr[c]) * rs;
         }
-      }
-      if (dwp != nullptr) {
-        int64_t c = 0;
-        for (; c + kStep<T> <= n; c += kStep<T>) {
-          auto [g0, g1] = load2(dyr + c);
-          auto [x0, x1] = load2(xr + c);
-          const int64_t h = V::size();
-          at::vec::fmadd(g0 * vrs, x0, V::loadu(dwp + c)).store(dwp + c);
-          at::vec::fmadd(g1 * vrs, x1, V::loadu(dwp + c + h)).store(dwp + c + h);
-        }
-        for (; c < n; ++c) dwp[c] += A(dyr[c]) * A(xr[c]) * rs;
       }
     }
   });
@@ -153,14 +160,16 @@ void rms_norm_kernel(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 }
 
 void rms_norm_backward_kernel(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
-                              const at::Tensor& rstd, const at::Tensor& dx, const at::Tensor& dw_partial) {
+                              const at::Tensor& rstd, const at::Tensor& dx, const at::Tensor& dw_partial,
+                              int64_t blocks) {
   const int64_t n = x.size(-1), rows = n == 0 ? 0 : x.numel() / n;
+  if (rows == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "customops::_rms_norm_backward", [&] {
     using A = acc_t<scalar_t>;
     rms_norm_bwd<scalar_t>(dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
                            w.defined() ? w.const_data_ptr<scalar_t>() : nullptr, rstd.const_data_ptr<A>(),
                            dx.defined() ? dx.mutable_data_ptr<scalar_t>() : nullptr,
-                           dw_partial.defined() ? dw_partial.mutable_data_ptr<A>() : nullptr, rows, n);
+                           dw_partial.defined() ? dw_partial.mutable_data_ptr<A>() : nullptr, rows, n, blocks);
   });
 }
 
@@ -170,7 +179,7 @@ void rms_norm_backward_kernel(const at::Tensor& dy, const at::Tensor& x, const a
 CUSTOMOPS_CPU_KERNEL(void, rms_norm_kernel, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                      const at::Tensor&, double)
 CUSTOMOPS_CPU_KERNEL(void, rms_norm_backward_kernel, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                     const at::Tensor&, const at::Tensor&, const at::Tensor&)
+                     const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)
 
 namespace {
 
@@ -194,12 +203,16 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
   check_rms_norm_backward(grad_y, x, weight, rstd);
   const at::Tensor w = weight_or_undefined(weight);
   at::Tensor dx = mask[0] ? at::empty(x.sizes(), x.options()) : at::Tensor();
+  // One block of rows per thread, each at least ~8K elements (fewer blocks for small inputs).
+  const int64_t n = x.size(-1), rows = n == 0 ? 0 : x.numel() / n;
+  const int64_t min_rows = std::max<int64_t>(1, 8192 / std::max<int64_t>(n, 1));
+  const int64_t blocks = std::clamp<int64_t>((rows + min_rows - 1) / min_rows, 1, at::get_num_threads());
   at::Tensor dw_partial;
   if (mask[1] && w.defined()) {
-    dw_partial = at::zeros({at::get_num_threads(), x.size(-1)}, rstd.options());
+    dw_partial = at::zeros({blocks, n}, rstd.options());
   }
   CUSTOMOPS_CPU_DISPATCH(rms_norm_backward_kernel, grad_y.contiguous(), x.contiguous(), w, rstd.contiguous(), dx,
-                         dw_partial);
+                         dw_partial, blocks);
   return {dx.defined() ? dx : at::empty({0}, x.options()),
           dw_partial.defined() ? dw_partial.sum(0).to(w.scalar_type()) : at::empty({0}, x.options())};
 }

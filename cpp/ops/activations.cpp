@@ -123,7 +123,8 @@ at::Tensor scale_clamp_backward_meta(const at::Tensor& dy, const at::Tensor& x, 
 }
 
 // ---- Autograd ---------------------------------------------------------------------------------
-// Backward ops of silu and silu_mul: their derivative would need silu'', which no kernel computes.
+// Backward ops of silu, silu_mul and swiglu: their derivative would need silu'', which no kernel
+// computes.
 template <const char* kOp>
 [[noreturn]] void no_double_backward() {
   TORCH_CHECK(false, "double backward is not supported for customops::", kOp);

@@ -1,6 +1,7 @@
 """The package around the ops: loading, build info, the torch version check, linking, wrappers."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -46,9 +47,10 @@ def test_cpu_kernels_use_torchs_openmp_runtime():
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         pytest.skip("torch does not parallelize with OpenMP")
     assert customops.build_info()["cpu_threads"].startswith("OpenMP")
+    runtime = re.compile(r"/lib(g|i|i5)?omp[^/]*\.so")  # libgomp, libomp, libiomp5
     with open("/proc/self/maps") as f:
-        gomp = {line.split()[-1] for line in f if "libgomp" in line}
-    assert len(gomp) == 1, gomp
+        runtimes = {line.split()[-1] for line in f if runtime.search(line)}
+    assert len(runtimes) == 1, runtimes
 
 
 def test_cmake_prefix_path_has_the_package_config():
