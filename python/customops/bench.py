@@ -134,6 +134,17 @@ _MLP = (16384, 11008)  # Llama-7B's intermediate activations: tokens x ffn width
 # slower than the faster of torch.compile and Liger-Kernel.
 _GPU_TARGETS = (Target("cuda", "copy", 0.9), Target("cuda", "fastest", 1.0, "fwd+bwd"))
 
+# SwiGLU on one [M, 2N] tensor x whose halves are gate and up (dims are the output's, [M, N]).
+_GATE_UP = dict(
+    inputs=lambda d, dev, dt: (_randn((*d[:-1], 2 * d[-1]), dev, dt),),
+    eager=_chunked(lambda gate, up: F.silu(gate) * up),
+    bytes=_elementwise_bytes(2, 1),
+    shapes=(Shape((4096, 4096), "cpu", (_F32,)), Shape(_MLP, "cuda", (_BF16,))),
+    quick_dims=(256, 1024),
+    liger=lambda: _chunked(_liger("liger_kernel.ops.swiglu", "LigerSiLUMulFunction")()),
+    targets=(Target("cpu", "eager", 1.3), Target("cpu", "compile", 1.0), *_GPU_TARGETS),
+)
+
 BENCHES: list[Bench] = [
     Bench(
         name="muladd",
@@ -191,33 +202,20 @@ BENCHES: list[Bench] = [
         overhead=Overhead("torch.mul(gate, up)", torch.mul, torch.ops.aten.mul.Tensor, lambda g, u: ((g, u), {})),
         targets=(Target("cpu", "eager", 1.3), Target("cpu", "compile", 1.0), *_GPU_TARGETS),
     ),
+    # The same computation twice: silu_mul on the halves of x, and swiglu on x itself, whose
+    # backward writes the gradient of x in one pass where autograd's backward of x.chunk
+    # concatenates the two halves' gradients.
     Bench(
-        # dims are the output's: the input is one [M, 2N] tensor whose halves are gate and up.
         name="silu_mul(x.chunk(2))",
         op="silu_mul",
-        inputs=lambda d, dev, dt: (_randn((*d[:-1], 2 * d[-1]), dev, dt),),
         customops=lambda: _chunked(getattr(customops, "silu_mul", None) or _OPS.silu_mul.default),
-        eager=_chunked(lambda gate, up: F.silu(gate) * up),
-        bytes=_elementwise_bytes(2, 1),
-        shapes=(Shape((4096, 4096), "cpu", (_F32,)), Shape(_MLP, "cuda", (_BF16,))),
-        quick_dims=(256, 1024),
-        liger=lambda: _chunked(_liger("liger_kernel.ops.swiglu", "LigerSiLUMulFunction")()),
-        targets=(Target("cpu", "eager", 1.3), Target("cpu", "compile", 1.0), *_GPU_TARGETS),
+        **_GATE_UP,
     ),
     Bench(
-        # The same computation as the row above, through the op that takes the [M, 2N] tensor
-        # itself: its backward writes the gradient of x in one pass, where autograd's backward of
-        # x.chunk concatenates the two halves' gradients.
         name="swiglu",
         op="swiglu",
-        inputs=lambda d, dev, dt: (_randn((*d[:-1], 2 * d[-1]), dev, dt),),
         customops=_wrapper("swiglu", lambda: _OPS.swiglu.default),
-        eager=_chunked(lambda gate, up: F.silu(gate) * up),
-        bytes=_elementwise_bytes(2, 1),
-        shapes=(Shape((4096, 4096), "cpu", (_F32,)), Shape(_MLP, "cuda", (_BF16,))),
-        quick_dims=(256, 1024),
-        liger=lambda: _chunked(_liger("liger_kernel.ops.swiglu", "LigerSiLUMulFunction")()),
-        targets=(Target("cpu", "eager", 1.3), Target("cpu", "compile", 1.0), *_GPU_TARGETS),
+        **_GATE_UP,
     ),
     Bench(
         name="scale_clamp",
