@@ -4,17 +4,16 @@
 // swiglu's would need silu'' and raise a clear error instead.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include "customops/customops.h"
 #include "ops/autograd.h"
 #include "ops/llm.h"
+#include "ops/row_view.h"
 
 namespace customops {
 namespace {
 
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 template <typename Sig>
@@ -123,151 +122,115 @@ at::Tensor scale_clamp_backward_meta(const at::Tensor& dy, const at::Tensor& x, 
 }
 
 // ---- Autograd ---------------------------------------------------------------------------------
-// Backward ops of silu, silu_mul and swiglu: their derivative would need silu'', which no kernel
-// computes.
-template <const char* kOp>
-[[noreturn]] void no_double_backward() {
-  TORCH_CHECK(false, "double backward is not supported for customops::", kOp);
-}
+// Each backward op is linear in grad_y, so it is also its op's tangent formula (with the input's
+// tangent in grad_y's place). The backward ops of silu, silu_mul and swiglu have no derivative
+// (it would need silu''): their second-order uses raise a clear error.
 constexpr char kSilu[] = "silu";
 constexpr char kSiluMul[] = "silu_mul";
 constexpr char kSwiglu[] = "swiglu";
+using autograd::BackwardArgs;
+using autograd::Recorder;
 
-class SiluBackwardFunction : public torch::autograd::Function<SiluBackwardFunction> {
- public:
-  static at::Tensor forward(AutogradContext*, const at::Tensor& dy, const at::Tensor& x) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return silu_backward_op().call(dy, x);
-  }
-  static variable_list backward(AutogradContext*, variable_list) { no_double_backward<kSilu>(); }
-};
-
-class SiluFunction : public torch::autograd::Function<SiluFunction> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    ctx->save_for_backward({x});
-    return silu_op().call(x);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {customops::silu_backward(grads[0], ctx->get_saved_variables()[0])};
-  }
-};
-
-class SiluMulBackwardFunction : public torch::autograd::Function<SiluMulBackwardFunction> {
- public:
-  static variable_list forward(AutogradContext*, const at::Tensor& dy, const at::Tensor& gate, const at::Tensor& up) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [dgate, dup] = silu_mul_backward_op().call(dy, gate, up);
-    return {dgate, dup};
-  }
-  static variable_list backward(AutogradContext*, variable_list) { no_double_backward<kSiluMul>(); }
-};
-
-class SiluMulFunction : public torch::autograd::Function<SiluMulFunction> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    ctx->save_for_backward({gate, up});
-    return silu_mul_op().call(gate, up);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    auto [dgate, dup] = customops::silu_mul_backward(grads[0], saved[0], saved[1]);
-    return {ctx->needs_input_grad(0) ? dgate : at::Tensor(), ctx->needs_input_grad(1) ? dup : at::Tensor()};
-  }
-};
-
-class SwigluBackwardFunction : public torch::autograd::Function<SwigluBackwardFunction> {
- public:
-  static at::Tensor forward(AutogradContext*, const at::Tensor& dy, const at::Tensor& x) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    return swiglu_backward_op().call(dy, x);
-  }
-  static variable_list backward(AutogradContext*, variable_list) { no_double_backward<kSwiglu>(); }
-};
-
-class SwigluFunction : public torch::autograd::Function<SwigluFunction> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    ctx->save_for_backward({x});
-    return swiglu_op().call(x);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {customops::swiglu_backward(grads[0], ctx->get_saved_variables()[0])};
-  }
-};
-
-// d/d(grad_y) of the backward is the backward itself; d/dx is zero almost everywhere.
-class ScaleClampBackwardFunction : public torch::autograd::Function<ScaleClampBackwardFunction> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& dy, const at::Tensor& x, double scale, double lo,
-                            double hi) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    ctx->save_for_backward({x});
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["lo"] = lo;
-    ctx->saved_data["hi"] = hi;
-    return scale_clamp_backward_op().call(dy, x, scale, lo, hi);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const at::Tensor x = ctx->get_saved_variables()[0];
-    at::Tensor ggrad = ctx->needs_input_grad(0) ? scale_clamp_backward(grads[0], x, ctx->saved_data["scale"].toDouble(),
-                                                                      ctx->saved_data["lo"].toDouble(),
-                                                                      ctx->saved_data["hi"].toDouble())
-                                                : at::Tensor();
-    return {ggrad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
-
-class ScaleClampFunction : public torch::autograd::Function<ScaleClampFunction> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, double scale, double lo, double hi) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    ctx->save_for_backward({x});
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["lo"] = lo;
-    ctx->saved_data["hi"] = hi;
-    return scale_clamp_op().call(x, scale, lo, hi);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {customops::scale_clamp_backward(grads[0], ctx->get_saved_variables()[0], ctx->saved_data["scale"].toDouble(),
-                                 ctx->saved_data["lo"].toDouble(), ctx->saved_data["hi"].toDouble()),
-            at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
+variable_list silu_grad(const BackwardArgs& a) { return {customops::silu_backward(a.grads[0], a.saved[0])}; }
 
 at::Tensor silu_autograd(const at::Tensor& x) {
-  return needs_autograd(x) ? SiluFunction::apply(x) : call_below_autograd(silu_op(), x);
+  Recorder rec(x);
+  if (!rec) return call_below_autograd(silu_op(), x);
+  at::Tensor y = call_below_autograd(silu_op(), x);
+  rec.record<silu_grad>("SiluBackward", {y}, {Recorder::input(x)});
+  rec.set_tangent(y, [&] { return customops::silu_backward(rec.tangent(0), rec.primal(0)); });
+  return y;
 }
+
 at::Tensor silu_backward_autograd(const at::Tensor& dy, const at::Tensor& x) {
-  return needs_autograd(dy, x) ? SiluBackwardFunction::apply(dy, x) : call_below_autograd(silu_backward_op(), dy, x);
+  Recorder rec(dy, x);
+  if (!rec) return call_below_autograd(silu_backward_op(), dy, x);
+  return rec.backward_op<kSilu>(silu_backward_op(), dy, x);
 }
+
+// d(silu(g) * u) = silu'(g) u dg + silu(g) du: the first term is _silu_mul_backward's grad_gate
+// with dg as grad_y, the second silu_mul(g, du).
+at::Tensor silu_mul_tangent(const at::Tensor& gate_t, const at::Tensor& up_t, const at::Tensor& gate,
+                            const at::Tensor& up) {
+  return autograd::sum_defined({gate_t.defined() ? std::get<0>(customops::silu_mul_backward(gate_t, gate, up)) : at::Tensor(),
+                                up_t.defined() ? customops::silu_mul(gate, up_t) : at::Tensor()});
+}
+
+variable_list silu_mul_grad(const BackwardArgs& a) {
+  auto [dgate, dup] = customops::silu_mul_backward(a.grads[0], a.saved[0], a.saved[1]);
+  return {dgate, dup};
+}
+
 at::Tensor silu_mul_autograd(const at::Tensor& gate, const at::Tensor& up) {
-  return needs_autograd(gate, up) ? SiluMulFunction::apply(gate, up) : call_below_autograd(silu_mul_op(), gate, up);
+  Recorder rec(gate, up);
+  if (!rec) return call_below_autograd(silu_mul_op(), gate, up);
+  at::Tensor y = call_below_autograd(silu_mul_op(), gate, up);
+  rec.record<silu_mul_grad>("SiluMulBackward", {y}, {Recorder::input(gate), Recorder::input(up)});
+  rec.set_tangent(y, [&] { return silu_mul_tangent(rec.tangent(0), rec.tangent(1), rec.primal(0), rec.primal(1)); });
+  return y;
 }
+
 std::tuple<at::Tensor, at::Tensor> silu_mul_backward_autograd(const at::Tensor& dy, const at::Tensor& gate,
                                                               const at::Tensor& up) {
-  if (!needs_autograd(dy, gate, up)) return call_below_autograd(silu_mul_backward_op(), dy, gate, up);
-  auto g = SiluMulBackwardFunction::apply(dy, gate, up);
-  return {g[0], g[1]};
+  Recorder rec(dy, gate, up);
+  if (!rec) return call_below_autograd(silu_mul_backward_op(), dy, gate, up);
+  return rec.backward_op<kSiluMul>(silu_mul_backward_op(), dy, gate, up);
 }
+
+variable_list swiglu_grad(const BackwardArgs& a) { return {customops::swiglu_backward(a.grads[0], a.saved[0])}; }
+
 at::Tensor swiglu_autograd(const at::Tensor& x) {
-  return needs_autograd(x) ? SwigluFunction::apply(x) : call_below_autograd(swiglu_op(), x);
+  Recorder rec(x);
+  if (!rec) return call_below_autograd(swiglu_op(), x);
+  at::Tensor y = call_below_autograd(swiglu_op(), x);
+  rec.record<swiglu_grad>("SwigluBackward", {y}, {Recorder::input(x)});
+  rec.set_tangent(y, [&] {
+    auto [gate, up] = halves(rec.primal(0));
+    auto [gate_t, up_t] = halves(rec.tangent(0));
+    return silu_mul_tangent(gate_t, up_t, gate, up);
+  });
+  return y;
 }
+
 at::Tensor swiglu_backward_autograd(const at::Tensor& dy, const at::Tensor& x) {
-  return needs_autograd(dy, x) ? SwigluBackwardFunction::apply(dy, x)
-                               : call_below_autograd(swiglu_backward_op(), dy, x);
+  Recorder rec(dy, x);
+  if (!rec) return call_below_autograd(swiglu_backward_op(), dy, x);
+  return rec.backward_op<kSwiglu>(swiglu_backward_op(), dy, x);
 }
+
+// scale_clamp's backward is grad_y * scale inside (lo, hi) and 0 outside: linear in grad_y and
+// piecewise constant in x, so it is its own derivative (d/dx is 0 almost everywhere) and its own
+// tangent formula. Saved: x; attrs: scale, lo, hi.
+at::Tensor scale_clamp_backward_from(const at::Tensor& g, const at::Tensor& x, const std::vector<double>& attrs) {
+  return customops::scale_clamp_backward(g, x, attrs[0], attrs[1], attrs[2]);
+}
+
+variable_list scale_clamp_grad(const BackwardArgs& a) { return {scale_clamp_backward_from(a.grads[0], a.saved[0], a.attrs)}; }
+
+variable_list scale_clamp_backward_grad(const BackwardArgs& a) {
+  return {scale_clamp_backward_from(a.grads[0], a.saved[0], a.attrs), at::Tensor()};
+}
+
 at::Tensor scale_clamp_autograd(const at::Tensor& x, double scale, double lo, double hi) {
-  return needs_autograd(x) ? ScaleClampFunction::apply(x, scale, lo, hi)
-                           : call_below_autograd(scale_clamp_op(), x, scale, lo, hi);
+  Recorder rec(x);
+  if (!rec) return call_below_autograd(scale_clamp_op(), x, scale, lo, hi);
+  at::Tensor y = call_below_autograd(scale_clamp_op(), x, scale, lo, hi);
+  rec.record<scale_clamp_grad>("ScaleClampBackward", {y}, {Recorder::input(x)}, {scale, lo, hi});
+  rec.set_tangent(y, [&] { return customops::scale_clamp_backward(rec.tangent(0), rec.primal(0), scale, lo, hi); });
+  return y;
 }
+
 at::Tensor scale_clamp_backward_autograd(const at::Tensor& dy, const at::Tensor& x, double scale, double lo,
                                          double hi) {
-  return needs_autograd(dy, x) ? ScaleClampBackwardFunction::apply(dy, x, scale, lo, hi)
-                               : call_below_autograd(scale_clamp_backward_op(), dy, x, scale, lo, hi);
+  Recorder rec(dy, x);
+  if (!rec) return call_below_autograd(scale_clamp_backward_op(), dy, x, scale, lo, hi);
+  at::Tensor dx = call_below_autograd(scale_clamp_backward_op(), dy, x, scale, lo, hi);
+  rec.record<scale_clamp_backward_grad>("ScaleClampBackwardBackward", {dx}, {Recorder::input(x)}, {scale, lo, hi});
+  rec.set_tangent(dx, [&] {
+    return rec.has_tangent(0) ? customops::scale_clamp_backward(rec.tangent(0), rec.primal(1), scale, lo, hi)
+                              : at::zeros_like(dx);
+  });
+  return dx;
 }
 
 }  // namespace

@@ -4,7 +4,6 @@
 #include <ATen/ATen.h>
 #include <ATen/FunctionalTensorWrapper.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include "customops/customops.h"
@@ -14,7 +13,6 @@
 namespace customops {
 namespace {
 
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 const auto& muladd_op() {
@@ -68,57 +66,45 @@ at::Tensor mul_meta(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // ---- Autograd ---------------------------------------------------------------------------------
-// d(a*b + c) = (g*b, g*a); c is a constant.
-class MulAddFunction : public torch::autograd::Function<MulAddFunction> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b, double c) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    ctx->save_for_backward({a, b});
-    return muladd_op().call(a, b, c);
-  }
+// d(a*b + c) = b da + a db for both ops (c is a constant); the formulas use mul, whose own
+// Autograd kernel makes double backward and forward-over-reverse work.
+using autograd::BackwardArgs;
+using autograd::Recorder;
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& g = grads[0];
-    at::Tensor grad_a = ctx->needs_input_grad(0) ? customops::mul(g, saved[1]) : at::Tensor();
-    at::Tensor grad_b = ctx->needs_input_grad(1) ? customops::mul(g, saved[0]) : at::Tensor();
-    return {grad_a, grad_b, at::Tensor()};
-  }
-};
+variable_list mul_grad(const BackwardArgs& a) {
+  const at::Tensor& g = a.grads[0];
+  return {a.needs[0] ? customops::mul(g, a.saved[1]) : at::Tensor(), a.needs[1] ? customops::mul(g, a.saved[0]) : at::Tensor()};
+}
 
-class MulFunction : public torch::autograd::Function<MulFunction> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    ctx->save_for_backward({a, b});
-    return mul_op().call(a, b);
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& g = grads[0];
-    at::Tensor grad_a = ctx->needs_input_grad(0) ? customops::mul(g, saved[1]) : at::Tensor();
-    at::Tensor grad_b = ctx->needs_input_grad(1) ? customops::mul(g, saved[0]) : at::Tensor();
-    return {grad_a, grad_b};
-  }
-};
+at::Tensor mul_tangent(const Recorder& rec) {
+  return autograd::sum_defined({rec.has_tangent(0) ? customops::mul(rec.tangent(0), rec.primal(1)) : at::Tensor(),
+                                rec.has_tangent(1) ? customops::mul(rec.primal(0), rec.tangent(1)) : at::Tensor()});
+}
 
 at::Tensor muladd_autograd(const at::Tensor& a, const at::Tensor& b, double c) {
-  return needs_autograd(a, b) ? MulAddFunction::apply(a, b, c) : call_below_autograd(muladd_op(), a, b, c);
+  Recorder rec(a, b);
+  if (!rec) return call_below_autograd(muladd_op(), a, b, c);
+  at::Tensor y = call_below_autograd(muladd_op(), a, b, c);
+  rec.record<mul_grad>("MulAddBackward", {y}, {Recorder::input(a), Recorder::input(b)});
+  rec.set_tangent(y, [&] { return mul_tangent(rec); });
+  return y;
 }
 
 at::Tensor mul_autograd(const at::Tensor& a, const at::Tensor& b) {
-  return needs_autograd(a, b) ? MulFunction::apply(a, b) : call_below_autograd(mul_op(), a, b);
+  Recorder rec(a, b);
+  if (!rec) return call_below_autograd(mul_op(), a, b);
+  at::Tensor y = call_below_autograd(mul_op(), a, b);
+  rec.record<mul_grad>("MulBackward", {y}, {Recorder::input(a), Recorder::input(b)});
+  rec.set_tangent(y, [&] { return mul_tangent(rec); });
+  return y;
 }
 
 // As ATen's out= ops: no gradient flows through out=, so refuse rather than drop it silently.
 at::Tensor& muladd_out_autograd(const at::Tensor& a, const at::Tensor& b, double c, at::Tensor& out) {
-  const bool needs_grad = at::GradMode::is_enabled() &&
-                          ((a.defined() && a.requires_grad()) || (b.defined() && b.requires_grad()) ||
-                           (out.defined() && out.requires_grad()));
-  TORCH_CHECK(!needs_grad,
+  TORCH_CHECK(!needs_autograd(a, b, out),
               "customops::muladd.out: out= arguments don't support automatic differentiation, but one of "
-              "the arguments (a, b or out) requires grad; call customops.muladd(a, b, c) without out=");
+              "the arguments (a, b or out) requires grad or carries a forward-mode tangent; call "
+              "customops.muladd(a, b, c) without out=");
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     muladd_out_op().call(a, b, c, out);

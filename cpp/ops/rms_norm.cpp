@@ -3,7 +3,6 @@
 // not differentiable. Double backward raises a clear error (the fused backward has no formula).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include "customops/customops.h"
@@ -13,7 +12,6 @@
 namespace customops {
 namespace {
 
-using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 const auto& rms_norm_op() {
@@ -75,60 +73,50 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_meta(const at::Tensor& grad
 }
 
 // ---- Autograd ---------------------------------------------------------------------------------
-class RmsNormBackwardFunction : public torch::autograd::Function<RmsNormBackwardFunction> {
- public:
-  static variable_list forward(AutogradContext* /*ctx*/, const at::Tensor& grad_y, const at::Tensor& x,
-                               const std::optional<at::Tensor>& weight, const at::Tensor& rstd,
-                               std::array<bool, 2> mask) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [dx, dw] = rms_norm_backward_op().call(grad_y, x, weight, rstd, mask);
-    return {dx, dw};
-  }
+// rstd is an output the backward reuses, not a differentiable one. Saved: x, weight, rstd.
+constexpr char kRmsNorm[] = "rms_norm";
+using autograd::BackwardArgs;
+using autograd::Recorder;
 
-  static variable_list backward(AutogradContext* /*ctx*/, variable_list /*grads*/) {
-    TORCH_CHECK(false,
-                "double backward is not supported for customops::rms_norm (its fused backward, "
-                "customops::_rms_norm_backward, has no derivative)");
-  }
-};
+variable_list rms_norm_grad(const BackwardArgs& a) {
+  const at::Tensor &x = a.saved[0], &weight = a.saved[1], &rstd = a.saved[2];
+  const std::array<bool, 2> mask{a.needs[0], weight.defined() && a.needs[1]};
+  auto [dx, dw] = customops::rms_norm_backward(a.grads[0], x, optional_defined(weight), rstd, mask);
+  return {mask[0] ? dx : at::Tensor(), mask[1] ? dw : at::Tensor()};
+}
 
-class RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
- public:
-  // weight is optional: autograd nodes take no undefined tensors as inputs.
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const std::optional<at::Tensor>& weight,
-                               double eps) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [y, rstd] = rms_norm_op().call(x, weight, eps);
-    ctx->save_for_backward({x, weight.value_or(at::Tensor()), rstd});
-    ctx->mark_non_differentiable({rstd});
-    return {y, rstd};
+// With xhat = x * rstd: d xhat = rstd * (dx - xhat * mean(xhat * dx)) and dy = d xhat * w + xhat * dw,
+// in the accumulation dtype (ATen ops: a tangent is a second pass anyway).
+at::Tensor rms_norm_tangent(const Recorder& rec, const at::Tensor& rstd, at::ScalarType out_dtype) {
+  const at::Tensor &x = rec.primal(0), &w = rec.primal(1);
+  const at::ScalarType acc = rstd.scalar_type();
+  const at::Tensor xhat = x.to(acc) * rstd.unsqueeze(-1);
+  at::Tensor dy;
+  if (rec.has_tangent(0)) {
+    const at::Tensor dx = rec.tangent(0).to(acc);
+    dy = rstd.unsqueeze(-1) * (dx - xhat * (xhat * dx).mean(-1, /*keepdim=*/true));
+    if (w.defined()) dy = dy * w.to(acc);
   }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
-    const std::array<bool, 2> mask{ctx->needs_input_grad(0), weight.defined() && ctx->needs_input_grad(1)};
-    if (!mask[0] && !mask[1]) return {at::Tensor(), at::Tensor(), at::Tensor()};
-    auto [dx, dw] = customops::rms_norm_backward(grads[0], x, optional_defined(weight), rstd, mask);
-    return {mask[0] ? dx : at::Tensor(), mask[1] ? dw : at::Tensor(), at::Tensor()};
-  }
-};
+  if (w.defined() && rec.has_tangent(1)) dy = autograd::sum_defined({dy, xhat * rec.tangent(1).to(acc)});
+  return dy.to(out_dtype);
+}
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_autograd(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                                                      double eps) {
-  if (!needs_autograd(x, weight)) return call_below_autograd(rms_norm_op(), x, weight, eps);
-  auto outs = RmsNormFunction::apply(x, weight, eps);
-  return {outs[0], outs[1]};
+  Recorder rec(x, weight);
+  if (!rec) return call_below_autograd(rms_norm_op(), x, weight, eps);
+  auto [y, rstd] = call_below_autograd(rms_norm_op(), x, weight, eps);
+  rec.record<rms_norm_grad>("RmsNormBackward", {y}, {Recorder::input(x), Recorder::input(weight), Recorder::input(rstd)});
+  rec.set_tangent(y, [&, &rstd = rstd, &y = y] { return rms_norm_tangent(rec, rstd, y.scalar_type()); });
+  return {y, rstd};
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward_autograd(const at::Tensor& grad_y, const at::Tensor& x,
                                                               const std::optional<at::Tensor>& weight,
                                                               const at::Tensor& rstd, std::array<bool, 2> mask) {
-  if (!needs_autograd(grad_y, x, weight, rstd)) {
-    return call_below_autograd(rms_norm_backward_op(), grad_y, x, weight, rstd, mask);
-  }
-  auto outs = RmsNormBackwardFunction::apply(grad_y, x, weight, rstd, mask);
-  return {outs[0], outs[1]};
+  Recorder rec(grad_y, x, weight, rstd);
+  if (!rec) return call_below_autograd(rms_norm_backward_op(), grad_y, x, weight, rstd, mask);
+  return rec.backward_op<kRmsNorm>(rms_norm_backward_op(), grad_y, x, weight, rstd, mask);
 }
 
 }  // namespace
