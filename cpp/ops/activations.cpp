@@ -8,6 +8,7 @@
 
 #include "customops/customops.h"
 #include "ops/autograd.h"
+#include "ops/batching.h"
 #include "ops/llm.h"
 #include "ops/row_view.h"
 
@@ -257,6 +258,18 @@ TORCH_LIBRARY_IMPL(customops, Autograd, m) {
   m.impl("_swiglu_backward", &swiglu_backward_autograd);
   m.impl("scale_clamp", &scale_clamp_autograd);
   m.impl("_scale_clamp_backward", &scale_clamp_backward_autograd);
+}
+
+// vmap batching rules: every tensor argument shares the rows.
+TORCH_LIBRARY_IMPL(customops, FuncTorchBatched, m) {
+  m.impl("silu", batching::leading_dims());
+  m.impl("_silu_backward", batching::leading_dims());
+  m.impl("silu_mul", batching::leading_dims());
+  m.impl("_silu_mul_backward", batching::leading_dims());
+  m.impl("swiglu", batching::leading_dims());
+  m.impl("_swiglu_backward", batching::leading_dims());
+  m.impl("scale_clamp", batching::leading_dims());
+  m.impl("_scale_clamp_backward", batching::leading_dims());
 }
 
 }  // namespace customops

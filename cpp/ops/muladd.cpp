@@ -8,6 +8,7 @@
 
 #include "customops/customops.h"
 #include "ops/autograd.h"
+#include "ops/batching.h"
 #include "ops/muladd.h"
 
 namespace customops {
@@ -163,6 +164,13 @@ TORCH_LIBRARY_IMPL(customops, Autograd, m) {
   m.impl("muladd", &muladd_autograd);
   m.impl("muladd.out", &muladd_out_autograd);
   m.impl("mul", &mul_autograd);
+}
+
+// vmap batching rules: every tensor argument shares the rows.
+TORCH_LIBRARY_IMPL(customops, FuncTorchBatched, m) {
+  m.impl("muladd", batching::leading_dims());
+  m.impl("muladd.out", batching::leading_dims());
+  m.impl("mul", batching::leading_dims());
 }
 
 }  // namespace customops

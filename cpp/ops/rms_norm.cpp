@@ -7,6 +7,7 @@
 
 #include "customops/customops.h"
 #include "ops/autograd.h"
+#include "ops/batching.h"
 #include "ops/llm.h"
 
 namespace customops {
@@ -119,6 +120,59 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_autograd(const at::Tensor& 
   return rec.backward_op<kRmsNorm>(rms_norm_backward_op(), grad_y, x, weight, rstd, mask);
 }
 
+// ---- vmap -------------------------------------------------------------------------------------
+// x, grad_y and rstd are batched with the rows; weight is shared by all rows, so an unbatched
+// weight is passed as it is. A batched weight (vmap over models) scales the unweighted norm, and
+// each entry's weight gradient is the sum of grad_y * xhat over that entry's rows.
+
+// rows [B, ..., D] times a per-entry w [B, D], in rows' dtype.
+at::Tensor scale_rows(const at::Tensor& rows, at::Tensor w) {
+  while (w.dim() < rows.dim()) w = w.unsqueeze(1);
+  return (rows.to(rms_norm_acc_dtype(rows.scalar_type())) * w).to(rows.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_batched(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                                                    double eps) {
+  const at::Tensor w = weight.value_or(at::Tensor());
+  batching::Level level({x, w});
+  auto batch = level.batch_size({x, w});
+  if (!batch) return rms_norm_op().call(x, weight, eps);
+  const at::Tensor x_ = level.front(x, *batch), w_ = level.front_if_batched(w);
+  if (!w_.defined()) {
+    auto [y, rstd] = rms_norm_op().call(x_, weight, eps);
+    return {level.wrap(y), level.wrap(rstd)};
+  }
+  check_rms_norm("customops::rms_norm", x, weight);  // the checks a batched weight skips below
+  auto [y, rstd] = rms_norm_op().call(x_, std::nullopt, eps);
+  return {level.wrap(scale_rows(y, w_)), level.wrap(rstd)};
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_batched(const at::Tensor& grad_y, const at::Tensor& x,
+                                                             const std::optional<at::Tensor>& weight,
+                                                             const at::Tensor& rstd, std::array<bool, 2> mask) {
+  const at::Tensor w = weight.value_or(at::Tensor());
+  batching::Level level({grad_y, x, rstd, w});
+  auto batch = level.batch_size({grad_y, x, rstd, w});
+  if (!batch) return rms_norm_backward_op().call(grad_y, x, weight, rstd, mask);
+  check_rms_norm_backward(grad_y, x, weight, rstd);
+  const at::Tensor gy = level.front(grad_y, *batch), x_ = level.front(x, *batch), r = level.front(rstd, *batch);
+  const at::Tensor w_ = level.front_if_batched(w);
+  const at::Tensor none = at::empty({0}, x_.options());
+  at::Tensor dx = none, dw = none;
+  if (mask[0]) {
+    dx = std::get<0>(w_.defined() ? rms_norm_backward_op().call(scale_rows(gy, w_), x_, std::nullopt, r, {true, false})
+                                  : rms_norm_backward_op().call(gy, x_, weight, r, {true, false}));
+  }
+  if (mask[1] && w.defined()) {
+    at::Tensor per_row = gy.to(r.scalar_type()) * x_.to(r.scalar_type()) * r.unsqueeze(-1);
+    std::vector<int64_t> rows;
+    for (int64_t d = 1; d < per_row.dim() - 1; ++d) rows.push_back(d);
+    dw = (rows.empty() ? per_row : per_row.sum(rows)).to(w.scalar_type());
+  }
+  return {mask[0] ? level.wrap(dx) : level.wrap_unbatched(dx),
+          mask[1] && w.defined() ? level.wrap(dw) : level.wrap_unbatched(dw)};
+}
+
 }  // namespace
 
 // Meta kernels of rms_norm.
@@ -131,6 +185,13 @@ TORCH_LIBRARY_IMPL(customops, Meta, m) {
 TORCH_LIBRARY_IMPL(customops, Autograd, m) {
   m.impl("rms_norm", &rms_norm_autograd);
   m.impl("_rms_norm_backward", &rms_norm_backward_autograd);
+}
+
+
+// vmap batching rules of rms_norm.
+TORCH_LIBRARY_IMPL(customops, FuncTorchBatched, m) {
+  m.impl("rms_norm", &rms_norm_batched);
+  m.impl("_rms_norm_backward", &rms_norm_backward_batched);
 }
 
 }  // namespace customops
