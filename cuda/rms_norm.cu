@@ -42,14 +42,16 @@ __device__ __forceinline__ A block_sum(A v, A* red) {
 
 // ---- register path: nv <= K * blockDim.x vectors of V elements per row ----------------------------
 
-template <typename T, int V, int K>
+// W, the weight's element type, is T or (for half types) float.
+template <typename T, typename W, int V, int K>
 __global__ void __launch_bounds__(1024)
-    rms_norm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+    rms_norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y,
                         at::opmath_type<T>* __restrict__ rstd, int64_t rows, int nv, at::opmath_type<T> eps) {
   using A = at::opmath_type<T>;
   using P = Pack<T, V>;
+  using PW = Pack<W, V>;
   __shared__ A red[32];
-  const P* wp = reinterpret_cast<const P*>(w);
+  const PW* wp = reinterpret_cast<const PW*>(w);
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const P* xr = reinterpret_cast<const P*>(x) + r * nv;
     P xv[K];
@@ -78,7 +80,7 @@ __global__ void __launch_bounds__(1024)
       if (i < nv) {
         P o;
         if (wp != nullptr) {
-          const P wv = wp[i];
+          const PW wv = wp[i];
 #pragma unroll
           for (int j = 0; j < V; ++j) o.v[j] = static_cast<T>(static_cast<A>(xv[k].v[j]) * rs * static_cast<A>(wv.v[j]));
         } else {
@@ -109,8 +111,8 @@ constexpr int kCache = 4;  // backward: vectors of dy and of x per thread kept i
 // and the write. dw accumulators: shared memory, element j of vector i at [j * nv + i], so a
 // warp's 32 threads touch 32 consecutive words (no bank conflicts); each thread owns its columns
 // in every row the block visits, so no atomics.
-template <typename T, int V>
-__global__ void __launch_bounds__(512) rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ w,
+template <typename T, typename W, int V>
+__global__ void __launch_bounds__(512) rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ w,
                                     const at::opmath_type<T>* __restrict__ rstd, T* __restrict__ dx,
                                     at::opmath_type<T>* __restrict__ dw_partial, int64_t rows, int64_t n) {
   using A = at::opmath_type<T>;
@@ -139,8 +141,8 @@ __global__ void __launch_bounds__(512) rms_norm_bwd_kernel(const T* __restrict__
     if (dx != nullptr) {
       A s = 0;
       auto dot = [&](int64_t i, const Pack<T, V>& g, const Pack<T, V>& xv) {
-        Pack<T, V> wv;
-        if (w != nullptr) wv = load<T, V>(w + i * V);
+        Pack<W, V> wv;
+        if (w != nullptr) wv = load<W, V>(w + i * V);
 #pragma unroll
         for (int j = 0; j < V; ++j) s += A(g.v[j]) * (w != nullptr ? A(wv.v[j]) : A(1)) * A(xv.v[j]);
       };
@@ -156,8 +158,9 @@ __global__ void __launch_bounds__(512) rms_norm_bwd_kernel(const T* __restrict__
     }
     auto emit = [&](int64_t i, const Pack<T, V>& g, const Pack<T, V>& xv) {
       if (dx != nullptr) {
-        Pack<T, V> wv, out;
-        if (w != nullptr) wv = load<T, V>(w + i * V);
+        Pack<W, V> wv;
+        Pack<T, V> out;
+        if (w != nullptr) wv = load<W, V>(w + i * V);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
           const A gw = A(g.v[j]) * (w != nullptr ? A(wv.v[j]) : A(1));
@@ -207,8 +210,8 @@ __global__ void sum_partials_kernel(const at::opmath_type<T>* __restrict__ parti
 
 // ---- loop path: rows too long for registers; each row is read twice --------------------------------
 
-template <typename T>
-__global__ void rms_norm_fwd_loop_kernel(const T* __restrict__ x, const T* __restrict__ w, T* __restrict__ y,
+template <typename T, typename W>
+__global__ void rms_norm_fwd_loop_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y,
                                          at::opmath_type<T>* __restrict__ rstd, int64_t rows, int64_t n,
                                          at::opmath_type<T> eps) {
   using A = at::opmath_type<T>;
@@ -272,6 +275,22 @@ at::Tensor weight_or_undefined(const std::optional<at::Tensor>& w) {
   return w.has_value() && w->defined() ? w->contiguous() : at::Tensor();
 }
 
+// Calls f(W{}) with W the weight's element type: T itself, or float for a float32 weight with a
+// half-type x (checks allow no other mix), read as it is: no converted copy of the weight.
+template <typename T, typename F>
+void with_weight_type(const at::Tensor& w, F&& f) {
+  if constexpr (std::is_same_v<T, at::Half> || std::is_same_v<T, at::BFloat16>) {
+    if (w.defined() && w.scalar_type() == at::kFloat) return f(float{});
+  }
+  f(T{});
+}
+
+// 1 unless the weight, read V = kVec(T) elements at a time, is aligned for it.
+template <typename T, typename W>
+int weight_vec_width(int v, const W* w) {
+  return w != nullptr && reinterpret_cast<uintptr_t>(w) % (sizeof(W) * v) != 0 ? 1 : v;
+}
+
 constexpr int64_t kMaxGrid = std::numeric_limits<int32_t>::max();
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_cuda(const at::Tensor& x_in, const std::optional<at::Tensor>& weight,
@@ -285,25 +304,28 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cuda(const at::Tensor& x_in, const s
   const int64_t n = x.size(-1), rows = n == 0 ? 0 : x.numel() / n;
   if (rows == 0) return {y, rstd};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "customops::rms_norm", [&] {
+   with_weight_type<scalar_t>(w, [&](auto w_tag) {
+    using W = decltype(w_tag);
     using A = at::opmath_type<scalar_t>;
     constexpr int kVec = 16 / sizeof(scalar_t);
-    const scalar_t* wp = w.defined() ? w.const_data_ptr<scalar_t>() : nullptr;
-    const int v = vec_width<scalar_t>(n, {x.const_data_ptr(), wp, y.const_data_ptr()});
+    const W* wp = w.defined() ? w.const_data_ptr<W>() : nullptr;
+    const int v = weight_vec_width<scalar_t>(vec_width<scalar_t>(n, {x.const_data_ptr(), y.const_data_ptr()}), wp);
     const auto [k, threads] = row_split(n / v, 8);
     const int64_t blocks = std::min(rows, kMaxGrid);
     auto stream = at::cuda::getCurrentCUDAStream();
     if (threads > 0) {
       with_vk<kVec, 8>(v, k, [&](auto V, auto K) {
-        rms_norm_fwd_kernel<scalar_t, decltype(V)::value, decltype(K)::value><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
+        rms_norm_fwd_kernel<scalar_t, W, decltype(V)::value, decltype(K)::value><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
             x.const_data_ptr<scalar_t>(), wp, y.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<A>(), rows,
             static_cast<int>(n / decltype(V)::value), static_cast<A>(eps));
       });
     } else {
-      rms_norm_fwd_loop_kernel<scalar_t><<<static_cast<unsigned>(blocks), 1024, 0, stream>>>(
+      rms_norm_fwd_loop_kernel<scalar_t, W><<<static_cast<unsigned>(blocks), 1024, 0, stream>>>(
           x.const_data_ptr<scalar_t>(), wp, y.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<A>(), rows, n,
           static_cast<A>(eps));
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+   });
   });
   return {y, rstd};
 }
@@ -324,10 +346,12 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
     return {dx, dw};
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "customops::_rms_norm_backward", [&] {
+   with_weight_type<scalar_t>(w, [&](auto w_tag) {
+    using W = decltype(w_tag);
     using A = at::opmath_type<scalar_t>;
-    const scalar_t* wp = w.defined() ? w.const_data_ptr<scalar_t>() : nullptr;
+    const W* wp = w.defined() ? w.const_data_ptr<W>() : nullptr;
     scalar_t* dxp = mask[0] ? dx.mutable_data_ptr<scalar_t>() : nullptr;
-    const int v = vec_width<scalar_t>(n, {x.const_data_ptr(), dy.const_data_ptr(), wp, dxp});
+    const int v = weight_vec_width<scalar_t>(vec_width<scalar_t>(n, {x.const_data_ptr(), dy.const_data_ptr(), dxp}), wp);
     // At most 512 threads, so the kernel's registers fit any GPU (longer rows loop past the cache).
     const int threads = static_cast<int>(std::clamp<int64_t>(((n / v + kCache - 1) / kCache + 31) / 32 * 32, 32, 512));
     const auto* prop = at::cuda::getCurrentDeviceProperties();
@@ -354,19 +378,20 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
     constexpr int kVec = 16 / sizeof(scalar_t);
     if (dxp != nullptr || dw_in_kernel) {
       if (v == kVec) {
-        launch(rms_norm_bwd_kernel<scalar_t, kVec>);
+        launch(rms_norm_bwd_kernel<scalar_t, W, kVec>);
       } else {
-        launch(rms_norm_bwd_kernel<scalar_t, 1>);
+        launch(rms_norm_bwd_kernel<scalar_t, W, 1>);
       }
     }
     if (dw_in_kernel) {
-      sum_partials_kernel<scalar_t><<<static_cast<unsigned>((n + 31) / 32), dim3(32, 8), 0, stream>>>(
-          partial.const_data_ptr<A>(), dw.mutable_data_ptr<scalar_t>(), static_cast<int>(blocks), n);
+      sum_partials_kernel<W><<<static_cast<unsigned>((n + 31) / 32), dim3(32, 8), 0, stream>>>(
+          partial.const_data_ptr<A>(), dw.mutable_data_ptr<W>(), static_cast<int>(blocks), n);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else if (want_dw) {
       const at::Tensor xhat = x.to(rstd.scalar_type()) * rstd.unsqueeze(-1);
       dw.copy_((dy.to(rstd.scalar_type()) * xhat).reshape({rows, n}).sum(0));
     }
+   });
   });
   return {dx, dw};
 }

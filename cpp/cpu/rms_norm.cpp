@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "cpu/dispatch.h"
 #include "cpu/rows.h"
@@ -51,8 +52,10 @@ acc_t<T> dot(const T* a, const T* b, int64_t n) {
 
 }  // namespace
 
-template <typename T>
-void rms_norm_fwd(const T* x, const T* w, T* y, acc_t<T>* rstd, int64_t rows, int64_t n, double eps) {
+// W, the weight's element type, is T or (for half types) float: load2 widens both to the same
+// float vectors.
+template <typename T, typename W>
+void rms_norm_fwd(const T* x, const W* w, T* y, acc_t<T>* rstd, int64_t rows, int64_t n, double eps) {
   using A = acc_t<T>;
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
@@ -82,8 +85,8 @@ void rms_norm_fwd(const T* x, const T* w, T* y, acc_t<T>* rstd, int64_t rows, in
 // Rows go in `blocks` contiguous blocks, one parallel task each; block k adds its rows' dw into
 // row k of dw_partial ([blocks, n], zeroed), so no two tasks share an accumulator whatever the
 // thread pool does.
-template <typename T>
-void rms_norm_bwd(const T* dy, const T* x, const T* w, const acc_t<T>* rstd, T* dx, acc_t<T>* dw_partial,
+template <typename T, typename W>
+void rms_norm_bwd(const T* dy, const T* x, const W* w, const acc_t<T>* rstd, T* dx, acc_t<T>* dw_partial,
                   int64_t rows, int64_t n, int64_t blocks) {
   using A = acc_t<T>;
   using V = AccVec<T>;
@@ -150,12 +153,25 @@ void rms_norm_bwd(const T* dy, const T* x, const T* w, const acc_t<T>* rstd, T* 
   });
 }
 
+// Calls f(W{}) with W the weight's element type: T itself, or float for a float32 weight with a
+// half-type x (the checks allow no other mix), read as it is.
+template <typename T, typename F>
+void with_weight_type(const at::Tensor& w, F&& f) {
+  if constexpr (std::is_same_v<T, at::Half> || std::is_same_v<T, at::BFloat16>) {
+    if (w.defined() && w.scalar_type() == at::kFloat) return f(float{});
+  }
+  f(T{});
+}
+
 void rms_norm_kernel(const at::Tensor& x, const at::Tensor& w, const at::Tensor& y, const at::Tensor& rstd,
                      double eps) {
   const int64_t n = x.size(-1), rows = n == 0 ? 0 : x.numel() / n;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "customops::rms_norm", [&] {
-    rms_norm_fwd<scalar_t>(x.const_data_ptr<scalar_t>(), w.defined() ? w.const_data_ptr<scalar_t>() : nullptr,
-                           y.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<acc_t<scalar_t>>(), rows, n, eps);
+    with_weight_type<scalar_t>(w, [&](auto w_tag) {
+      using W = decltype(w_tag);
+      rms_norm_fwd<scalar_t, W>(x.const_data_ptr<scalar_t>(), w.defined() ? w.const_data_ptr<W>() : nullptr,
+                                y.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<acc_t<scalar_t>>(), rows, n, eps);
+    });
   });
 }
 
@@ -166,10 +182,13 @@ void rms_norm_backward_kernel(const at::Tensor& dy, const at::Tensor& x, const a
   if (rows == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "customops::_rms_norm_backward", [&] {
     using A = acc_t<scalar_t>;
-    rms_norm_bwd<scalar_t>(dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
-                           w.defined() ? w.const_data_ptr<scalar_t>() : nullptr, rstd.const_data_ptr<A>(),
-                           dx.defined() ? dx.mutable_data_ptr<scalar_t>() : nullptr,
-                           dw_partial.defined() ? dw_partial.mutable_data_ptr<A>() : nullptr, rows, n, blocks);
+    with_weight_type<scalar_t>(w, [&](auto w_tag) {
+      using W = decltype(w_tag);
+      rms_norm_bwd<scalar_t, W>(dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
+                                w.defined() ? w.const_data_ptr<W>() : nullptr, rstd.const_data_ptr<A>(),
+                                dx.defined() ? dx.mutable_data_ptr<scalar_t>() : nullptr,
+                                dw_partial.defined() ? dw_partial.mutable_data_ptr<A>() : nullptr, rows, n, blocks);
+    });
   });
 }
 

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "customops/customops.h"
+#include "ops/autocast.h"
 #include "ops/autograd.h"
 #include "ops/batching.h"
 #include "ops/llm.h"
@@ -258,6 +259,11 @@ TORCH_LIBRARY_IMPL(customops, Autograd, m) {
   m.impl("_swiglu_backward", &swiglu_backward_autograd);
   m.impl("scale_clamp", &scale_clamp_autograd);
   m.impl("_scale_clamp_backward", &scale_clamp_backward_autograd);
+}
+
+// Autocast kernels: mixed inputs promote to the widest dtype, as ATen's promote ops do.
+CUSTOMOPS_AUTOCAST_IMPL(m) {
+  m.impl("silu_mul", autocast::promote());
 }
 
 // vmap batching rules: every tensor argument shares the rows.

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "customops/customops.h"
+#include "ops/autocast.h"
 #include "ops/autograd.h"
 #include "ops/batching.h"
 #include "ops/muladd.h"
@@ -164,6 +165,12 @@ TORCH_LIBRARY_IMPL(customops, Autograd, m) {
   m.impl("muladd", &muladd_autograd);
   m.impl("muladd.out", &muladd_out_autograd);
   m.impl("mul", &mul_autograd);
+}
+
+// Autocast kernels: mixed inputs promote to the widest dtype, as ATen's promote ops do.
+CUSTOMOPS_AUTOCAST_IMPL(m) {
+  m.impl("muladd", autocast::promote());
+  m.impl("mul", autocast::promote());
 }
 
 // vmap batching rules: every tensor argument shares the rows.

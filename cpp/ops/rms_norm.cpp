@@ -6,6 +6,7 @@
 #include <torch/library.h>
 
 #include "customops/customops.h"
+#include "ops/autocast.h"
 #include "ops/autograd.h"
 #include "ops/batching.h"
 #include "ops/llm.h"
@@ -173,6 +174,14 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_batched(const at::Tensor& g
           mask[1] && w.defined() ? level.wrap(dw) : level.wrap_unbatched(dw)};
 }
 
+// ---- Autocast: x keeps its dtype; the weight is used as autocast::norm_weight says ------------
+std::tuple<at::Tensor, at::Tensor> rms_norm_autocast(const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                                                     double eps) {
+  const auto w = autocast::norm_weight(x, weight);
+  autocast::Below below;
+  return rms_norm_op().call(x, w, eps);
+}
+
 }  // namespace
 
 // Meta kernels of rms_norm.
@@ -187,6 +196,8 @@ TORCH_LIBRARY_IMPL(customops, Autograd, m) {
   m.impl("_rms_norm_backward", &rms_norm_backward_autograd);
 }
 
+// Autocast kernels of rms_norm.
+CUSTOMOPS_AUTOCAST_IMPL(m) { m.impl("rms_norm", &rms_norm_autocast); }
 
 // vmap batching rules of rms_norm.
 TORCH_LIBRARY_IMPL(customops, FuncTorchBatched, m) {
