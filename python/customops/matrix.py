@@ -4,7 +4,11 @@ Columns: CPU and CUDA (correctness against the float64 reference in every dtype)
 dtypes and strides equal the real kernel's), Autograd (gradients equal the reference's), opcheck
 (torch.library.opcheck, all four tests), gradcheck (gradcheck and gradgradcheck in float64),
 compile (torch.compile fullgraph, dynamic shapes, no recompiles, forward and backward), export
-(torch.export with a dynamic batch dimension, run at several sizes).
+(torch.export with a dynamic batch dimension, run at several sizes), func (torch.func grad, vjp,
+jvp, jacrev, jacfwd and hessian against the reference's), vmap (the op's batching rule, with
+functorch's per-entry fallback disabled, against a loop; vmap(grad) per-entry gradients),
+autocast (the op's autocast policy on CPU, and CUDA when present, forward and backward),
+compiled autograd (the backward under torch._dynamo.compiled_autograd equals eager's).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import customops
 
 from . import testing as T
 
-COLUMNS = ("CPU", "CUDA", "Meta", "Autograd", "opcheck", "gradcheck", "compile", "export")
+COLUMNS = ("CPU", "CUDA", "Meta", "Autograd", "opcheck", "gradcheck", "compile", "export", "func", "vmap",
+           "autocast", "compiled autograd")
 PASS, FAIL, NA = "pass", "FAIL", "n/a"
 
 
@@ -48,6 +53,10 @@ def _checks(info: T.OpInfo, devices: list[str], compile_backend: str) -> dict[st
         "gradcheck": on_devices(lambda d: T.check_gradcheck(info, d)) if info.differentiable else None,
         "compile": on_devices(lambda d: T.check_compile(info, d, backend=compile_backend)),
         "export": on_devices(lambda d: T.check_export(info, d)),
+        "func": on_devices(lambda d: T.check_func(info, d)) if info.differentiable else None,
+        "vmap": on_devices(lambda d: T.check_vmap(info, d)),
+        "autocast": on_devices(lambda d: T.check_autocast(info, d)),
+        "compiled autograd": on_devices(lambda d: T.check_compiled_autograd(info, d)) if info.differentiable else None,
     }
 
 
@@ -70,9 +79,10 @@ def _print(rows: list[dict], header: str) -> None:
         from rich.table import Table
     except ImportError:  # plain text when rich is not installed
         print(header)
-        print("op".ljust(14) + "".join(c.ljust(11) for c in COLUMNS))
+        width = {c: max(len(c), 4) + 2 for c in COLUMNS}
+        print("op".ljust(14) + "".join(c.ljust(width[c]) for c in COLUMNS))
         for r in rows:
-            print(r["op"].ljust(14) + "".join(r["cells"][c].ljust(11) for c in COLUMNS))
+            print(r["op"].ljust(14) + "".join(r["cells"][c].ljust(width[c]) for c in COLUMNS))
         for r in rows:
             for c, why in r["why"].items():
                 if why:
@@ -85,7 +95,7 @@ def _print(rows: list[dict], header: str) -> None:
         table.add_column(c, justify="center")
     for r in rows:
         table.add_row(r["op"], *(f"[{style[r['cells'][c]]}]{r['cells'][c]}[/]" for c in COLUMNS))
-    console = Console(width=max(100, Console().width))
+    console = Console(width=max(150, Console().width))
     console.print(table)
     for r in rows:
         for c, why in r["why"].items():

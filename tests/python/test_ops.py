@@ -66,3 +66,33 @@ def test_export_dynamic_batch(info, device):
 @pytest.mark.parametrize("info", OPS)
 def test_bad_inputs_raise_named_errors(info, device):
     assert T.check_bad_inputs(info, device) >= 4
+
+
+# ---- subsystems: every op works under torch.func, vmap, autocast and compiled autograd ---------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("info", OPS)
+def test_torch_func_transforms(info, device):
+    if not info.differentiable:
+        pytest.skip(f"{info.name} is not differentiable (out= variant)")
+    assert T.check_func(info, device) >= 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("info", OPS)
+def test_vmap_uses_batching_rule(info, device):
+    assert T.check_vmap(info, device) >= 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("info", OPS)
+def test_autocast_policy(info, device):
+    assert T.check_autocast(info, device) >= 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("info", OPS)
+def test_compiled_autograd(info, device):
+    if not info.differentiable:
+        pytest.skip(f"{info.name} is not differentiable (out= variant)")
+    assert T.check_compiled_autograd(info, device) >= 1
