@@ -177,6 +177,19 @@ BENCHES: list[Bench] = [
                           lambda x, w, eps: ((x, [x.shape[-1]], w, eps), {})),
         targets=(Target("cpu", "eager", 2.0), Target("cpu", "compile", 1.0), *_GPU_TARGETS),
     ),
+    # Mixed precision: half-type activations with the norm weight kept in float32, read as it is.
+    Bench(
+        name="rms_norm(float32 weight)",
+        op="rms_norm",
+        inputs=lambda d, dev, dt: (_randn(d, dev, dt), 1 + 0.1 * _randn(d[-1:], dev, _F32), 1e-6),
+        customops=_wrapper("rms_norm", lambda: lambda x, w, eps: _OPS.rms_norm.default(x, w, eps)[0]),
+        eager=lambda x, w, eps: _rms_norm_eager(x, w, eps).to(x.dtype),
+        bytes=_rms_norm_bytes,
+        shapes=(Shape((4096, 4096), "cpu", (_BF16,)), Shape((32768, 4096), "cuda", (_BF16,))),
+        quick_dims=(256, 1024),
+        liger=_liger("liger_kernel.ops.rms_norm", "LigerRMSNormFunction", 0.0, "llama", False),
+        targets=(Target("cpu", "compile", 1.0), *_GPU_TARGETS),
+    ),
     Bench(
         name="silu",
         op="silu",
@@ -833,6 +846,46 @@ def _dtype_list(text: str) -> list[torch.dtype]:
         raise argparse.ArgumentTypeError(f"unknown dtype {e.args[0]!r}; one of {', '.join(DTYPES)}") from None
 
 
+def vmap_report(device: str, entries: int = 64, quick: bool = False) -> list[dict]:
+    """Per op, forward: torch.vmap over `entries` entries (the op's batching rule: one kernel call)
+    against a Python loop of `entries` calls, and against one plain call on the stacked input (what
+    the batching rule should cost). Entries of two sizes: tiny (where a loop pays per-call overhead)
+    and the benchmark's quick shape; rows and elementwise inputs are batched, a norm's weight is
+    shared."""
+    budget = QUICK if quick else Budget(seconds=0.5, min_reps=10, rounds=5, overhead_calls=0, overhead_rounds=0)
+    timer = _time_cuda if device == "cuda" else _time_cpu
+    sync = _sync(device)
+    out = []
+    for b in BENCHES:
+        if b.name != b.op or not hasattr(_OPS, b.op):
+            continue
+        for dims in ((32, 64) if len(b.quick_dims) == 2 else (2048,), b.quick_dims):
+            out.append(_vmap_case(b, dims, device, entries, budget, timer, sync))
+    return out
+
+
+def _vmap_case(b: Bench, dims: tuple, device: str, entries: int, budget: Budget, timer, sync) -> dict:
+    dtype = _BF16 if device == "cuda" else _F32
+    args = b.inputs(dims, device, dtype)
+    fn = b.customops()
+    rows = [isinstance(a, torch.Tensor) and a.dim() >= len(dims) for a in args]
+    stacked = [torch.stack([a] * entries) if r else a for a, r in zip(args, rows)]
+    vmapped = torch.vmap(fn, in_dims=tuple(0 if r else None for r in rows))
+    entry = [[s[i] if r else s for s, r in zip(stacked, rows)] for i in range(entries)]
+
+    def loop(fn=fn, entry=entry):
+        for a in entry:
+            fn(*a)
+        sync()
+
+    fns = {"vmap": lambda: (vmapped(*stacked), sync()), "loop": loop,
+           "one call": lambda: (fn(*stacked), sync())}
+    with torch.no_grad():
+        t = timer(fns, budget)
+    return {"op": b.name, "entry": list(dims), "entries": entries, "dtype": str(dtype).removeprefix("torch."),
+            **{k: v["median_ms"] for k, v in t.items()}}
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m customops bench", description=__doc__.splitlines()[0],
                                 epilog="Ops whose customops:: operator is not in this build are skipped with a note.")
@@ -851,6 +904,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--section", metavar="NAME",
                    help="the markers --doc writes between: <!-- bench:NAME --> (default: the device)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--vmap", type=int, metavar="N",
+                   help="instead: time torch.vmap over N entries against a loop of N calls and one call on the "
+                        "stacked input, per op")
     args = p.parse_args(argv)
 
     cuda_ok = torch.cuda.is_available() and customops.build_info()["cuda"]
@@ -858,6 +914,17 @@ def main(argv: list[str]) -> int:
     if device == "cuda" and not cuda_ok:
         p.error("--device cuda: " + ("customops was built without CUDA" if torch.cuda.is_available()
                                      else "no CUDA device is available"))
+    if args.vmap:
+        rows = vmap_report(device, args.vmap, args.quick)
+        print(f"vmap over {args.vmap} entries on {device} (forward, median ms):")
+        print(f"{'op':14s} {'entry':>10s} {'vmap':>9s} {'loop':>9s} {'one call':>9s} {'loop/vmap':>9s} {'vmap/one':>9s}")
+        for r in rows:
+            print(f"{r['op']:14s} {'x'.join(map(str, r['entry'])):>10s} {r['vmap']:9.3f} {r['loop']:9.3f} "
+                  f"{r['one call']:9.3f} {r['loop'] / r['vmap']:8.1f}x {r['vmap'] / r['one call']:8.2f}x")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     unknown = [o for o in args.ops if o not in BENCHES_BY_NAME]
     if unknown:
         p.error(f"unknown op {', '.join(unknown)}; one of {', '.join(BENCHES_BY_NAME)}")
