@@ -58,7 +58,8 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tens
     Args:
         x: Tensor of shape ``[..., n]`` (at least one dimension); float32, float64, float16 or
             bfloat16. Any strides (non-contiguous inputs are read through a contiguous copy).
-        weight: Optional tensor of shape ``[n]`` with x's dtype and device.
+        weight: Optional tensor of shape ``[n]`` on x's device, of x's dtype or, for a float16 or
+            bfloat16 x, float32 (read as it is; its gradient comes back in float32).
         eps: Added to the mean square before the reciprocal square root.
 
     Returns:
