@@ -7,6 +7,11 @@ from customops import testing as T
 from conftest import DEVICES
 
 OPS = [pytest.param(o, id=o.name) for o in T.OPS]
+
+
+def _skip_unless_differentiable(info):
+    if not info.differentiable:
+        pytest.skip(f"{info.name} is not differentiable (out= variant)")
 DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in T.FLOAT_DTYPES]
 
 
@@ -25,8 +30,7 @@ def test_meta_matches_real_kernel(info):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("info", OPS)
 def test_autograd_matches_reference(info, device):
-    if not info.differentiable:
-        pytest.skip(f"{info.name} is not differentiable (out= variant)")
+    _skip_unless_differentiable(info)
     T.check_autograd(info, device)
 
 
@@ -45,8 +49,7 @@ def test_opcheck(info, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("info", OPS)
 def test_gradcheck_and_gradgradcheck(info, device):
-    if not info.differentiable:
-        pytest.skip(f"{info.name} is not differentiable (out= variant)")
+    _skip_unless_differentiable(info)
     T.check_gradcheck(info, device)
 
 
@@ -73,8 +76,7 @@ def test_bad_inputs_raise_named_errors(info, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("info", OPS)
 def test_torch_func_transforms(info, device):
-    if not info.differentiable:
-        pytest.skip(f"{info.name} is not differentiable (out= variant)")
+    _skip_unless_differentiable(info)
     assert T.check_func(info, device) >= 1
 
 
@@ -93,6 +95,5 @@ def test_autocast_policy(info, device):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("info", OPS)
 def test_compiled_autograd(info, device):
-    if not info.differentiable:
-        pytest.skip(f"{info.name} is not differentiable (out= variant)")
+    _skip_unless_differentiable(info)
     assert T.check_compiled_autograd(info, device) >= 1
