@@ -275,16 +275,6 @@ at::Tensor weight_or_undefined(const std::optional<at::Tensor>& w) {
   return w.has_value() && w->defined() ? w->contiguous() : at::Tensor();
 }
 
-// Calls f(W{}) with W the weight's element type: T itself, or float for a float32 weight with a
-// half-type x (checks allow no other mix), read as it is: no converted copy of the weight.
-template <typename T, typename F>
-void with_weight_type(const at::Tensor& w, F&& f) {
-  if constexpr (std::is_same_v<T, at::Half> || std::is_same_v<T, at::BFloat16>) {
-    if (w.defined() && w.scalar_type() == at::kFloat) return f(float{});
-  }
-  f(T{});
-}
-
 // 1 unless the weight, read V = kVec(T) elements at a time, is aligned for it.
 template <typename T, typename W>
 int weight_vec_width(int v, const W* w) {

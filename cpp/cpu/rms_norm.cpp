@@ -153,16 +153,6 @@ void rms_norm_bwd(const T* dy, const T* x, const W* w, const acc_t<T>* rstd, T* 
   });
 }
 
-// Calls f(W{}) with W the weight's element type: T itself, or float for a float32 weight with a
-// half-type x (the checks allow no other mix), read as it is.
-template <typename T, typename F>
-void with_weight_type(const at::Tensor& w, F&& f) {
-  if constexpr (std::is_same_v<T, at::Half> || std::is_same_v<T, at::BFloat16>) {
-    if (w.defined() && w.scalar_type() == at::kFloat) return f(float{});
-  }
-  f(T{});
-}
-
 void rms_norm_kernel(const at::Tensor& x, const at::Tensor& w, const at::Tensor& y, const at::Tensor& rstd,
                      double eps) {
   const int64_t n = x.size(-1), rows = n == 0 ? 0 : x.numel() / n;

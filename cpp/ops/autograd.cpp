@@ -32,21 +32,25 @@ variable_list run_formula(Formula formula, const std::string& name, const variab
 
 }  // namespace
 
-variable_list OpNode::apply(variable_list&& grads) {
+// SavedVariable::unpack raises the usual error when backward runs a second time without
+// retain_graph.
+variable_list OpNode::unpack_saved() {
+  std::lock_guard<std::mutex> lock(mutex_);
   variable_list saved;
-  {
-    // SavedVariable::unpack raises the usual error when backward runs a second time without
-    // retain_graph.
-    std::lock_guard<std::mutex> lock(mutex_);
-    saved.reserve(saved_.size());
-    for (size_t i = 0; i < saved_.size(); ++i) {
-      saved.push_back(saved_[i].unpack(saved_is_output_[i] ? getptr() : nullptr));
-    }
-  }
-  std::vector<bool> needs;
-  needs.reserve(num_outputs());
-  for (size_t i = 0; i < num_outputs(); ++i) needs.push_back(task_should_compute_output(i));
-  return run_formula(formula_, name_, grads, saved, attrs_, std::move(needs));
+  saved.reserve(saved_.size());
+  for (size_t i = 0; i < saved_.size(); ++i) saved.push_back(saved_[i].unpack(saved_is_output_[i] ? getptr() : nullptr));
+  return saved;
+}
+
+std::vector<bool> OpNode::needs() const {
+  std::vector<bool> out;
+  out.reserve(num_outputs());
+  for (size_t i = 0; i < num_outputs(); ++i) out.push_back(task_should_compute_output(i));
+  return out;
+}
+
+variable_list OpNode::apply(variable_list&& grads) {
+  return run_formula(formula_, name_, grads, unpack_saved(), attrs_, needs());
 }
 
 void OpNode::release_variables() {
@@ -71,14 +75,8 @@ variable_list OpNode::apply_with_saved(const variable_list& grads, torch::dynamo
   for (auto& sv : saved_) saved.before(sv);
 
   PackedArgs packed;
-  std::vector<bool> needs;
-  for (size_t i = 0; i < num_outputs(); ++i) needs.push_back(task_should_compute_output(i));
-  packed.pack(needs);
-  variable_list saved_tensors;
-  for (size_t i = 0; i < saved_.size(); ++i) {
-    saved_tensors.push_back(saved_[i].unpack(saved_is_output_[i] ? getptr() : nullptr));
-  }
-  packed.pack(saved_tensors);
+  packed.pack(needs());
+  packed.pack(unpack_saved());
   packed.pack(attrs_);
   auto args = std::move(packed).vec();
   auto output_metadata =

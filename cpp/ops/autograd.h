@@ -60,8 +60,6 @@ using torch::autograd::variable_list;
 // Node handles are std::shared_ptr up to torch 2.12 and c10::intrusive_ptr after.
 using NodePtr = decltype(std::declval<torch::autograd::Node&>().getptr());
 
-class OpNode;
-
 // What a backward formula receives: one incoming gradient per differentiable output (undefined
 // where none flowed), the saved tensors unpacked, the op's float arguments, and which of the
 // differentiable inputs need a gradient. It returns one gradient per differentiable input,
@@ -100,6 +98,9 @@ class OpNode final : public torch::autograd::TraceableFunction {
   std::vector<double> attrs_;
 
  private:
+  variable_list unpack_saved();
+  std::vector<bool> needs() const;
+
   std::string name_;
   Formula formula_;
 };
@@ -173,13 +174,6 @@ class Recorder {
     return out;
   }
 
-  template <typename F>
-  void set_tangents(std::initializer_list<at::Tensor> outputs, F&& formula) const {
-    if (!needs_tangent_) return;
-    auto ts = formula();
-    size_t i = 0;
-    for (const auto& out : outputs) set_fw_grad(out, ts[i++]);
-  }
 
  private:
   void add_input(const at::Tensor& t);
@@ -197,7 +191,6 @@ class Recorder {
 // The sum of the defined tensors among ts (undefined if none is): tangent formulas add one
 // term per input that carries a tangent.
 at::Tensor sum_defined(std::initializer_list<at::Tensor> ts);
-
 
 }  // namespace autograd
 }  // namespace customops

@@ -29,9 +29,7 @@ inline torch::CppFunction leading_dims() { return torch::CppFunction::makeFromBo
 class Level {
  public:
   explicit Level(c10::ArrayRef<at::Tensor> args);
-  int64_t id() const { return id_; }
   bool batched(const at::Tensor& t) const;
-  bool batched(const std::optional<at::Tensor>& t) const { return t.has_value() && batched(*t); }
   // The batch size of the first batched tensor among ts (nullopt when none is).
   std::optional<c10::SymInt> batch_size(c10::ArrayRef<at::Tensor> ts) const;
   // t's value at this level with its batch dim first; unbatched tensors expanded to `batch`.

@@ -3,10 +3,13 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <array>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 #include "ops/checks.h"
 
@@ -28,6 +31,16 @@ inline void check_rms_norm(const char* op, const at::Tensor& x, const std::optio
     TORCH_SYM_CHECK(w.sym_size(0).sym_eq(x.sym_size(-1)), op, ": expected weight of shape [", x.sym_size(-1),
                     "] (x's last dim), but got ", w.sym_sizes());
   }
+}
+
+// Calls f(W{}) with W the element type of rms_norm's weight: T itself, or float for a float32
+// weight with a half-type x (check_rms_norm allows no other mix), which kernels read as it is.
+template <typename T, typename F>
+void with_weight_type(const at::Tensor& w, F&& f) {
+  if constexpr (std::is_same_v<T, at::Half> || std::is_same_v<T, at::BFloat16>) {
+    if (w.defined() && w.scalar_type() == at::kFloat) return f(float{});
+  }
+  f(T{});
 }
 
 // rstd: the accumulation dtype of x (float32; float64 for float64 x).
