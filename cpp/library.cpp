@@ -32,4 +32,34 @@ TORCH_LIBRARY(customops, m) {
   m.def("scale_clamp(Tensor x, float scale, float lo, float hi) -> Tensor");
   // grad_y * scale where lo < x * scale < hi, else 0.
   m.def("_scale_clamp_backward(Tensor grad_y, Tensor x, float scale, float lo, float hi) -> Tensor");
+
+  // ---- a transformer step's other memory-bound work ----
+  // Per row of logits [..., V] (classes last; computed in float32, float64 for float64):
+  // loss = lse - (1 - label_smoothing) * logits[target] - label_smoothing * mean(logits), 0 where
+  // target == ignore_index; lse = logsumexp(logits, -1). Both shaped like target, both
+  // differentiable (lse too: a z-loss lse**2 needs no second pass); the backward reuses lse.
+  m.def("cross_entropy(Tensor logits, Tensor target, int ignore_index=-100, float label_smoothing=0.0) -> (Tensor, Tensor)");
+  // grad of logits for cross_entropy from the gradients of loss and lse (either may be None).
+  m.def("_cross_entropy_backward(Tensor? grad_loss, Tensor? grad_lse, Tensor logits, Tensor target, Tensor lse, int ignore_index, float label_smoothing) -> Tensor");
+  // cross-entropy of hidden @ weight.T + bias against target, reduced ("mean" over the rows whose
+  // target is not ignore_index, or "sum"), without materializing the [N, V] logits: rows go in
+  // chunks, each chunk's logits live only while its loss and gradients are computed.
+  m.def("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, int ignore_index=-100, float label_smoothing=0.0, str reduction=\"mean\") -> Tensor");
+  // linear_cross_entropy's loss with the gradients of hidden, weight and bias for a unit
+  // gradient of the loss, computed chunk by chunk in the forward (the backward scales them);
+  // an output masked off by output_mask is an empty tensor.
+  m.def("_linear_cross_entropy_with_grads(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, float label_smoothing, str reduction, bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
+  // Rotary embedding of q [B, Hq, S, D] and k [B, Hkv, S, D] in one launch, with cos and sin of
+  // shape [S, R] or [B or 1, S, R] (R <= D, even): the first R dims of each head rotate, the rest
+  // pass through. Rotate-half pairs (i, i + R/2) by default, GPT-J pairs (2i, 2i + 1) when
+  // interleaved: y = x * cos + rotate(x) * sin.
+  m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved=False) -> (Tensor, Tensor)");
+  // (grad_q, grad_k) of rope: the inverse rotation of the output gradients.
+  m.def("_rope_backward(Tensor grad_q, Tensor grad_k, Tensor cos, Tensor sin, bool interleaved) -> (Tensor, Tensor)");
+  // sum = x + residual (rounded to x's dtype), y = rms_norm(sum) * weight, in one pass; returns
+  // (y, sum, rstd). The next residual connection takes sum; the backward reuses rstd.
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor? weight, float eps=1e-06) -> (Tensor, Tensor, Tensor)");
+  // (grad of sum, grad_weight) of add_rms_norm: rms_norm's backward on sum plus grad_sum (the
+  // gradient that reached sum directly, or None); x and residual both take the first.
+  m.def("_add_rms_norm_backward(Tensor grad_y, Tensor? grad_sum, Tensor sum, Tensor? weight, Tensor rstd, bool[2] output_mask) -> (Tensor, Tensor)");
 }

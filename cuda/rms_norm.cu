@@ -1,5 +1,7 @@
-// CUDA kernels of rms_norm and _rms_norm_backward. 16-byte loads; every load of a row is issued
-// before any math on it.
+// CUDA kernels of rms_norm, add_rms_norm and their backward ops. 16-byte loads; every load of a
+// row is issued before any math on it. add_rms_norm is rms_norm of sum = x + residual: the
+// forward also reads residual and writes sum (rounded to x's dtype, and normalized as rounded);
+// its backward adds the gradient that reached sum directly to dx in the same write.
 // - Forward: one block per row (about 256 threads), each thread holding K vectors of the row in
 //   registers, so the row is read once; the hardware keeps several rows per SM in flight while
 //   others reduce. Rows longer than 1024 threads x 8 vectors take a loop kernel that reads them twice.
@@ -45,8 +47,9 @@ __device__ __forceinline__ A block_sum(A v, A* red) {
 // W, the weight's element type, is T or (for half types) float.
 template <typename T, typename W, int V, int K>
 __global__ void __launch_bounds__(1024)
-    rms_norm_fwd_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y,
-                        at::opmath_type<T>* __restrict__ rstd, int64_t rows, int nv, at::opmath_type<T> eps) {
+    rms_norm_fwd_kernel(const T* __restrict__ x, const T* __restrict__ res, const W* __restrict__ w, T* __restrict__ y,
+                        T* __restrict__ sum, at::opmath_type<T>* __restrict__ rstd, int64_t rows, int nv,
+                        at::opmath_type<T> eps) {
   using A = at::opmath_type<T>;
   using P = Pack<T, V>;
   using PW = Pack<W, V>;
@@ -59,6 +62,25 @@ __global__ void __launch_bounds__(1024)
     for (int k = 0; k < K; ++k) {
       const int i = threadIdx.x + k * blockDim.x;
       if (i < nv) xv[k] = xr[i];
+    }
+    if (res != nullptr) {  // add_rms_norm: normalize sum = x + res, rounded as it is stored
+      const P* rr = reinterpret_cast<const P*>(res) + r * nv;
+      P rv[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < nv) rv[k] = rr[i];
+      }
+      P* sr = reinterpret_cast<P*>(sum) + r * nv;
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        if (i < nv) {
+#pragma unroll
+          for (int j = 0; j < V; ++j) xv[k].v[j] = static_cast<T>(static_cast<A>(xv[k].v[j]) + static_cast<A>(rv[k].v[j]));
+          sr[i] = xv[k];
+        }
+      }
     }
     A ss = 0;
 #pragma unroll
@@ -111,10 +133,12 @@ constexpr int kCache = 4;  // backward: vectors of dy and of x per thread kept i
 // and the write. dw accumulators: shared memory, element j of vector i at [j * nv + i], so a
 // warp's 32 threads touch 32 consecutive words (no bank conflicts); each thread owns its columns
 // in every row the block visits, so no atomics.
+// dadd (add_rms_norm's gradient of sum, or nullptr) is added to dx.
 template <typename T, typename W, int V>
 __global__ void __launch_bounds__(512) rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ w,
-                                    const at::opmath_type<T>* __restrict__ rstd, T* __restrict__ dx,
-                                    at::opmath_type<T>* __restrict__ dw_partial, int64_t rows, int64_t n) {
+                                    const at::opmath_type<T>* __restrict__ rstd, const T* __restrict__ dadd,
+                                    T* __restrict__ dx, at::opmath_type<T>* __restrict__ dw_partial, int64_t rows,
+                                    int64_t n) {
   using A = at::opmath_type<T>;
   extern __shared__ unsigned char smem_raw[];
   A* red = reinterpret_cast<A*>(smem_raw);
@@ -159,12 +183,13 @@ __global__ void __launch_bounds__(512) rms_norm_bwd_kernel(const T* __restrict__
     auto emit = [&](int64_t i, const Pack<T, V>& g, const Pack<T, V>& xv) {
       if (dx != nullptr) {
         Pack<W, V> wv;
-        Pack<T, V> out;
+        Pack<T, V> out, da;
         if (w != nullptr) wv = load<W, V>(w + i * V);
+        if (dadd != nullptr) da = load<T, V>(dadd + r * n + i * V);
 #pragma unroll
         for (int j = 0; j < V; ++j) {
           const A gw = A(g.v[j]) * (w != nullptr ? A(wv.v[j]) : A(1));
-          out.v[j] = static_cast<T>(gw * rs - A(xv.v[j]) * coef);
+          out.v[j] = static_cast<T>(gw * rs - A(xv.v[j]) * coef + (dadd != nullptr ? A(da.v[j]) : A(0)));
         }
         store<T, V>(dx + r * n + i * V, out);
       }
@@ -210,16 +235,27 @@ __global__ void sum_partials_kernel(const at::opmath_type<T>* __restrict__ parti
 
 // ---- loop path: rows too long for registers; each row is read twice --------------------------------
 
+// With res != nullptr, the first pass writes sum = x + res and the second reads it back (each
+// thread its own elements).
 template <typename T, typename W>
-__global__ void rms_norm_fwd_loop_kernel(const T* __restrict__ x, const W* __restrict__ w, T* __restrict__ y,
-                                         at::opmath_type<T>* __restrict__ rstd, int64_t rows, int64_t n,
-                                         at::opmath_type<T> eps) {
+__global__ void rms_norm_fwd_loop_kernel(const T* __restrict__ x, const T* __restrict__ res, const W* __restrict__ w,
+                                         T* __restrict__ y, T* __restrict__ sum, at::opmath_type<T>* __restrict__ rstd,
+                                         int64_t rows, int64_t n, at::opmath_type<T> eps) {
   using A = at::opmath_type<T>;
   __shared__ A red[32];
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * n;
     A ss = 0;
-    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) ss += static_cast<A>(xr[c]) * static_cast<A>(xr[c]);
+    if (res != nullptr) {
+      for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
+        const T s = static_cast<T>(static_cast<A>(xr[c]) + static_cast<A>(res[r * n + c]));
+        sum[r * n + c] = s;
+        ss += static_cast<A>(s) * static_cast<A>(s);
+      }
+      xr = sum + r * n;
+    } else {
+      for (int64_t c = threadIdx.x; c < n; c += blockDim.x) ss += static_cast<A>(xr[c]) * static_cast<A>(xr[c]);
+    }
     const A rs = A(1) / sqrt(block_sum(ss, red) / A(n) + eps);
     if (threadIdx.x == 0) rstd[r] = rs;
     for (int64_t c = threadIdx.x; c < n; c += blockDim.x) {
@@ -283,49 +319,72 @@ int weight_vec_width(int v, const W* w) {
 
 constexpr int64_t kMaxGrid = std::numeric_limits<int32_t>::max();
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_cuda(const at::Tensor& x_in, const std::optional<at::Tensor>& weight,
-                                                 double eps) {
-  check_rms_norm("customops::rms_norm", x_in, weight);
-  c10::cuda::CUDAGuard guard(x_in.device());
-  const at::Tensor x = x_in.contiguous(), w = weight_or_undefined(weight);
-  at::Tensor y = at::empty(x.sizes(), x.options());
-  at::Tensor rstd =
-      at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(rms_norm_acc_dtype(x.scalar_type())));
+// The forward of rms_norm (res and sum undefined) and of add_rms_norm; checks are the caller's.
+void rms_norm_forward(const at::Tensor& x, const at::Tensor& res, const at::Tensor& w, const at::Tensor& y,
+                      const at::Tensor& sum, const at::Tensor& rstd, double eps) {
   const int64_t n = x.size(-1), rows = n == 0 ? 0 : x.numel() / n;
-  if (rows == 0) return {y, rstd};
+  if (n == 0) rstd.fill_(std::numeric_limits<double>::quiet_NaN());  // no mean square: rsqrt(mean([]) + eps)
+  if (rows == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "customops::rms_norm", [&] {
    with_weight_type<scalar_t>(w, [&](auto w_tag) {
     using W = decltype(w_tag);
     using A = at::opmath_type<scalar_t>;
     constexpr int kVec = 16 / sizeof(scalar_t);
     const W* wp = w.defined() ? w.const_data_ptr<W>() : nullptr;
-    const int v = weight_vec_width<scalar_t>(vec_width<scalar_t>(n, {x.const_data_ptr(), y.const_data_ptr()}), wp);
+    const scalar_t* rp = res.defined() ? res.const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* sp = sum.defined() ? sum.mutable_data_ptr<scalar_t>() : nullptr;
+    const int v = weight_vec_width<scalar_t>(vec_width<scalar_t>(n, {x.const_data_ptr(), y.const_data_ptr(), rp, sp}), wp);
     const auto [k, threads] = row_split(n / v, 8);
     const int64_t blocks = std::min(rows, kMaxGrid);
     auto stream = at::cuda::getCurrentCUDAStream();
     if (threads > 0) {
       with_vk<kVec, 8>(v, k, [&](auto V, auto K) {
         rms_norm_fwd_kernel<scalar_t, W, decltype(V)::value, decltype(K)::value><<<static_cast<unsigned>(blocks), threads, 0, stream>>>(
-            x.const_data_ptr<scalar_t>(), wp, y.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<A>(), rows,
+            x.const_data_ptr<scalar_t>(), rp, wp, y.mutable_data_ptr<scalar_t>(), sp, rstd.mutable_data_ptr<A>(), rows,
             static_cast<int>(n / decltype(V)::value), static_cast<A>(eps));
       });
     } else {
       rms_norm_fwd_loop_kernel<scalar_t, W><<<static_cast<unsigned>(blocks), 1024, 0, stream>>>(
-          x.const_data_ptr<scalar_t>(), wp, y.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<A>(), rows, n,
+          x.const_data_ptr<scalar_t>(), rp, wp, y.mutable_data_ptr<scalar_t>(), sp, rstd.mutable_data_ptr<A>(), rows, n,
           static_cast<A>(eps));
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
    });
   });
+}
+
+at::Tensor empty_rstd(const at::Tensor& x) {
+  return at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(rms_norm_acc_dtype(x.scalar_type())));
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_cuda(const at::Tensor& x_in, const std::optional<at::Tensor>& weight,
+                                                 double eps) {
+  check_rms_norm("customops::rms_norm", x_in, weight);
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty(x.sizes(), x.options()), rstd = empty_rstd(x);
+  rms_norm_forward(x, at::Tensor(), weight_or_undefined(weight), y, at::Tensor(), rstd, eps);
   return {y, rstd};
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad_y, const at::Tensor& x_in,
-                                                          const std::optional<at::Tensor>& weight,
-                                                          const at::Tensor& rstd_in, std::array<bool, 2> mask) {
-  check_rms_norm_backward(grad_y, x_in, weight, rstd_in);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_cuda(const at::Tensor& x_in, const at::Tensor& residual,
+                                                                 const std::optional<at::Tensor>& weight, double eps) {
+  check_add_rms_norm("customops::add_rms_norm", x_in, residual, weight);
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor y = at::empty(x.sizes(), x.options()), sum = at::empty(x.sizes(), x.options()), rstd = empty_rstd(x);
+  rms_norm_forward(x, residual.contiguous(), weight_or_undefined(weight), y, sum, rstd, eps);
+  return {y, sum, rstd};
+}
+
+// The backward of rms_norm (dadd undefined) and of add_rms_norm; checks are the caller's.
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_common(const at::Tensor& grad_y, const at::Tensor& x_in,
+                                                            const std::optional<at::Tensor>& weight,
+                                                            const at::Tensor& rstd_in, const at::Tensor& dadd_in,
+                                                            std::array<bool, 2> mask) {
   c10::cuda::CUDAGuard guard(x_in.device());
   const at::Tensor x = x_in.contiguous(), dy = grad_y.contiguous(), rstd = rstd_in.contiguous();
+  const at::Tensor dadd = mask[0] && dadd_in.defined() ? dadd_in.contiguous() : at::Tensor();
   const at::Tensor w = weight_or_undefined(weight);
   at::Tensor dx = mask[0] ? at::empty(x.sizes(), x.options()) : at::empty({0}, x.options());
   const bool want_dw = mask[1] && w.defined();
@@ -341,7 +400,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
     using A = at::opmath_type<scalar_t>;
     const W* wp = w.defined() ? w.const_data_ptr<W>() : nullptr;
     scalar_t* dxp = mask[0] ? dx.mutable_data_ptr<scalar_t>() : nullptr;
-    const int v = weight_vec_width<scalar_t>(vec_width<scalar_t>(n, {x.const_data_ptr(), dy.const_data_ptr(), dxp}), wp);
+    const scalar_t* dap = dadd.defined() ? dadd.const_data_ptr<scalar_t>() : nullptr;
+    const int v = weight_vec_width<scalar_t>(
+        vec_width<scalar_t>(n, {x.const_data_ptr(), dy.const_data_ptr(), dxp, dap}), wp);
     // At most 512 threads, so the kernel's registers fit any GPU (longer rows loop past the cache).
     const int threads = static_cast<int>(std::clamp<int64_t>(((n / v + kCache - 1) / kCache + 31) / 32 * 32, 32, 512));
     const auto* prop = at::cuda::getCurrentDeviceProperties();
@@ -361,7 +422,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
                                             static_cast<int>(launch_smem)));
       }
       kernel<<<static_cast<unsigned>(blocks), threads, launch_smem, stream>>>(dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), wp,
-                                                        rstd.const_data_ptr<A>(), dxp,
+                                                        rstd.const_data_ptr<A>(), dap, dxp,
                                                         dw_in_kernel ? partial.mutable_data_ptr<A>() : nullptr, rows, n);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
@@ -386,12 +447,30 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad
   return {dx, dw};
 }
 
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cuda(const at::Tensor& grad_y, const at::Tensor& x,
+                                                          const std::optional<at::Tensor>& weight,
+                                                          const at::Tensor& rstd, std::array<bool, 2> mask) {
+  check_rms_norm_backward(grad_y, x, weight, rstd);
+  return rms_norm_backward_common(grad_y, x, weight, rstd, at::Tensor(), mask);
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_backward_cuda(const at::Tensor& grad_y,
+                                                              const std::optional<at::Tensor>& grad_sum,
+                                                              const at::Tensor& sum,
+                                                              const std::optional<at::Tensor>& weight,
+                                                              const at::Tensor& rstd, std::array<bool, 2> mask) {
+  check_add_rms_norm_backward(grad_y, grad_sum, sum, weight, rstd);
+  return rms_norm_backward_common(grad_y, sum, weight, rstd, grad_sum.value_or(at::Tensor()), mask);
+}
+
 }  // namespace
 
-// CUDA kernels of rms_norm.
+// CUDA kernels of rms_norm and add_rms_norm.
 TORCH_LIBRARY_IMPL(customops, CUDA, m) {
   m.impl("rms_norm", &rms_norm_cuda);
   m.impl("_rms_norm_backward", &rms_norm_backward_cuda);
+  m.impl("add_rms_norm", &add_rms_norm_cuda);
+  m.impl("_add_rms_norm_backward", &add_rms_norm_backward_cuda);
 }
 
 }  // namespace customops

@@ -1,5 +1,7 @@
-// CPU kernels of rms_norm and _rms_norm_backward: rows in parallel (at::parallel_for), each row
-// in float32 (float64 for float64) vectors. The weight gradient, a reduction over rows, is
+// CPU kernels of rms_norm, add_rms_norm and their backward ops: rows in parallel
+// (at::parallel_for), each row in float32 (float64 for float64) vectors. add_rms_norm writes the
+// row's sum x + residual (rounded to x's dtype) first and normalizes it while it is in L1; its
+// backward adds the gradient that reached sum directly in the same write as dx. The weight gradient, a reduction over rows, is
 // accumulated per block of rows (one block per thread) in float and summed once at the end, so
 // tall and wide shapes both run at memory speed.
 #include <ATen/ATen.h>
@@ -8,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 
 #include "cpu/dispatch.h"
@@ -50,16 +53,34 @@ acc_t<T> dot(const T* a, const T* b, int64_t n) {
   return s;
 }
 
+// out = a + b (rounded to T) over n elements.
+template <typename T>
+void add_row(const T* a, const T* b, T* out, int64_t n) {
+  int64_t c = 0;
+  for (; c + kStep<T> <= n; c += kStep<T>) {
+    auto [a0, a1] = load2(a + c);
+    auto [b0, b1] = load2(b + c);
+    store2(out + c, a0 + b0, a1 + b1);
+  }
+  for (; c < n; ++c) out[c] = static_cast<T>(acc_t<T>(a[c]) + acc_t<T>(b[c]));
+}
+
 }  // namespace
 
 // W, the weight's element type, is T or (for half types) float: load2 widens both to the same
 // float vectors.
+// With res != nullptr (add_rms_norm), the normalized row is sum = x + res, written first.
 template <typename T, typename W>
-void rms_norm_fwd(const T* x, const W* w, T* y, acc_t<T>* rstd, int64_t rows, int64_t n, double eps) {
+void rms_norm_fwd(const T* x, const T* res, const W* w, T* y, T* sum, acc_t<T>* rstd, int64_t rows, int64_t n,
+                  double eps) {
   using A = acc_t<T>;
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const T* xr = x + r * n;
+      if (res != nullptr) {
+        add_row(xr, res + r * n, sum + r * n, n);
+        xr = sum + r * n;
+      }
       T* yr = y + r * n;
       const A rs = A(1) / std::sqrt(dot<T>(xr, nullptr, n) / A(n) + A(eps));
       rstd[r] = rs;
@@ -81,13 +102,14 @@ void rms_norm_fwd(const T* x, const W* w, T* y, acc_t<T>* rstd, int64_t rows, in
   });
 }
 
-// dx = rstd * (w*dy) - x * rstd^3 / n * sum(w*dy*x);  dw = sum over rows of dy * x * rstd.
+// dx = rstd * (w*dy) - x * rstd^3 / n * sum(w*dy*x) (+ dadd: add_rms_norm's gradient of sum);
+// dw = sum over rows of dy * x * rstd.
 // Rows go in `blocks` contiguous blocks, one parallel task each; block k adds its rows' dw into
 // row k of dw_partial ([blocks, n], zeroed), so no two tasks share an accumulator whatever the
 // thread pool does.
 template <typename T, typename W>
-void rms_norm_bwd(const T* dy, const T* x, const W* w, const acc_t<T>* rstd, T* dx, acc_t<T>* dw_partial,
-                  int64_t rows, int64_t n, int64_t blocks) {
+void rms_norm_bwd(const T* dy, const T* x, const W* w, const acc_t<T>* rstd, const T* dadd, T* dx,
+                  acc_t<T>* dw_partial, int64_t rows, int64_t n, int64_t blocks) {
   using A = acc_t<T>;
   using V = AccVec<T>;
   const int64_t per_block = (rows + blocks - 1) / blocks;
@@ -121,6 +143,7 @@ void rms_norm_bwd(const T* dy, const T* x, const W* w, const acc_t<T>* rstd, T* 
           const A k = s * rs * rs * rs / A(n);
           const V vk(k);
           T* dxr = dx + r * n;
+          const T* dar = dadd == nullptr ? nullptr : dadd + r * n;
           int64_t c = 0;
           for (; c + kStep<T> <= n; c += kStep<T>) {
             auto [g0, g1] = load2(dyr + c);
@@ -130,11 +153,17 @@ void rms_norm_bwd(const T* dy, const T* x, const W* w, const acc_t<T>* rstd, T* 
               g0 = g0 * w0;
               g1 = g1 * w1;
             }
-            store2(dxr + c, g0 * vrs - x0 * vk, g1 * vrs - x1 * vk);
+            V o0 = g0 * vrs - x0 * vk, o1 = g1 * vrs - x1 * vk;
+            if (dar != nullptr) {
+              auto [d0, d1] = load2(dar + c);
+              o0 = o0 + d0;
+              o1 = o1 + d1;
+            }
+            store2(dxr + c, o0, o1);
           }
           for (; c < n; ++c) {
             const A g = A(dyr[c]) * (w != nullptr ? A(w[c]) : A(1));
-            dxr[c] = static_cast<T>(g * rs - A(xr[c]) * k);
+            dxr[c] = static_cast<T>(g * rs - A(xr[c]) * k + (dar != nullptr ? A(dar[c]) : A(0)));
           }
         }
         if (dwp != nullptr) {
@@ -153,21 +182,25 @@ void rms_norm_bwd(const T* dy, const T* x, const W* w, const acc_t<T>* rstd, T* 
   });
 }
 
-void rms_norm_kernel(const at::Tensor& x, const at::Tensor& w, const at::Tensor& y, const at::Tensor& rstd,
-                     double eps) {
+// res and sum: undefined for rms_norm, add_rms_norm's residual and sum output.
+void rms_norm_kernel(const at::Tensor& x, const at::Tensor& res, const at::Tensor& w, const at::Tensor& y,
+                     const at::Tensor& sum, const at::Tensor& rstd, double eps) {
   const int64_t n = x.size(-1), rows = n == 0 ? 0 : x.numel() / n;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "customops::rms_norm", [&] {
     with_weight_type<scalar_t>(w, [&](auto w_tag) {
       using W = decltype(w_tag);
-      rms_norm_fwd<scalar_t, W>(x.const_data_ptr<scalar_t>(), w.defined() ? w.const_data_ptr<W>() : nullptr,
-                                y.mutable_data_ptr<scalar_t>(), rstd.mutable_data_ptr<acc_t<scalar_t>>(), rows, n, eps);
+      rms_norm_fwd<scalar_t, W>(x.const_data_ptr<scalar_t>(), res.defined() ? res.const_data_ptr<scalar_t>() : nullptr,
+                                w.defined() ? w.const_data_ptr<W>() : nullptr, y.mutable_data_ptr<scalar_t>(),
+                                sum.defined() ? sum.mutable_data_ptr<scalar_t>() : nullptr,
+                                rstd.mutable_data_ptr<acc_t<scalar_t>>(), rows, n, eps);
     });
   });
 }
 
+// dadd: undefined for rms_norm, add_rms_norm's gradient of sum (added to dx).
 void rms_norm_backward_kernel(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
-                              const at::Tensor& rstd, const at::Tensor& dx, const at::Tensor& dw_partial,
-                              int64_t blocks) {
+                              const at::Tensor& rstd, const at::Tensor& dadd, const at::Tensor& dx,
+                              const at::Tensor& dw_partial, int64_t blocks) {
   const int64_t n = x.size(-1), rows = n == 0 ? 0 : x.numel() / n;
   if (rows == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "customops::_rms_norm_backward", [&] {
@@ -176,6 +209,7 @@ void rms_norm_backward_kernel(const at::Tensor& dy, const at::Tensor& x, const a
       using W = decltype(w_tag);
       rms_norm_bwd<scalar_t, W>(dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
                                 w.defined() ? w.const_data_ptr<W>() : nullptr, rstd.const_data_ptr<A>(),
+                                dadd.defined() ? dadd.const_data_ptr<scalar_t>() : nullptr,
                                 dx.defined() ? dx.mutable_data_ptr<scalar_t>() : nullptr,
                                 dw_partial.defined() ? dw_partial.mutable_data_ptr<A>() : nullptr, rows, n, blocks);
     });
@@ -186,9 +220,9 @@ void rms_norm_backward_kernel(const at::Tensor& dy, const at::Tensor& x, const a
 
 #ifdef CPU_CAPABILITY_DEFAULT
 CUSTOMOPS_CPU_KERNEL(void, rms_norm_kernel, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                     const at::Tensor&, double)
+                     const at::Tensor&, const at::Tensor&, const at::Tensor&, double)
 CUSTOMOPS_CPU_KERNEL(void, rms_norm_backward_kernel, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                     const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)
+                     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)
 
 namespace {
 
@@ -196,20 +230,37 @@ at::Tensor weight_or_undefined(const std::optional<at::Tensor>& w) {
   return w.has_value() && w->defined() ? w->contiguous() : at::Tensor();
 }
 
+// Rows of no elements have no mean square: their rstd is NaN, as rsqrt(mean([]) + eps) is.
+const at::Tensor& empty_rows_rstd(const at::Tensor& x, const at::Tensor& rstd) {
+  if (x.size(-1) == 0) rstd.fill_(std::numeric_limits<double>::quiet_NaN());
+  return rstd;
+}
+
 std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                                                 double eps) {
   check_rms_norm("customops::rms_norm", x, weight);
-  const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty(x.sizes(), x.options());
   at::Tensor rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(rms_norm_acc_dtype(x.scalar_type())));
-  CUSTOMOPS_CPU_DISPATCH(rms_norm_kernel, xc, weight_or_undefined(weight), y, rstd, eps);
-  return {y, rstd};
+  CUSTOMOPS_CPU_DISPATCH(rms_norm_kernel, x.contiguous(), at::Tensor(), weight_or_undefined(weight), y, at::Tensor(),
+                         rstd, eps);
+  return {y, empty_rows_rstd(x, rstd)};
 }
 
-std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_y, const at::Tensor& x,
-                                                         const std::optional<at::Tensor>& weight,
-                                                         const at::Tensor& rstd, std::array<bool, 2> mask) {
-  check_rms_norm_backward(grad_y, x, weight, rstd);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_cpu(const at::Tensor& x, const at::Tensor& residual,
+                                                                const std::optional<at::Tensor>& weight, double eps) {
+  check_add_rms_norm("customops::add_rms_norm", x, residual, weight);
+  at::Tensor y = at::empty(x.sizes(), x.options()), sum = at::empty(x.sizes(), x.options());
+  at::Tensor rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(rms_norm_acc_dtype(x.scalar_type())));
+  CUSTOMOPS_CPU_DISPATCH(rms_norm_kernel, x.contiguous(), residual.contiguous(), weight_or_undefined(weight), y, sum,
+                         rstd, eps);
+  return {y, sum, empty_rows_rstd(x, rstd)};
+}
+
+// dx (with dadd added when defined) and dw; the checks are the caller's.
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_common(const at::Tensor& grad_y, const at::Tensor& x,
+                                                            const std::optional<at::Tensor>& weight,
+                                                            const at::Tensor& rstd, const at::Tensor& dadd,
+                                                            std::array<bool, 2> mask) {
   const at::Tensor w = weight_or_undefined(weight);
   at::Tensor dx = mask[0] ? at::empty(x.sizes(), x.options()) : at::Tensor();
   // One block of rows per thread, each at least ~8K elements (fewer blocks for small inputs).
@@ -220,18 +271,36 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_
   if (mask[1] && w.defined()) {
     dw_partial = at::zeros({blocks, n}, rstd.options());
   }
-  CUSTOMOPS_CPU_DISPATCH(rms_norm_backward_kernel, grad_y.contiguous(), x.contiguous(), w, rstd.contiguous(), dx,
-                         dw_partial, blocks);
+  CUSTOMOPS_CPU_DISPATCH(rms_norm_backward_kernel, grad_y.contiguous(), x.contiguous(), w, rstd.contiguous(),
+                         mask[0] && dadd.defined() ? dadd.contiguous() : at::Tensor(), dx, dw_partial, blocks);
   return {dx.defined() ? dx : at::empty({0}, x.options()),
           dw_partial.defined() ? dw_partial.sum(0).to(w.scalar_type()) : at::empty({0}, x.options())};
 }
 
+std::tuple<at::Tensor, at::Tensor> rms_norm_backward_cpu(const at::Tensor& grad_y, const at::Tensor& x,
+                                                         const std::optional<at::Tensor>& weight,
+                                                         const at::Tensor& rstd, std::array<bool, 2> mask) {
+  check_rms_norm_backward(grad_y, x, weight, rstd);
+  return rms_norm_backward_common(grad_y, x, weight, rstd, at::Tensor(), mask);
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_backward_cpu(const at::Tensor& grad_y,
+                                                             const std::optional<at::Tensor>& grad_sum,
+                                                             const at::Tensor& sum,
+                                                             const std::optional<at::Tensor>& weight,
+                                                             const at::Tensor& rstd, std::array<bool, 2> mask) {
+  check_add_rms_norm_backward(grad_y, grad_sum, sum, weight, rstd);
+  return rms_norm_backward_common(grad_y, sum, weight, rstd, grad_sum.value_or(at::Tensor()), mask);
+}
+
 }  // namespace
 
-// CPU kernels of rms_norm.
+// CPU kernels of rms_norm and add_rms_norm.
 TORCH_LIBRARY_IMPL(customops, CPU, m) {
   m.impl("rms_norm", &rms_norm_cpu);
   m.impl("_rms_norm_backward", &rms_norm_backward_cpu);
+  m.impl("add_rms_norm", &add_rms_norm_cpu);
+  m.impl("_add_rms_norm_backward", &add_rms_norm_backward_cpu);
 }
 #endif  // CPU_CAPABILITY_DEFAULT
 

@@ -1,4 +1,4 @@
-// Internal: argument checks of rms_norm, silu, silu_mul, scale_clamp and their backward ops,
+// Internal: argument checks of rms_norm, add_rms_norm, silu, silu_mul, scale_clamp and their backward ops,
 // shared by the Meta, CPU and CUDA kernels; and the typed calls of the private backward ops.
 #pragma once
 
@@ -46,22 +46,44 @@ void with_weight_type(const at::Tensor& w, F&& f) {
 // rstd: the accumulation dtype of x (float32; float64 for float64 x).
 inline at::ScalarType rms_norm_acc_dtype(at::ScalarType x) { return x == at::kDouble ? at::kDouble : at::kFloat; }
 
+// x is the normalized input: rms_norm's x, or add_rms_norm's sum.
 inline void check_rms_norm_backward(const at::Tensor& grad_y, const at::Tensor& x,
-                                    const std::optional<at::Tensor>& weight, const at::Tensor& rstd) {
-  constexpr const char* op = "customops::_rms_norm_backward";
+                                    const std::optional<at::Tensor>& weight, const at::Tensor& rstd,
+                                    const char* op = "customops::_rms_norm_backward", const char* xname = "x") {
   check_rms_norm(op, x, weight);
   checks::defined(op, "grad_y", grad_y);
-  checks::same_device(op, "grad_y", grad_y, "x", x);
-  checks::same_dtype(op, "grad_y", grad_y, "x", x);
-  checks::same_shape(op, "grad_y", grad_y, "x", x);
+  checks::same_device(op, "grad_y", grad_y, xname, x);
+  checks::same_dtype(op, "grad_y", grad_y, xname, x);
+  checks::same_shape(op, "grad_y", grad_y, xname, x);
   checks::defined(op, "rstd", rstd);
   checks::same_device(op, "rstd", rstd, "x", x);
   TORCH_CHECK(rstd.scalar_type() == rms_norm_acc_dtype(x.scalar_type()), op, ": expected rstd of dtype ",
               rms_norm_acc_dtype(x.scalar_type()), ", but got ", rstd.scalar_type());
-  TORCH_CHECK(rstd.dim() == x.dim() - 1, op, ": expected rstd of shape x.shape[:-1], but got ", rstd.sym_sizes());
+  TORCH_CHECK(rstd.dim() == x.dim() - 1, op, ": expected rstd of shape ", xname, ".shape[:-1], but got ", rstd.sym_sizes());
   for (int64_t i = 0; i < rstd.dim(); ++i) {
-    TORCH_SYM_CHECK(rstd.sym_size(i).sym_eq(x.sym_size(i)), op, ": expected rstd of shape x.shape[:-1], but got ",
-                    rstd.sym_sizes());
+    TORCH_SYM_CHECK(rstd.sym_size(i).sym_eq(x.sym_size(i)), op, ": expected rstd of shape ", xname,
+                    ".shape[:-1], but got ", rstd.sym_sizes());
+  }
+}
+
+inline void check_add_rms_norm(const char* op, const at::Tensor& x, const at::Tensor& residual,
+                               const std::optional<at::Tensor>& weight) {
+  check_rms_norm(op, x, weight);
+  checks::defined(op, "residual", residual);
+  checks::same_device(op, "residual", residual, "x", x);
+  checks::same_dtype(op, "residual", residual, "x", x);
+  checks::same_shape(op, "residual", residual, "x", x);
+}
+
+inline void check_add_rms_norm_backward(const at::Tensor& grad_y, const std::optional<at::Tensor>& grad_sum,
+                                        const at::Tensor& sum, const std::optional<at::Tensor>& weight,
+                                        const at::Tensor& rstd) {
+  constexpr const char* op = "customops::_add_rms_norm_backward";
+  check_rms_norm_backward(grad_y, sum, weight, rstd, op, "sum");
+  if (grad_sum.has_value() && grad_sum->defined()) {
+    checks::same_device(op, "grad_sum", *grad_sum, "sum", sum);
+    checks::same_dtype(op, "grad_sum", *grad_sum, "sum", sum);
+    checks::same_shape(op, "grad_sum", *grad_sum, "sum", sum);
   }
 }
 
@@ -111,6 +133,15 @@ inline void check_scale_clamp(const char* op, const at::Tensor& x, double lo, do
   checks::float_dtype(op, "x", x);
   TORCH_CHECK(lo <= hi, op, ": expected lo <= hi, but got lo=", lo, " and hi=", hi);
 }
+
+// t as an optional argument: nullopt when undefined.
+std::optional<at::Tensor> optional_defined(const at::Tensor& t);
+
+// vmap of a norm with a per-entry weight (cpp/ops/rms_norm.cpp): rows [B, ..., D] times w [B, D]
+// in rows' dtype; and each entry's weight gradient, the sum of gy * x * rstd over its rows.
+at::Tensor scale_rows(const at::Tensor& rows, at::Tensor w);
+at::Tensor per_entry_weight_grad(const at::Tensor& gy, const at::Tensor& x, const at::Tensor& rstd,
+                                 at::ScalarType w_dtype);
 
 // Typed calls of the private backward ops, through the dispatcher.
 std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y, const at::Tensor& x,

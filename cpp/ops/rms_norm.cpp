@@ -33,11 +33,11 @@ const auto& rms_norm_backward_op() {
   return op;
 }
 
+}  // namespace
+
 std::optional<at::Tensor> optional_defined(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
-
-}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_with_rstd(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                                                       double eps) {
@@ -52,6 +52,21 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward(const at::Tensor& grad_y, c
                                                      const std::optional<at::Tensor>& weight,
                                                      const at::Tensor& rstd, std::array<bool, 2> output_mask) {
   return rms_norm_backward_op().call(grad_y, x, weight, rstd, output_mask);
+}
+
+// ---- vmap helpers shared with add_rms_norm (ops/llm.h) -----------------------------------------
+
+at::Tensor scale_rows(const at::Tensor& rows, at::Tensor w) {
+  while (w.dim() < rows.dim()) w = w.unsqueeze(1);
+  return (rows.to(rms_norm_acc_dtype(rows.scalar_type())) * w).to(rows.scalar_type());
+}
+
+at::Tensor per_entry_weight_grad(const at::Tensor& gy, const at::Tensor& x, const at::Tensor& rstd,
+                                 at::ScalarType w_dtype) {
+  at::Tensor per_row = gy.to(rstd.scalar_type()) * x.to(rstd.scalar_type()) * rstd.unsqueeze(-1);
+  std::vector<int64_t> rows;
+  for (int64_t d = 1; d < per_row.dim() - 1; ++d) rows.push_back(d);
+  return (rows.empty() ? per_row : per_row.sum(rows)).to(w_dtype);
 }
 
 namespace {
@@ -126,11 +141,6 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_autograd(const at::Tensor& 
 // weight is passed as it is. A batched weight (vmap over models) scales the unweighted norm, and
 // each entry's weight gradient is the sum of grad_y * xhat over that entry's rows.
 
-// rows [B, ..., D] times a per-entry w [B, D], in rows' dtype.
-at::Tensor scale_rows(const at::Tensor& rows, at::Tensor w) {
-  while (w.dim() < rows.dim()) w = w.unsqueeze(1);
-  return (rows.to(rms_norm_acc_dtype(rows.scalar_type())) * w).to(rows.scalar_type());
-}
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_batched(const at::Tensor& x, const std::optional<at::Tensor>& weight,
                                                     double eps) {
@@ -165,10 +175,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_batched(const at::Tensor& g
                                   : rms_norm_backward_op().call(gy, x_, weight, r, {true, false}));
   }
   if (mask[1] && w.defined()) {
-    at::Tensor per_row = gy.to(r.scalar_type()) * x_.to(r.scalar_type()) * r.unsqueeze(-1);
-    std::vector<int64_t> rows;
-    for (int64_t d = 1; d < per_row.dim() - 1; ++d) rows.push_back(d);
-    dw = (rows.empty() ? per_row : per_row.sum(rows)).to(w.scalar_type());
+    dw = per_entry_weight_grad(gy, x_, r, w.scalar_type());
   }
   return {mask[0] ? level.wrap(dx) : level.wrap_unbatched(dx),
           mask[1] && w.defined() ? level.wrap(dw) : level.wrap_unbatched(dw)};

@@ -29,7 +29,8 @@ _check_torch_version()
 
 from . import _C  # noqa: E402  (loads libcustomops.so and registers the ops)
 from . import export  # noqa: E402
-from ._ops import mul, muladd, rms_norm, scale_clamp, silu, silu_mul, swiglu  # noqa: E402
+from ._ops import (add_rms_norm, cross_entropy, linear_cross_entropy, mul, muladd, rms_norm, rope,  # noqa: E402
+                   scale_clamp, silu, silu_mul, swiglu)
 
 __version__ = _build_info.version
 
@@ -72,4 +73,8 @@ __all__ = [
     "silu_mul",
     "swiglu",
     "scale_clamp",
+    "add_rms_norm",
+    "rope",
+    "cross_entropy",
+    "linear_cross_entropy",
     "library_path", "build_info", "runner_path", "export", "cmake_prefix_path", "__version__"]

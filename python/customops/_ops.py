@@ -15,8 +15,12 @@ _ops = torch.ops.customops
 _muladd, _muladd_out, _mul = _ops.muladd.default, _ops.muladd.out, _ops.mul.default
 _rms_norm, _silu, _silu_mul, _swiglu, _scale_clamp = (
     _ops.rms_norm.default, _ops.silu.default, _ops.silu_mul.default, _ops.swiglu.default, _ops.scale_clamp.default)
+_add_rms_norm, _rope, _cross_entropy, _linear_cross_entropy = (
+    _ops.add_rms_norm.default, _ops.rope.default, _ops.cross_entropy.default, _ops.linear_cross_entropy.default)
 _muladd_c, _mul_c, _rms_norm_c, _silu_c, _silu_mul_c, _swiglu_c, _scale_clamp_c = (
     o._op for o in (_muladd, _mul, _rms_norm, _silu, _silu_mul, _swiglu, _scale_clamp))
+_add_rms_norm_c, _rope_c, _cross_entropy_c, _linear_cross_entropy_c = (
+    o._op for o in (_add_rms_norm, _rope, _cross_entropy, _linear_cross_entropy))
 
 
 def muladd(a: Tensor, b: Tensor, c: float, *, out: Tensor | None = None) -> Tensor:
@@ -69,6 +73,28 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tens
         weight; double backward raises.
     """
     return (_rms_norm(x, weight, eps) if is_compiling() else _rms_norm_c(x, weight, eps))[0]
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None,
+                 eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+    """A residual connection followed by RMSNorm, in one pass: ``sum = x + residual`` and
+    ``y = rms_norm(sum, weight, eps)``.
+
+    Args:
+        x: Tensor of shape ``[..., n]``; float32, float64, float16 or bfloat16 (any strides).
+        residual: Tensor with x's shape, dtype and device.
+        weight: Optional ``[n]`` tensor of x's dtype or, for half types, float32.
+        eps: Added to the mean square before the reciprocal square root.
+
+    Returns:
+        ``(y, sum)``, both shaped like x: the normalized output, and ``sum`` (rounded to x's dtype,
+        which is what is normalized), the residual stream the next block adds to. Differentiable
+        in x, residual and weight, through y and sum; double backward raises. The op itself,
+        ``torch.ops.customops.add_rms_norm``, also returns rstd.
+    """
+    y, s, _ = (_add_rms_norm(x, residual, weight, eps) if is_compiling()
+               else _add_rms_norm_c(x, residual, weight, eps))
+    return y, s
 
 
 def silu(x: Tensor) -> Tensor:
@@ -131,3 +157,90 @@ def scale_clamp(x: Tensor, scale: float, lo: float, hi: float) -> Tensor:
         ``lo < x * scale < hi`` and 0 elsewhere; double backward works.
     """
     return _scale_clamp(x, scale, lo, hi) if is_compiling() else _scale_clamp_c(x, scale, lo, hi)
+
+
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False) -> tuple[Tensor, Tensor]:
+    """Rotary position embedding of queries and keys in one launch: ``x * cos + rotate(x) * sin``.
+
+    Args:
+        q: ``[B, Hq, S, D]``; float32, float64, float16 or bfloat16. Any strides (a view of a fused
+            qkv projection is read in place when its last dim is contiguous).
+        k: ``[B, Hkv, S, D]`` with q's B, S, D and dtype (Hkv may differ: grouped-query attention).
+        cos, sin: ``[S, R]`` or ``[B or 1, S, R]`` of q's dtype, as Hugging Face's rotary modules
+            produce them; R <= D and even. Only the first R dims of each head rotate (partial
+            rotary); the rest pass through.
+        interleaved: False (default) rotates pairs ``(i, i + R/2)`` (rotate-half, Llama/Mistral/Qwen);
+            True rotates pairs ``(2i, 2i + 1)`` (GPT-J).
+
+    Returns:
+        ``(q_rotated, k_rotated)``, new contiguous tensors shaped like q and k, computed in float32
+        (float64 for float64). Differentiable in q and k (cos and sin are not: they come from
+        positions; passing ones that require grad raises); double backward raises.
+    """
+    return tuple(_rope(q, k, cos, sin, interleaved) if is_compiling() else _rope_c(q, k, cos, sin, interleaved))
+
+
+def _reduce(loss: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":  # over the rows that count, as F.cross_entropy (NaN when none does)
+        return loss.sum() / (target != ignore_index).sum()
+    raise ValueError(f"customops.cross_entropy: reduction must be 'mean', 'sum' or 'none', not {reduction!r}")
+
+
+def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, label_smoothing: float = 0.0,
+                  reduction: str = "mean", return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Cross-entropy of logits against class indices, with the log-sum-exp it computes on the way.
+
+    Args:
+        logits: ``[..., V]``, classes in the LAST dim (unlike ``F.cross_entropy``'s ``[N, C, ...]``);
+            float32, float64, float16 or bfloat16 (computed in float32, float64 for float64).
+            Rows of any stride are read in place when the last dim is contiguous.
+        target: int64 tensor of shape ``logits.shape[:-1]``: a class in ``[0, V)`` or ``ignore_index``.
+            Out of range: on CPU an error; on CUDA (which cannot check without a device sync) that
+            row's loss is NaN, so the reduced loss is NaN rather than silently wrong.
+        ignore_index: Rows with this target contribute 0 and are not counted by "mean".
+        label_smoothing: In [0, 1], as in ``F.cross_entropy``.
+        reduction: "mean" (over non-ignored rows), "sum" or "none", as in ``F.cross_entropy``.
+        return_lse: Also return ``lse = logsumexp(logits, -1)`` (float32, shaped like target),
+            which is differentiable: a z-loss ``lse ** 2`` costs no second pass over the logits.
+
+    Returns:
+        The loss (float32; per row for reduction "none"), or ``(loss, lse)``. The backward reuses
+        lse and reads the logits once; double backward raises.
+    """
+    loss, lse = (_cross_entropy(logits, target, ignore_index, label_smoothing) if is_compiling()
+                 else _cross_entropy_c(logits, target, ignore_index, label_smoothing))
+    loss = _reduce(loss, target, ignore_index, reduction)
+    return (loss, lse) if return_lse else loss
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
+                         ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean") -> Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, target)`` without ever building the logits.
+
+    The language-model head and its loss in one op: rows are processed in chunks, each chunk's
+    logits ([chunk, V], in hidden's dtype) live only while its loss and gradients are computed,
+    so the extra memory is O(chunk x V) instead of the [N, V] logits and their float32 copy.
+    The matmuls run on ATen (cuBLAS on CUDA), the softmax and its gradient on customops kernels.
+
+    Args:
+        hidden: ``[..., H]`` (flattened to rows); float32, float64, float16 or bfloat16.
+        weight: ``[V, H]``, hidden's dtype and device (an ``nn.Linear(H, V)``'s weight).
+        target: int64 of shape ``hidden.shape[:-1]``; a class in ``[0, V)`` or ``ignore_index``.
+        bias: Optional ``[V]``.
+        ignore_index, label_smoothing: As in :func:`cross_entropy`.
+        reduction: "mean" (over non-ignored rows) or "sum".
+
+    Returns:
+        The scalar loss (float32; float64 for float64 inputs). Differentiable in hidden, weight and
+        bias: when a gradient is needed, the forward computes the gradients for a unit loss
+        gradient chunk by chunk (as Liger-Kernel does: no second pass of matmuls) and the
+        backward scales them. Double backward raises.
+    """
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = target.reshape(-1)
+    args = (h, weight, t, bias, ignore_index, label_smoothing, reduction)
+    return _linear_cross_entropy(*args) if is_compiling() else _linear_cross_entropy_c(*args)

@@ -47,7 +47,9 @@ class OpInfo:
     double_backward: bool = True  # else: double backward must raise a clear error
     diff_outputs: tuple = (0,)  # outputs that carry gradients (rms_norm's rstd does not)
     # Under torch.autocast: "promote" (mixed inputs go to the widest dtype), "norm" (x keeps its
-    # dtype, a float32 weight is taken as it is) or "none" (runs in its input's dtype).
+    # dtype, a float32 weight is taken as it is), "add_norm" (x and residual promoted, then
+    # "norm"), "first" (every tensor cast to the first one's dtype) or "none" (runs in its input's
+    # dtype).
     autocast: str = "none"
 
     @property
@@ -194,6 +196,44 @@ def _rms_norm_bad_inputs(device):
     ]
 
 
+def _add_rms_norm_ref(x, residual, weight=None, eps=1e-6):
+    s = x + residual
+    y, rstd = _rms_norm_ref(s, weight, eps)
+    return y, s, rstd
+
+
+def _add_rms_norm_samples(device, dtype, requires_grad):
+    """rms_norm's samples with a residual of x's shape and layout (its rounding: the sum is
+    rounded to the dtype before it is normalized, as the reference's inputs are)."""
+    out = []
+    for s in _rms_norm_samples(device, dtype, requires_grad):
+        x = s.args[0]
+        layout = s.desc.split()[0]
+        res = _rand(tuple(x.shape), device, dtype, requires_grad, layout=layout if layout in ("transposed", "strided")
+                    else "contiguous")
+        out.append(Sample((x, res) + s.args[1:], {}, s.desc))
+    return out
+
+
+def _add_rms_norm_batch(device, dtype, n):
+    s = _rms_norm_batch(device, dtype, n)
+    return Sample((s.args[0], torch.randn(n, 16, device=device, dtype=dtype)) + s.args[1:], {}, s.desc)
+
+
+def _add_rms_norm_bad_inputs(device):
+    op = "customops::add_rms_norm"
+    x = torch.randn(4, 8, device=device)
+    return [
+        (Sample((x, torch.randn(4, 7, device=device), None, 1e-6)), rf"{op}: expected residual to have the shape"),
+        (Sample((x, x.double(), None, 1e-6)), rf"{op}: expected residual to have the dtype"),
+        (Sample((x, x.to("meta"), None, 1e-6)), rf"{op}: expected residual to be on the device of x"),
+        (Sample((x, x, torch.ones(7, device=device), 1e-6)), rf"{op}: expected weight of shape \[8\]"),
+        (Sample((x.long(), x.long(), None, 1e-6)), rf"{op}: x has dtype Long"),
+        (Sample((torch.tensor(1.0, device=device), torch.tensor(1.0, device=device), None, 1e-6)),
+         rf"{op}: x must have at least one dimension"),
+    ]
+
+
 def _halves_samples(device, dtype, requires_grad):
     """silu_mul samples, plus gate and up as the two halves of one gate-up tensor."""
     out = _elementwise_samples(2)(device, dtype, requires_grad)
@@ -304,6 +344,19 @@ OPS: list[OpInfo] = [
         tolerances={**ROUNDED_ONCE, torch.float32: (2e-5, 2e-5)},
         double_backward=False,
         autocast="norm",
+    ),
+    OpInfo(
+        name="add_rms_norm",
+        samples=_add_rms_norm_samples,
+        ref=_add_rms_norm_ref,
+        batch=_add_rms_norm_batch,
+        bad_inputs=_add_rms_norm_bad_inputs,
+        # the reference normalizes the exact sum, the op the sum rounded to the dtype
+        tolerances={**ROUNDED_ONCE, torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3),
+                    torch.bfloat16: (2e-2, 1.6e-2)},
+        double_backward=False,
+        diff_outputs=(0, 1),
+        autocast="add_norm",
     ),
     OpInfo(
         name="silu",
@@ -732,7 +785,13 @@ def _autocast_policy(policy: str, args: list, ti: list[int]) -> list:
     if policy == "promote":
         widest = functools.reduce(torch.promote_types, (a[i].dtype for i in ti))
         return [x.to(widest) if i in ti else x for i, x in enumerate(a)]
-    if policy == "norm":
+    if policy == "first":
+        return [x.to(a[ti[0]].dtype) if i in ti else x for i, x in enumerate(a)]
+    if policy == "add_norm":  # x and residual promoted, then the weight as "norm"
+        wide = torch.promote_types(a[ti[0]].dtype, a[ti[1]].dtype)
+        a[ti[0]], a[ti[1]] = a[ti[0]].to(wide), a[ti[1]].to(wide)
+        ti = [ti[0], ti[2]]
+    if policy in ("norm", "add_norm"):
         x, w = a[ti[0]], a[ti[1]]
         half_x = x.dtype in (torch.float16, torch.bfloat16)
         if not (w.dtype == x.dtype or (half_x and w.dtype == torch.float32)):
@@ -754,6 +813,10 @@ def check_autocast(info: OpInfo, device) -> int:
             cases = [({ti[0]: low}, torch.float32), ({i: low for i in ti}, low)]
         elif info.autocast == "norm":
             cases = [({ti[0]: low}, low), ({ti[1]: low}, torch.float32), ({i: low for i in ti}, low)]
+        elif info.autocast == "add_norm":
+            cases = [({ti[0]: low}, torch.float32), ({ti[0]: low, ti[1]: low}, low), ({i: low for i in ti}, low)]
+        elif info.autocast == "first":
+            cases = [({ti[0]: low}, low), ({i: low for i in ti[1:]}, torch.float32), ({i: low for i in ti}, low)]
         else:
             cases = [({}, torch.float32), ({i: low for i in ti}, low)]
         for casts, want_dtype in cases:

@@ -28,6 +28,11 @@ CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> rms_norm_with_rstd(const at::Te
                                                                     const std::optional<at::Tensor>& weight,
                                                                     double eps = 1e-6);
 // x * sigmoid(x).
+// sum = x + residual, y = rms_norm(sum, weight, eps): returns (y, sum, rstd).
+CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
+                                                                          const at::Tensor& residual,
+                                                                          const std::optional<at::Tensor>& weight,
+                                                                          double eps = 1e-6);
 CUSTOMOPS_API at::Tensor silu(const at::Tensor& x);
 // silu(gate) * up (SwiGLU); gate and up may be the two halves of one tensor's last dim.
 CUSTOMOPS_API at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
