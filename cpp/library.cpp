@@ -49,6 +49,9 @@ TORCH_LIBRARY(customops, m) {
   // gradient of the loss, computed chunk by chunk in the forward (the backward scales them);
   // an output masked off by output_mask is an empty tensor.
   m.def("_linear_cross_entropy_with_grads(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, float label_smoothing, str reduction, bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
+  // (grad_hidden, grad_weight, grad_bias) * grad_loss: the backward of linear_cross_entropy from
+  // the gradients its forward computed for a unit loss gradient.
+  m.def("_linear_cross_entropy_backward(Tensor grad_loss, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias) -> (Tensor, Tensor, Tensor)");
   // Rotary embedding of q [B, Hq, S, D] and k [B, Hkv, S, D] in one launch, with cos and sin of
   // shape [S, R] or [B or 1, S, R] (R <= D, even): the first R dims of each head rotate, the rest
   // pass through. Rotate-half pairs (i, i + R/2) by default, GPT-J pairs (2i, 2i + 1) when

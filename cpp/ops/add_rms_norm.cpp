@@ -104,7 +104,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm_autograd(const at::T
   if (!rec) return call_below_autograd(add_rms_norm_op(), x, residual, weight, eps);
   auto [y, sum, rstd] = call_below_autograd(add_rms_norm_op(), x, residual, weight, eps);
   rec.record<add_rms_norm_grad>("AddRmsNormBackward", {y, sum},
-                                {Recorder::output(sum), Recorder::input(weight), Recorder::output(rstd)});
+                                {Recorder::output(sum), Recorder::input(weight), Recorder::input(rstd)});
   if (rec.needs_tangent()) {
     auto [ty, ts] = add_rms_norm_tangents(rec, sum, rstd);
     rec.set_tangent(y, [&, &ty = ty] { return ty; });

@@ -48,9 +48,17 @@ class OpInfo:
     diff_outputs: tuple = (0,)  # outputs that carry gradients (rms_norm's rstd does not)
     # Under torch.autocast: "promote" (mixed inputs go to the widest dtype), "norm" (x keeps its
     # dtype, a float32 weight is taken as it is), "add_norm" (x and residual promoted, then
-    # "norm"), "first" (every tensor cast to the first one's dtype) or "none" (runs in its input's
-    # dtype).
+    # "norm"), "first" (every tensor cast to the first one's dtype), "lower" (float32 tensors run
+    # in the autocast dtype, as a linear layer), "float32" (any dtype read as it is, computed and
+    # returned in float32) or "none" (runs in its input's dtype).
     autocast: str = "none"
+    # Positions of the differentiable tensor arguments; None: every floating-point tensor.
+    grad_args: tuple | None = None
+
+    def differentiable_arg(self, i: int, x) -> bool:
+        if not (self.differentiable and isinstance(x, torch.Tensor) and x.is_floating_point()):
+            return False
+        return self.grad_args is None or i in self.grad_args
 
     @property
     def op(self) -> torch._ops.OpOverload:
@@ -234,6 +242,189 @@ def _add_rms_norm_bad_inputs(device):
     ]
 
 
+def _rope_ref(q, k, cos, sin, interleaved=False):
+    r = cos.shape[-1]
+    c, s_ = (cos[:, None], sin[:, None]) if cos.dim() == 3 else (cos, sin)  # broadcast over heads
+
+    def rotate(x):
+        xr, rest = x[..., :r], x[..., r:]
+        if interleaved:
+            turned = torch.stack((-xr[..., 1::2], xr[..., 0::2]), -1).flatten(-2)
+        else:
+            turned = torch.cat((-xr[..., r // 2:], xr[..., : r // 2]), -1)
+        return torch.cat((xr * c + turned * s_, rest), -1)
+
+    return rotate(q), rotate(k)
+
+
+def _rope_samples(device, dtype, requires_grad):
+    """q and k in every layout (views of one fused qkv projection among them), cos and sin of
+    each accepted shape, both pairings, partial rotary, empty."""
+
+    def angles(*shape):
+        theta = torch.randn(shape, device=device, dtype=torch.float64)
+        return theta.cos().to(dtype), theta.sin().to(dtype)
+
+    def qk(b, hq, hkv, s, d, layout):
+        if layout == "strided":  # q and k as views of qkv [B, S, Hq + 2 * Hkv, D]
+            qkv = torch.randn(b, s, hq + 2 * hkv, d, device=device, dtype=dtype).transpose(1, 2)
+            q, k = qkv[:, :hq], qkv[:, hq:hq + hkv]
+        else:
+            q, k = _rand((b, hq, s, d), device, dtype, layout=layout), _rand((b, hkv, s, d), device, dtype, layout=layout)
+        return q.detach().requires_grad_(requires_grad), k.detach().requires_grad_(requires_grad)
+
+    out = []
+    for (b, hq, hkv, s, d), layout, cs_shape, interleaved in [
+        ((2, 4, 2, 5, 8), "contiguous", (5, 8), False),
+        ((2, 4, 2, 5, 8), "contiguous", (2, 5, 8), True),
+        ((2, 3, 1, 5, 10), "contiguous", (1, 5, 6), False),  # partial rotary: 6 of 10 dims
+        ((1, 2, 2, 3, 64), "contiguous", (3, 64), False),  # vector-width rows
+        ((2, 4, 2, 3, 8), "transposed", (3, 8), False),
+        ((2, 4, 2, 5, 8), "strided", (2, 5, 8), False),
+        ((2, 4, 2, 5, 12), "strided", (5, 8), True),
+        ((2, 4, 2, 0, 8), "contiguous", (0, 8), False),
+    ]:
+        q, k = qk(b, hq, hkv, s, d, layout)
+        out.append(Sample((q, k, *angles(*cs_shape), interleaved), {},
+                          f"{layout} q {list(q.shape)} k {list(k.shape)} cos {list(cs_shape)}"
+                          + (" interleaved" if interleaved else "")))
+    return out
+
+
+def _rope_batch(device, dtype, n):
+    # Heads and positions unlike any batch size the checks use (a size equal to the batch would be
+    # specialized with it by torch.compile's duck sizing).
+    theta = torch.randn(6, 8, device=device, dtype=torch.float64)
+    return Sample((torch.randn(n, 4, 6, 8, device=device, dtype=dtype), torch.randn(n, 1, 6, 8, device=device, dtype=dtype),
+                   theta.cos().to(dtype), theta.sin().to(dtype), False), {}, f"batch {n}")
+
+
+def _rope_bad_inputs(device):
+    op = "customops::rope"
+    q, k, c = (torch.randn(2, 4, 5, 8, device=device), torch.randn(2, 2, 5, 8, device=device),
+               torch.randn(5, 8, device=device))
+    return [
+        (Sample((q, k.double(), c, c, False)), rf"{op}: expected k to have the dtype of q"),
+        (Sample((q[0], k, c, c, False)), rf"{op}: expected q of shape \[B, Hq, S, D\]"),
+        (Sample((q, k[:, :, :4], c, c, False)), rf"{op}: expected k of shape \[B, Hkv, S, D\] with B, S and D of q"),
+        (Sample((q, k, c[:4], c[:4], False)), rf"{op}: expected cos of shape \[S, R\] or \[B, S, R\] with S = 5"),
+        (Sample((q, k, torch.randn(5, 10, device=device), torch.randn(5, 10, device=device), False)),
+         rf"{op}: cos's last dim \(10, the rotated dims\) must be at most D = 8"),
+        (Sample((q, k, c[:, :5], c[:, :5], False)), rf"{op}: cos's last dim \(5, the rotated dims\) must be even"),
+        (Sample((q, k, c, c[:, :6], False)), rf"{op}: expected sin to have the shape of cos"),
+        (Sample((q, k, torch.randn(3, 5, 8, device=device), torch.randn(3, 5, 8, device=device), False)),
+         rf"{op}: expected cos of shape \[B, S, R\] with B = 2 or 1"),
+        (Sample((q.long(), k.long(), c, c, False)), rf"{op}: q has dtype Long"),
+        (Sample((q, k, c.clone().requires_grad_(), c, False)), rf"{op}: cos and sin must not require grad"),
+    ]
+
+
+def _cross_entropy_ref(logits, target, ignore_index=-100, label_smoothing=0.0):
+    lse = torch.logsumexp(logits, -1)
+    ignored = target == ignore_index
+    picked = logits.gather(-1, target.masked_fill(ignored, 0).unsqueeze(-1)).squeeze(-1)
+    loss = lse - (1 - label_smoothing) * picked - label_smoothing * logits.mean(-1)
+    return loss.masked_fill(ignored, 0), lse
+
+
+def _targets(shape, v, device, ignore_index=-100, every=3):
+    t = torch.randint(0, v, shape, device=device)
+    t.view(-1)[::every] = ignore_index  # some rows ignored
+    return t
+
+
+def _cross_entropy_samples(device, dtype, requires_grad):
+    out = []
+    for shape, layout, ignore_index, smoothing in [
+        ((6, 11), "contiguous", -100, 0.0),
+        ((3, 4, 40), "contiguous", -100, 0.1),
+        ((2, 1031), "contiguous", 5, 0.0),
+        ((3, 1), "contiguous", -100, 0.0),  # one class
+        ((5, 7), "transposed", -100, 0.2),
+        ((4, 6), "strided", -100, 0.0),
+        ((0, 5), "contiguous", -100, 0.0),
+    ]:
+        logits = _rand(shape, device, dtype, requires_grad, layout=layout)
+        target = _targets(shape[:-1], shape[-1], device, ignore_index)
+        out.append(Sample((logits, target, ignore_index, smoothing), {}, f"{layout} {list(shape)}"
+                          + (f" smoothing {smoothing}" if smoothing else "")))
+    return out
+
+
+def _cross_entropy_batch(device, dtype, n):
+    return Sample((torch.randn(n, 16, device=device, dtype=dtype), torch.randint(0, 16, (n,), device=device), -100, 0.0),
+                  {}, f"batch {n}")
+
+
+def _cross_entropy_bad_inputs(device):
+    op = "customops::cross_entropy"
+    x, t = torch.randn(4, 8, device=device), torch.randint(0, 8, (4,), device=device)
+    cases = [
+        (Sample((x, t.int(), -100, 0.0)), rf"{op}: expected target of dtype Long \(int64\)"),
+        (Sample((x, t.float(), -100, 0.0)), rf"{op}: expected target of dtype Long"),
+        (Sample((x, t[:3], -100, 0.0)), rf"{op}: expected target of shape logits.shape\[:-1\]"),
+        (Sample((x.long(), t, -100, 0.0)), rf"{op}: logits has dtype Long"),
+        (Sample((torch.tensor(1.0, device=device), t, -100, 0.0)), rf"{op}: logits must have at least one dimension"),
+        (Sample((x[:, :0], t, -100, 0.0)), rf"{op}: logits must have at least one class"),
+        (Sample((x, t, -100, 1.5)), rf"{op}: label_smoothing must be in \[0, 1\]"),
+        (Sample((x, t.to("meta"), -100, 0.0)), rf"{op}: expected target to be on the device of logits"),
+    ]
+    if torch.device(device).type == "cpu":  # CUDA gives NaN for the row instead (no device sync)
+        cases += [(Sample((x, torch.tensor([0, 8, 1, 2], device=device), -100, 0.0)),
+                   rf"{op}: target holds 8 at index 1, outside \[0, 8\) and not ignore_index \(-100\)"),
+                  (Sample((x, torch.tensor([0, -1, 1, 2], device=device), -100, 0.0)), rf"{op}: target holds -1")]
+    return cases
+
+
+def _linear_cross_entropy_ref(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0,
+                              reduction="mean"):
+    import torch.nn.functional as F
+
+    logits = hidden @ weight.T + (bias if bias is not None else 0)
+    return F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                           reduction=reduction)
+
+
+def _linear_cross_entropy_samples(device, dtype, requires_grad):
+    out = []
+    for (n, h, v), layout, with_bias, ignore_index, smoothing, reduction in [
+        ((6, 8, 11), "contiguous", False, -100, 0.0, "mean"),
+        ((9, 16, 37), "contiguous", True, -100, 0.1, "sum"),
+        ((130, 8, 40), "contiguous", False, 3, 0.0, "mean"),  # several chunks
+        ((5, 6, 7), "transposed", True, -100, 0.0, "mean"),
+        ((4, 6, 9), "strided", False, -100, 0.2, "sum"),
+        ((0, 6, 9), "contiguous", True, -100, 0.0, "sum"),
+    ]:
+        hidden = _rand((n, h), device, dtype, requires_grad, layout=layout)
+        weight = (_rand((v, h), device, dtype) * h ** -0.5).requires_grad_(requires_grad)
+        bias = _rand((v,), device, dtype, requires_grad) if with_bias else None
+        out.append(Sample((hidden, weight, _targets((n,), v, device, ignore_index), bias, ignore_index, smoothing,
+                           reduction), {}, f"{layout} N={n} H={h} V={v}" + (" bias" if with_bias else "")
+                          + f" {reduction}"))
+    return out
+
+
+def _linear_cross_entropy_batch(device, dtype, n):
+    return Sample((torch.randn(n, 8, device=device, dtype=dtype), torch.randn(10, 8, device=device, dtype=dtype) / 3,
+                   torch.randint(0, 10, (n,), device=device), None, -100, 0.0, "mean"), {}, f"batch {n}")
+
+
+def _linear_cross_entropy_bad_inputs(device):
+    op = "customops::linear_cross_entropy"
+    h, w, t = torch.randn(4, 8, device=device), torch.randn(10, 8, device=device), torch.randint(0, 10, (4,), device=device)
+    return [
+        (Sample((h, torch.randn(10, 7, device=device), t)), rf"{op}: expected weight of shape \[V, H\] with H = 8"),
+        (Sample((h, w.double(), t)), rf"{op}: expected weight to have the dtype of hidden"),
+        (Sample((h, w, t.int())), rf"{op}: expected target of dtype Long"),
+        (Sample((h, w, t[:3])), rf"{op}: expected target of shape \[N\] with N = 4"),
+        (Sample((h.long(), w.long(), t)), rf"{op}: hidden has dtype Long"),
+        (Sample((h[0], w, t)), rf"{op}: expected hidden of shape \[N, H\]"),
+        (Sample((h, w, t, torch.randn(9, device=device))), rf"{op}: expected bias of shape \[V\] with V = 10"),
+        (Sample((h, w, t, None, -100, 0.0, "none")), rf"{op}: reduction must be \"mean\" or \"sum\""),
+        (Sample((h, w, t, None, -100, -0.5)), rf"{op}: label_smoothing must be in \[0, 1\]"),
+    ]
+
+
 def _halves_samples(device, dtype, requires_grad):
     """silu_mul samples, plus gate and up as the two halves of one gate-up tensor."""
     out = _elementwise_samples(2)(device, dtype, requires_grad)
@@ -357,6 +548,40 @@ OPS: list[OpInfo] = [
         double_backward=False,
         diff_outputs=(0, 1),
         autocast="add_norm",
+    ),
+    OpInfo(
+        name="rope",
+        samples=_rope_samples,
+        ref=_rope_ref,
+        batch=_rope_batch,
+        bad_inputs=_rope_bad_inputs,
+        diff_outputs=(0, 1),
+        grad_args=(0, 1),
+        autocast="first",
+    ),
+    OpInfo(
+        name="cross_entropy",
+        samples=_cross_entropy_samples,
+        ref=_cross_entropy_ref,
+        batch=_cross_entropy_batch,
+        bad_inputs=_cross_entropy_bad_inputs,
+        # the outputs are float32 whatever the logits' dtype; the gradient is rounded once to it
+        tolerances={**ROUNDED_ONCE, torch.float32: (2e-5, 2e-5)},
+        double_backward=False,
+        diff_outputs=(0, 1),
+        autocast="float32",
+    ),
+    OpInfo(
+        name="linear_cross_entropy",
+        samples=_linear_cross_entropy_samples,
+        ref=_linear_cross_entropy_ref,
+        batch=_linear_cross_entropy_batch,
+        bad_inputs=_linear_cross_entropy_bad_inputs,
+        # the logits are rounded to the inputs' dtype before the loss, as in eager
+        tolerances={**ROUNDED_ONCE, torch.float32: (5e-5, 5e-5), torch.float16: (1e-2, 1e-2),
+                    torch.bfloat16: (5e-2, 3e-2)},
+        double_backward=False,
+        autocast="lower",
     ),
     OpInfo(
         name="silu",
@@ -560,7 +785,8 @@ def check_compile(info: OpInfo, device, backend="inductor", sizes=(3, 5, 17)) ->
     for n in sizes:
         s = info.batch(torch.device(device), torch.float32, n)
         if info.differentiable:
-            s = Sample(tuple(x.requires_grad_() if isinstance(x, torch.Tensor) else x for x in s.args), s.kwargs)
+            s = Sample(tuple(x.requires_grad_() if info.differentiable_arg(i, x) else x for i, x in enumerate(s.args)),
+                       s.kwargs)
         e = clone_sample(s)
         got, want = _outputs(compiled(*s.args, **s.kwargs)), _outputs(fn(*e.args, **e.kwargs))
         for g, w in zip(got, want):
@@ -779,12 +1005,14 @@ def check_vmap(info: OpInfo, device, dtype=torch.float64, entries=4) -> int:
     return variants
 
 
-def _autocast_policy(policy: str, args: list, ti: list[int]) -> list:
+def _autocast_policy(policy: str, args: list, ti: list[int], low: torch.dtype) -> list:
     """args (detached) as an op of the given autocast policy computes with them."""
     a = [x.detach() if isinstance(x, torch.Tensor) else x for x in args]
     if policy == "promote":
         widest = functools.reduce(torch.promote_types, (a[i].dtype for i in ti))
         return [x.to(widest) if i in ti else x for i, x in enumerate(a)]
+    if policy == "lower":  # as ATen's lower-precision ops: float32 tensors run in the autocast dtype
+        return [x.to(low) if i in ti and x.dtype == torch.float32 else x for i, x in enumerate(a)]
     if policy == "first":
         return [x.to(a[ti[0]].dtype) if i in ti else x for i, x in enumerate(a)]
     if policy == "add_norm":  # x and residual promoted, then the weight as "norm"
@@ -815,13 +1043,17 @@ def check_autocast(info: OpInfo, device) -> int:
             cases = [({ti[0]: low}, low), ({ti[1]: low}, torch.float32), ({i: low for i in ti}, low)]
         elif info.autocast == "add_norm":
             cases = [({ti[0]: low}, torch.float32), ({ti[0]: low, ti[1]: low}, low), ({i: low for i in ti}, low)]
+        elif info.autocast == "float32":  # computes in float32 whatever it is given, returns float32
+            cases = [({}, torch.float32), ({i: low for i in ti}, torch.float32)]
+        elif info.autocast == "lower":
+            cases = [({}, torch.float32), ({ti[0]: low}, torch.float32), ({i: low for i in ti}, torch.float32)]
         elif info.autocast == "first":
             cases = [({ti[0]: low}, low), ({i: low for i in ti[1:]}, torch.float32), ({i: low for i in ti}, low)]
         else:
             cases = [({}, torch.float32), ({i: low for i in ti}, low)]
         for casts, want_dtype in cases:
-            a = [x.detach().to(casts[i]).requires_grad_(info.differentiable) if i in casts else
-                 (x.detach().clone().requires_grad_(info.differentiable and i in ti) if isinstance(x, torch.Tensor) else x)
+            a = [x.detach().to(casts[i]).requires_grad_(info.differentiable_arg(i, x)) if i in casts else
+                 (x.detach().clone().requires_grad_(info.differentiable_arg(i, x)) if isinstance(x, torch.Tensor) else x)
                  for i, x in enumerate(args)]
             with torch.autocast(dev.type, dtype=low):
                 outs = _outputs(fn(*a))
@@ -829,11 +1061,11 @@ def check_autocast(info: OpInfo, device) -> int:
             assert y.dtype == want_dtype, (f"{info.qualname} under autocast({low}) with {casts}: output dtype "
                                            f"{y.dtype}, policy {info.autocast!r} says {want_dtype}")
             # Values: the op outside autocast on the inputs cast as the policy casts them.
-            torch.testing.assert_close(y, _outputs(fn(*_autocast_policy(info.autocast, a, ti)))[0],
+            torch.testing.assert_close(y, _outputs(fn(*_autocast_policy(info.autocast, a, ti, low)))[0],
                                        msg=lambda m: f"{info.qualname} under autocast({low}): {m}")
             if info.differentiable:
                 xs = [x for x in a if isinstance(x, torch.Tensor) and x.requires_grad]
-                grads = torch.autograd.grad(_loss([y]), xs)
+                grads = torch.autograd.grad(_loss(outs, info.diff_outputs), xs)
                 for x, g in zip(xs, grads):
                     assert g.dtype == x.dtype and bool(torch.isfinite(g).all()), (
                         f"{info.qualname} under autocast: gradient {g.dtype} for an input of {x.dtype}")

@@ -32,6 +32,15 @@ const std::vector<std::pair<std::string, std::string>> kOps = {
     {"customops::_swiglu_backward", ""},
     {"customops::scale_clamp", ""},
     {"customops::_scale_clamp_backward", ""},
+    {"customops::add_rms_norm", ""},
+    {"customops::_add_rms_norm_backward", ""},
+    {"customops::rope", ""},
+    {"customops::_rope_backward", ""},
+    {"customops::cross_entropy", ""},
+    {"customops::_cross_entropy_backward", ""},
+    {"customops::linear_cross_entropy", ""},
+    {"customops::_linear_cross_entropy_with_grads", ""},
+    {"customops::_linear_cross_entropy_backward", ""},
 };
 
 TEST(Registration, EveryOpHasEveryKernel) {

@@ -33,6 +33,10 @@ CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const 
                                                                           const at::Tensor& residual,
                                                                           const std::optional<at::Tensor>& weight,
                                                                           double eps = 1e-6);
+// Rotary embedding of q [B, Hq, S, D] and k [B, Hkv, S, D] with cos, sin [S, R] or [B or 1, S, R]:
+// returns (q rotated, k rotated); rotate-half pairs, or GPT-J pairs when interleaved.
+CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                                      const at::Tensor& sin, bool interleaved = false);
 CUSTOMOPS_API at::Tensor silu(const at::Tensor& x);
 // silu(gate) * up (SwiGLU); gate and up may be the two halves of one tensor's last dim.
 CUSTOMOPS_API at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);

@@ -1,0 +1,210 @@
+// CPU kernels of cross_entropy and _cross_entropy_backward, and the kernel-level entry points
+// linear_cross_entropy runs on its chunks. Rows in parallel (at::parallel_for), each row in
+// float32 (float64 for float64) vectors. Forward: one pass for the row's max and sum, one for
+// the sum of exp(x - max) while the row is still in cache; backward: one pass writing
+// exp(x - lse) * (g_loss + g_lse) - g_loss * eps / V, the target's element corrected after it
+// (read before the pass: the gradient may overwrite the logits in place).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+
+#include "cpu/dispatch.h"
+#include "cpu/rows.h"
+#include "ops/cross_entropy.h"
+
+namespace customops {
+namespace CPU_CAPABILITY {
+namespace {
+
+template <typename V>
+inline V vexp(const V& x) {
+  if constexpr (std::is_same_v<typename V::value_type, float>) {
+    return x.exp_u20();  // within 20 ULP; the log of a sum of them is far inside float32's tolerance
+  } else {
+    return x.exp();
+  }
+}
+
+template <typename A, typename Op>
+A reduce(const Vectorized<A>& v, A init, Op op) {
+  alignas(64) A buf[Vectorized<A>::size()];
+  v.store(buf);
+  A s = init;
+  for (int i = 0; i < Vectorized<A>::size(); ++i) s = op(s, buf[i]);
+  return s;
+}
+
+// Rows per parallel task: about 32K elements.
+int64_t grain(int64_t v) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(v, 1)); }
+
+}  // namespace
+
+template <typename T>
+void ce_fwd(const T* x, int64_t row_stride, const int64_t* target, int64_t rows, int64_t n, int64_t ignore_index,
+            double eps, acc_t<T>* loss, acc_t<T>* lse) {
+  using A = acc_t<T>;
+  using V = AccVec<T>;
+  at::parallel_for(0, rows, grain(n), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* xr = x + r * row_stride;
+      V vmax(-std::numeric_limits<A>::infinity()), vsum(A(0));
+      int64_t c = 0;
+      for (; c + kStep<T> <= n; c += kStep<T>) {
+        auto [a0, a1] = load2(xr + c);
+        vmax = at::vec::maximum(vmax, at::vec::maximum(a0, a1));
+        vsum = vsum + a0 + a1;
+      }
+      A m = reduce(vmax, -std::numeric_limits<A>::infinity(), [](A p, A q) { return std::max(p, q); });
+      A sum_x = reduce(vsum, A(0), [](A p, A q) { return p + q; });
+      for (int64_t t = c; t < n; ++t) {
+        m = std::max(m, A(xr[t]));
+        sum_x += A(xr[t]);
+      }
+      const A shift = std::isinf(m) ? A(0) : m;  // all -inf (or an inf): lse is +-inf, never NaN from inf - inf
+      const V vshift(shift);
+      V vexps(A(0));
+      c = 0;
+      for (; c + kStep<T> <= n; c += kStep<T>) {
+        auto [a0, a1] = load2(xr + c);
+        vexps = vexps + vexp(a0 - vshift) + vexp(a1 - vshift);
+      }
+      A s = reduce(vexps, A(0), [](A p, A q) { return p + q; });
+      for (int64_t t = c; t < n; ++t) s += std::exp(A(xr[t]) - shift);
+      const A l = shift + std::log(s);
+      lse[r] = l;
+      const int64_t t = target[r];
+      loss[r] = t == ignore_index ? A(0) : l - A(1 - eps) * A(xr[t]) - A(eps) * sum_x / A(n);
+    }
+  });
+}
+
+// g, h: per-row loss and lse gradients (nullptr: zero) with their strides (0: one for all rows).
+template <typename T>
+void ce_bwd(const acc_t<T>* g, int64_t g_stride, const acc_t<T>* h, int64_t h_stride, const T* x, int64_t x_stride,
+            const int64_t* target, const acc_t<T>* lse, int64_t rows, int64_t n, int64_t ignore_index, double eps,
+            T* dx, int64_t dx_stride) {
+  using A = acc_t<T>;
+  using V = AccVec<T>;
+  at::parallel_for(0, rows, grain(n), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* xr = x + r * x_stride;
+      T* dr = dx + r * dx_stride;
+      const int64_t t = target[r];
+      const bool counted = t != ignore_index;
+      const A gl = counted && g != nullptr ? g[r * g_stride] : A(0);
+      const A gz = h != nullptr ? h[r * h_stride] : A(0);
+      const A p_scale = gl + gz, uniform = gl * A(eps) / A(n), l = lse[r];
+      const A xt = counted ? A(xr[t]) : A(0);  // read before dr (maybe xr itself) is written
+      const V vl(l), vp(p_scale), vu(uniform);
+      int64_t c = 0;
+      for (; c + kStep<T> <= n; c += kStep<T>) {
+        auto [a0, a1] = load2(xr + c);
+        store2(dr + c, vexp(a0 - vl) * vp - vu, vexp(a1 - vl) * vp - vu);
+      }
+      for (; c < n; ++c) dr[c] = static_cast<T>(std::exp(A(xr[c]) - l) * p_scale - uniform);
+      if (counted) dr[t] = static_cast<T>(std::exp(xt - l) * p_scale - uniform - gl * A(1 - eps));
+    }
+  });
+}
+
+void cross_entropy_forward_kernel(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
+                                  double eps, const at::Tensor& loss, const at::Tensor& lse) {
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  if (rows == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "customops::cross_entropy", [&] {
+    using A = acc_t<scalar_t>;
+    ce_fwd<scalar_t>(logits.const_data_ptr<scalar_t>(), logits.stride(0), target.const_data_ptr<int64_t>(), rows, n,
+                     ignore_index, eps, loss.mutable_data_ptr<A>(), lse.mutable_data_ptr<A>());
+  });
+}
+
+void cross_entropy_backward_kernel(const at::Tensor& grad_loss, const at::Tensor& grad_lse, const at::Tensor& logits,
+                                   const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index, double eps,
+                                   const at::Tensor& grad_logits) {
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  if (rows == 0) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, logits.scalar_type(), "customops::_cross_entropy_backward", [&] {
+    using A = acc_t<scalar_t>;
+    ce_bwd<scalar_t>(grad_loss.defined() ? grad_loss.const_data_ptr<A>() : nullptr,
+                     grad_loss.defined() ? grad_loss.stride(0) : 0,
+                     grad_lse.defined() ? grad_lse.const_data_ptr<A>() : nullptr,
+                     grad_lse.defined() ? grad_lse.stride(0) : 0, logits.const_data_ptr<scalar_t>(), logits.stride(0),
+                     target.const_data_ptr<int64_t>(), lse.const_data_ptr<A>(), rows, n, ignore_index, eps,
+                     grad_logits.data_ptr<scalar_t>(), grad_logits.stride(0));
+  });
+}
+
+}  // namespace CPU_CAPABILITY
+
+#ifdef CPU_CAPABILITY_DEFAULT
+CUSTOMOPS_CPU_KERNEL(void, cross_entropy_forward_kernel, const at::Tensor&, const at::Tensor&, int64_t, double,
+                     const at::Tensor&, const at::Tensor&)
+CUSTOMOPS_CPU_KERNEL(void, cross_entropy_backward_kernel, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                     const at::Tensor&, const at::Tensor&, int64_t, double, const at::Tensor&)
+
+namespace {
+
+void forward_cpu(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index, double eps,
+                 const at::Tensor& loss, const at::Tensor& lse) {
+  CUSTOMOPS_CPU_DISPATCH(cross_entropy_forward_kernel, logits, target, ignore_index, eps, loss, lse);
+}
+
+void backward_cpu(const at::Tensor& grad_loss, const at::Tensor& grad_lse, const at::Tensor& logits,
+                  const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index, double eps,
+                  const at::Tensor& grad_logits) {
+  CUSTOMOPS_CPU_DISPATCH(cross_entropy_backward_kernel, grad_loss, grad_lse, logits, target, lse, ignore_index, eps,
+                         grad_logits);
+}
+
+// logits as [rows, V] with a unit last stride (read in place when its rows have one stride).
+at::Tensor as_2d(const at::Tensor& logits) {
+  const at::Tensor r = as_rows(logits);
+  return r.dim() == 2 ? r : r.view({-1, r.size(-1)});
+}
+
+at::Tensor flat(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->contiguous().view(-1) : at::Tensor();
+}
+
+std::tuple<at::Tensor, at::Tensor> cross_entropy_cpu(const at::Tensor& logits, const at::Tensor& target,
+                                                     int64_t ignore_index, double eps) {
+  constexpr const char* op = "customops::cross_entropy";
+  check_cross_entropy(op, logits, target, eps);
+  check_target_range(op, target, logits.size(-1), ignore_index);
+  const auto opts = logits.options().dtype(cross_entropy_acc_dtype(logits.scalar_type()));
+  at::Tensor loss = at::empty(target.sizes(), opts), lse = at::empty(target.sizes(), opts);
+  forward_cpu(as_2d(logits), target.contiguous().view(-1), ignore_index, eps, loss.view(-1), lse.view(-1));
+  return {loss, lse};
+}
+
+at::Tensor cross_entropy_backward_cpu(const std::optional<at::Tensor>& grad_loss,
+                                      const std::optional<at::Tensor>& grad_lse, const at::Tensor& logits,
+                                      const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index,
+                                      double eps) {
+  constexpr const char* op = "customops::_cross_entropy_backward";
+  check_cross_entropy_backward(grad_loss, grad_lse, logits, target, lse, eps);
+  check_target_range(op, target, logits.size(-1), ignore_index);
+  at::Tensor grad = at::empty(logits.sizes(), logits.options());
+  backward_cpu(flat(grad_loss), flat(grad_lse), as_2d(logits), target.contiguous().view(-1), lse.contiguous().view(-1),
+               ignore_index, eps, grad.view({-1, logits.size(-1)}));
+  return grad;
+}
+
+}  // namespace
+
+const CrossEntropyKernels& cross_entropy_kernels_cpu() {
+  static const CrossEntropyKernels k{&forward_cpu, &backward_cpu};
+  return k;
+}
+
+// CPU kernels of cross_entropy.
+TORCH_LIBRARY_IMPL(customops, CPU, m) {
+  m.impl("cross_entropy", &cross_entropy_cpu);
+  m.impl("_cross_entropy_backward", &cross_entropy_backward_cpu);
+}
+#endif  // CPU_CAPABILITY_DEFAULT
+
+}  // namespace customops

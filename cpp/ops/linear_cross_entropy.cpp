@@ -1,0 +1,382 @@
+// linear_cross_entropy: the loss of hidden @ weight.T + bias against target without the [N, V]
+// logits. Rows go in chunks; each chunk's logits ([chunk, V], hidden's dtype) come from one ATen
+// matmul (cuBLAS on CUDA), the device's cross-entropy kernels turn them into loss and, when a
+// gradient is needed, into the logits' gradient in place, and two more matmuls turn that into
+// the chunk's rows of grad_hidden and its share of grad_weight. So the forward computes the
+// gradients for a unit loss gradient (three matmuls in all, as Liger-Kernel does, rather than
+// four with a recomputation in the backward); they are outputs of the private
+// _linear_cross_entropy_with_grads, and the backward only scales them.
+// Here: the device-generic implementation, typed C++ API, Meta, Autograd, vmap and autocast
+// kernels; the CPU and CUDA registrations pass each device's cross-entropy kernels.
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+
+#include "customops/customops.h"
+#include "ops/autocast.h"
+#include "ops/autograd.h"
+#include "ops/batching.h"
+#include "ops/cross_entropy.h"
+
+namespace customops {
+namespace {
+
+using torch::autograd::variable_list;
+using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+const auto& lce_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("customops::linear_cross_entropy", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const std::optional<at::Tensor>&, int64_t, double, c10::string_view)>();
+  return op;
+}
+
+const auto& lce_with_grads_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("customops::_linear_cross_entropy_with_grads", "")
+                       .typed<Grads(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                    const std::optional<at::Tensor>&, int64_t, double, c10::string_view,
+                                    std::array<bool, 3>)>();
+  return op;
+}
+
+const auto& lce_backward_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("customops::_linear_cross_entropy_backward", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                             const at::Tensor&, const at::Tensor&)>();
+  return op;
+}
+
+constexpr const char* kOpName = "customops::linear_cross_entropy";
+
+// Rows per chunk: the chunk's logits take about as much memory as hidden itself (Liger-Kernel's
+// rule), rounded up to a power of two for the matmuls, at least 64 rows unless N is smaller.
+// CUSTOMOPS_LINEAR_CE_CHUNK overrides it (benchmarking).
+int64_t chunk_rows(int64_t n, int64_t h, int64_t v) {
+  static const int64_t forced = [] {
+    const char* e = std::getenv("CUSTOMOPS_LINEAR_CE_CHUNK");
+    return e != nullptr ? std::atoll(e) : int64_t{0};
+  }();
+  if (forced > 0) return std::min(forced, std::max<int64_t>(n, 1));
+  int64_t c = 64;
+  while (c < (n * h + v - 1) / v) c *= 2;
+  return std::min(c, std::max<int64_t>(n, 1));
+}
+
+Grads run(const CrossEntropyKernels& ce, const at::Tensor& hidden, const at::Tensor& weight,
+          const at::Tensor& target_in, const std::optional<at::Tensor>& bias_in, int64_t ignore_index,
+          double label_smoothing, c10::string_view reduction, std::array<bool, 3> mask) {
+  const at::Tensor target = target_in.contiguous();
+  const at::Tensor bias = bias_in.value_or(at::Tensor());
+  const int64_t n = hidden.size(0), v = weight.size(0);
+  const at::ScalarType acc = cross_entropy_acc_dtype(hidden.scalar_type());
+  const auto acc_opts = hidden.options().dtype(acc);
+  const bool mean = reduction == "mean";
+  mask[2] = mask[2] && bias.defined();
+  const bool grads = mask[0] || mask[1] || mask[2];
+
+  // Each counted row's loss gradient: 1 / (rows counted) for "mean", 1 for "sum" (a device
+  // scalar, read by the kernels with stride 0: no host sync).
+  const at::Tensor counted = mean ? (target != ignore_index).sum() : at::Tensor();
+  const at::Tensor row_grad = mean ? counted.to(acc).reciprocal() : at::ones({}, acc_opts);
+  const at::Tensor none = at::empty({0}, hidden.options());
+  at::Tensor dh = mask[0] ? at::empty(hidden.sizes(), hidden.options()) : none;
+  at::Tensor dw = mask[1] ? at::empty(weight.sizes(), weight.options()) : none;
+  at::Tensor db = mask[2] ? at::zeros({v}, acc_opts) : none;
+  at::Tensor loss_rows = at::empty({n}, acc_opts);
+  const int64_t chunk = chunk_rows(n, hidden.size(1), v);
+  at::Tensor lse = at::empty({chunk}, acc_opts);
+  for (int64_t start = 0; start < n; start += chunk) {
+    const int64_t c = std::min(chunk, n - start);
+    const at::Tensor h = hidden.narrow(0, start, c), t = target.narrow(0, start, c), l = lse.narrow(0, 0, c);
+    at::Tensor logits = bias.defined() ? at::addmm(bias, h, weight.t()) : at::mm(h, weight.t());
+    ce.forward(logits, t, ignore_index, label_smoothing, loss_rows.narrow(0, start, c), l);
+    if (!grads) continue;
+    ce.backward(row_grad.expand({c}), at::Tensor(), logits, t, l, ignore_index, label_smoothing, logits);
+    if (mask[0]) {
+      at::Tensor rows = dh.narrow(0, start, c);
+      at::mm_out(rows, logits, weight);
+    }
+    if (mask[1]) {
+      if (start == 0) {
+        at::mm_out(dw, logits.t(), h);
+      } else {
+        dw.addmm_(logits.t(), h);
+      }
+    }
+    if (mask[2]) db.add_(logits.sum(0, /*keepdim=*/false, acc));
+  }
+  if (mask[1] && n == 0) dw.zero_();
+  at::Tensor loss = loss_rows.sum();
+  if (mean) loss = loss / counted;  // NaN when no row counts, as F.cross_entropy
+  return {loss, dh, dw, mask[2] ? db.to(bias.scalar_type()) : none};
+}
+
+}  // namespace
+
+at::Tensor linear_cross_entropy_impl(const CrossEntropyKernels& ce, const at::Tensor& hidden, const at::Tensor& weight,
+                                     const at::Tensor& target, const std::optional<at::Tensor>& bias,
+                                     int64_t ignore_index, double label_smoothing, c10::string_view reduction) {
+  check_linear_cross_entropy(kOpName, hidden, weight, target, bias, label_smoothing, reduction);
+  if (hidden.is_cpu()) check_target_range(kOpName, target, weight.size(0), ignore_index);
+  return std::get<0>(run(ce, hidden, weight, target, bias, ignore_index, label_smoothing, reduction,
+                         {false, false, false}));
+}
+
+Grads linear_cross_entropy_with_grads_impl(const CrossEntropyKernels& ce, const at::Tensor& hidden,
+                                           const at::Tensor& weight, const at::Tensor& target,
+                                           const std::optional<at::Tensor>& bias, int64_t ignore_index,
+                                           double label_smoothing, c10::string_view reduction,
+                                           std::array<bool, 3> output_mask) {
+  check_linear_cross_entropy("customops::_linear_cross_entropy_with_grads", hidden, weight, target, bias,
+                             label_smoothing, reduction);
+  if (hidden.is_cpu()) check_target_range(kOpName, target, weight.size(0), ignore_index);
+  return run(ce, hidden, weight, target, bias, ignore_index, label_smoothing, reduction, output_mask);
+}
+
+at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
+                                const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
+                                std::string_view reduction) {
+  return lce_op().call(hidden, weight, target, bias, ignore_index, label_smoothing,
+                       c10::string_view(reduction.data(), reduction.size()));
+}
+
+namespace {
+
+// ---- Meta -------------------------------------------------------------------------------------
+at::Tensor lce_meta(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
+                    const std::optional<at::Tensor>& bias, int64_t, double label_smoothing, c10::string_view reduction) {
+  check_linear_cross_entropy(kOpName, hidden, weight, target, bias, label_smoothing, reduction);
+  return at::empty({}, hidden.options().dtype(cross_entropy_acc_dtype(hidden.scalar_type())));
+}
+
+Grads lce_with_grads_meta(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
+                          const std::optional<at::Tensor>& bias, int64_t, double label_smoothing,
+                          c10::string_view reduction, std::array<bool, 3> mask) {
+  check_linear_cross_entropy("customops::_linear_cross_entropy_with_grads", hidden, weight, target, bias,
+                             label_smoothing, reduction);
+  const at::Tensor none = at::empty({0}, hidden.options());
+  const bool has_b = bias.has_value() && bias->defined();
+  return {at::empty({}, hidden.options().dtype(cross_entropy_acc_dtype(hidden.scalar_type()))),
+          mask[0] ? at::empty_symint(hidden.sym_sizes(), hidden.options()) : none,
+          mask[1] ? at::empty_symint(weight.sym_sizes(), weight.options()) : none,
+          mask[2] && has_b ? at::empty_symint(bias->sym_sizes(), bias->options()) : none};
+}
+
+// ---- _linear_cross_entropy_backward: one kernel for every device (ATen's mul) -----------------
+// grad_loss is a scalar, or one per vmap entry (leading dims) scaling that entry's gradients.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_kernel(const at::Tensor& grad_loss, const at::Tensor& dh,
+                                                                   const at::Tensor& dw, const at::Tensor& db) {
+  auto scale = [&](const at::Tensor& t) {
+    if (grad_loss.dim() == 0) return t * grad_loss;  // a 0-dim factor keeps t's dtype, computes in float
+    at::Tensor g = grad_loss.to(t.scalar_type());
+    while (g.dim() < t.dim()) g = g.unsqueeze(-1);
+    return t * g;
+  };
+  return {scale(dh), scale(dw), scale(db)};
+}
+
+// ---- Autograd ---------------------------------------------------------------------------------
+// Saved: the gradients for a unit loss gradient (outputs of _linear_cross_entropy_with_grads),
+// and hidden, weight and bias (references: what those gradients depend on).
+constexpr char kLinearCrossEntropy[] = "linear_cross_entropy";
+using autograd::BackwardArgs;
+using autograd::Recorder;
+
+// A tensor of plain eager autograd: no tracing, functionalization or functorch wrapper.
+bool plain_eager(const at::Tensor& t) {
+  static const c10::DispatchKeySet traced({c10::DispatchKey::Python, c10::DispatchKey::PythonTLSSnapshot,
+                                           c10::DispatchKey::Functionalize, c10::DispatchKey::FuncTorchBatched,
+                                           c10::DispatchKey::FuncTorchGradWrapper,
+                                           c10::DispatchKey::FuncTorchDynamicLayerFrontMode});
+  return !t.defined() || !t.key_set().has_any(traced);
+}
+
+variable_list lce_grad(const BackwardArgs& a) {
+  const at::Tensor& g = a.grads[0];
+  if (!g.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+  at::Tensor dh = a.saved[0], dw = a.saved[1], db = a.saved[2];
+  if (!at::GradMode::is_enabled() && !torch::autograd::get_current_graph_task_keep_graph() && plain_eager(g) &&
+      plain_eager(dh) && plain_eager(dw) && plain_eager(db)) {
+    // Plain eager backward that frees the graph after it (no graph being built, none retained):
+    // scale the saved gradients in place, so the weight's gradient never exists twice.
+    for (at::Tensor* t : {&dh, &dw, &db}) {
+      if (t->numel() > 0) t->mul_(g);
+    }
+  } else {
+    // The saved gradients carry no history of the inputs they depend on, so results that a graph
+    // is being built for get a node (on the inputs) whose backward raises: double backward fails
+    // clearly instead of treating them as constants.
+    Recorder rec(g, a.saved[3], a.saved[4], a.saved[5]);
+    std::tie(dh, dw, db) = rec ? rec.backward_op<kLinearCrossEntropy>(lce_backward_op(), g, dh, dw, db)
+                               : lce_backward_op().call(g, dh, dw, db);
+  }
+  return {a.needs[0] ? dh : at::Tensor(), a.needs[1] ? dw : at::Tensor(), a.needs[2] ? db : at::Tensor()};
+}
+
+at::Tensor lce_autograd(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
+                        const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
+                        c10::string_view reduction) {
+  Recorder rec(hidden, weight, bias);
+  if (!rec) return call_below_autograd(lce_op(), hidden, weight, target, bias, ignore_index, label_smoothing, reduction);
+  const std::array<bool, 3> mask{needs_grad_or_tangent(hidden), needs_grad_or_tangent(weight),
+                                 needs_grad_or_tangent(bias)};
+  auto [loss, dh, dw, db] = call_below_autograd(lce_with_grads_op(), hidden, weight, target, bias, ignore_index,
+                                                label_smoothing, reduction, mask);
+  rec.record<lce_grad>("LinearCrossEntropyBackward", {loss},
+                       {Recorder::input(dh), Recorder::input(dw), Recorder::input(db), Recorder::input(hidden),
+                        Recorder::input(weight), Recorder::input(bias)});
+  // The loss's tangent: its gradient dotted with the inputs' tangents.
+  rec.set_tangent(loss, [&, &dh = dh, &dw = dw, &db = db] {
+    at::Tensor t;
+    const at::Tensor* g[] = {&dh, &dw, &db};
+    for (size_t i = 0; i < 3; ++i) {
+      if (rec.has_tangent(i)) t = autograd::sum_defined({t, (g[i]->to(loss.scalar_type()) * rec.tangent(i)).sum()});
+    }
+    return t;
+  });
+  return loss;
+}
+
+Grads lce_with_grads_autograd(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
+                              const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
+                              c10::string_view reduction, std::array<bool, 3> mask) {
+  Recorder rec(hidden, weight, bias);
+  if (!rec) {
+    return call_below_autograd(lce_with_grads_op(), hidden, weight, target, bias, ignore_index, label_smoothing,
+                               reduction, mask);
+  }
+  return rec.backward_op<kLinearCrossEntropy>(lce_with_grads_op(), hidden, weight, target, bias, ignore_index,
+                                              label_smoothing, reduction, mask);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_autograd(const at::Tensor& grad_loss, const at::Tensor& dh,
+                                                                     const at::Tensor& dw, const at::Tensor& db) {
+  Recorder rec(grad_loss, dh, dw, db);
+  if (!rec) return call_below_autograd(lce_backward_op(), grad_loss, dh, dw, db);
+  return rec.backward_op<kLinearCrossEntropy>(lce_backward_op(), grad_loss, dh, dw, db);
+}
+
+// ---- vmap: one call per entry (each entry is a whole loss over its own rows, and its matmuls
+// are already as large as a device wants) -------------------------------------------------------
+template <typename Op, typename... Rest>
+auto per_entry(const Op& op, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
+               const std::optional<at::Tensor>& bias, const Rest&... rest) {
+  const at::Tensor b = bias.value_or(at::Tensor());
+  batching::Level level({hidden, weight, target, b});
+  auto batch = level.batch_size({hidden, weight, target, b});
+  if (!batch) return op.call(hidden, weight, target, bias, rest...);
+  auto entry = [&](const at::Tensor& t, int64_t e) {
+    const at::Tensor f = level.front_if_batched(t);
+    return f.defined() ? f.select(0, e) : t;
+  };
+  using Out = decltype(op.call(hidden, weight, target, bias, rest...));
+  std::vector<Out> outs;
+  const int64_t n = batch->guard_int(__FILE__, __LINE__);
+  for (int64_t e = 0; e < n; ++e) {
+    outs.push_back(op.call(entry(hidden, e), entry(weight, e), entry(target, e),
+                           b.defined() ? std::optional<at::Tensor>(entry(b, e)) : std::nullopt, rest...));
+  }
+  auto stack = [&](auto get) {
+    std::vector<at::Tensor> ts;
+    for (const auto& o : outs) ts.push_back(get(o));
+    return level.wrap(at::stack(ts));
+  };
+  if constexpr (std::is_same_v<Out, at::Tensor>) {
+    return stack([](const at::Tensor& o) { return o; });
+  } else {
+    return Out{stack([](const Out& o) { return std::get<0>(o); }), stack([](const Out& o) { return std::get<1>(o); }),
+               stack([](const Out& o) { return std::get<2>(o); }), stack([](const Out& o) { return std::get<3>(o); })};
+  }
+}
+
+at::Tensor lce_batched(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
+                       const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
+                       c10::string_view reduction) {
+  return per_entry(lce_op(), hidden, weight, target, bias, ignore_index, label_smoothing, reduction);
+}
+
+Grads lce_with_grads_batched(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
+                             const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
+                             c10::string_view reduction, std::array<bool, 3> mask) {
+  return per_entry(lce_with_grads_op(), hidden, weight, target, bias, ignore_index, label_smoothing, reduction, mask);
+}
+
+// ---- Autocast: as a linear layer, float32 hidden, weight and bias run in the autocast dtype ---
+at::Tensor lce_autocast(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
+                        const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
+                        c10::string_view reduction) {
+  const at::ScalarType low = at::autocast::get_autocast_dtype(hidden.device().type());
+  auto cast = [&](const at::Tensor& t) { return t.defined() && t.scalar_type() == at::kFloat ? t.to(low) : t; };
+  std::optional<at::Tensor> b = bias;
+  if (b.has_value() && b->defined()) b = cast(*b);
+  autocast::Below below;
+  return lce_op().call(cast(hidden), cast(weight), target, b, ignore_index, label_smoothing, reduction);
+}
+
+}  // namespace
+
+// Meta kernels of linear_cross_entropy.
+TORCH_LIBRARY_IMPL(customops, Meta, m) {
+  m.impl("linear_cross_entropy", &lce_meta);
+  m.impl("_linear_cross_entropy_with_grads", &lce_with_grads_meta);
+}
+
+// The scaling backward of linear_cross_entropy, for every device.
+TORCH_LIBRARY_IMPL(customops, CompositeExplicitAutograd, m) {
+  m.impl("_linear_cross_entropy_backward", &lce_backward_kernel);
+}
+
+// Autograd kernels of linear_cross_entropy.
+TORCH_LIBRARY_IMPL(customops, Autograd, m) {
+  m.impl("linear_cross_entropy", &lce_autograd);
+  m.impl("_linear_cross_entropy_with_grads", &lce_with_grads_autograd);
+  m.impl("_linear_cross_entropy_backward", &lce_backward_autograd);
+}
+
+// Autocast kernel of linear_cross_entropy.
+CUSTOMOPS_AUTOCAST_IMPL(m) { m.impl("linear_cross_entropy", &lce_autocast); }
+
+// vmap batching rules of linear_cross_entropy.
+TORCH_LIBRARY_IMPL(customops, FuncTorchBatched, m) {
+  m.impl("linear_cross_entropy", &lce_batched);
+  m.impl("_linear_cross_entropy_with_grads", &lce_with_grads_batched);
+  m.impl("_linear_cross_entropy_backward", batching::leading_dims());
+}
+
+// CPU and CUDA kernels of linear_cross_entropy: the implementation above with the device's
+// cross-entropy kernels.
+template <const CrossEntropyKernels& (*Kernels)()>
+at::Tensor lce_device(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
+                      const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
+                      c10::string_view reduction) {
+  return linear_cross_entropy_impl(Kernels(), hidden, weight, target, bias, ignore_index, label_smoothing, reduction);
+}
+
+template <const CrossEntropyKernels& (*Kernels)()>
+Grads lce_with_grads_device(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
+                            const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
+                            c10::string_view reduction, std::array<bool, 3> mask) {
+  return linear_cross_entropy_with_grads_impl(Kernels(), hidden, weight, target, bias, ignore_index, label_smoothing,
+                                              reduction, mask);
+}
+
+TORCH_LIBRARY_IMPL(customops, CPU, m) {
+  m.impl("linear_cross_entropy", &lce_device<cross_entropy_kernels_cpu>);
+  m.impl("_linear_cross_entropy_with_grads", &lce_with_grads_device<cross_entropy_kernels_cpu>);
+}
+
+#ifdef CUSTOMOPS_WITH_CUDA
+TORCH_LIBRARY_IMPL(customops, CUDA, m) {
+  m.impl("linear_cross_entropy", &lce_device<cross_entropy_kernels_cuda>);
+  m.impl("_linear_cross_entropy_with_grads", &lce_with_grads_device<cross_entropy_kernels_cuda>);
+}
+#endif
+
+}  // namespace customops
