@@ -322,14 +322,10 @@ at::Tensor lce_autocast(const at::Tensor& hidden, const at::Tensor& weight, cons
 
 }  // namespace
 
-// Meta kernels of linear_cross_entropy.
+// Meta kernels of linear_cross_entropy (the scaling backward's ATen ops run on Meta too).
 TORCH_LIBRARY_IMPL(customops, Meta, m) {
   m.impl("linear_cross_entropy", &lce_meta);
   m.impl("_linear_cross_entropy_with_grads", &lce_with_grads_meta);
-}
-
-// The scaling backward of linear_cross_entropy, for every device.
-TORCH_LIBRARY_IMPL(customops, CompositeExplicitAutograd, m) {
   m.impl("_linear_cross_entropy_backward", &lce_backward_kernel);
 }
 
@@ -370,12 +366,14 @@ Grads lce_with_grads_device(const at::Tensor& hidden, const at::Tensor& weight, 
 TORCH_LIBRARY_IMPL(customops, CPU, m) {
   m.impl("linear_cross_entropy", &lce_device<cross_entropy_kernels_cpu>);
   m.impl("_linear_cross_entropy_with_grads", &lce_with_grads_device<cross_entropy_kernels_cpu>);
+  m.impl("_linear_cross_entropy_backward", &lce_backward_kernel);
 }
 
 #ifdef CUSTOMOPS_WITH_CUDA
 TORCH_LIBRARY_IMPL(customops, CUDA, m) {
   m.impl("linear_cross_entropy", &lce_device<cross_entropy_kernels_cuda>);
   m.impl("_linear_cross_entropy_with_grads", &lce_with_grads_device<cross_entropy_kernels_cuda>);
+  m.impl("_linear_cross_entropy_backward", &lce_backward_kernel);
 }
 #endif
 
