@@ -132,13 +132,14 @@ __global__ void __launch_bounds__(512) ce_fwd_kernel(const T* __restrict__ x, in
 }
 
 // g, h: per-row loss and lse gradients (nullptr: zero) with their strides (0: one for all rows).
+// The n columns are classes [offset, offset + n) of n_classes.
 template <typename T, int VEC>
 __global__ void __launch_bounds__(512) ce_bwd_kernel(const at::opmath_type<T>* __restrict__ g, int64_t g_stride,
                                                      const at::opmath_type<T>* __restrict__ h, int64_t h_stride,
                                                      const T* x, int64_t x_stride, const int64_t* __restrict__ target,
                                                      const at::opmath_type<T>* __restrict__ lse, int64_t rows,
-                                                     int64_t n, int64_t ignore_index, at::opmath_type<T> eps, T* dx,
-                                                     int64_t dx_stride) {
+                                                     int64_t n, int64_t offset, int64_t n_classes, int64_t ignore_index,
+                                                     at::opmath_type<T> eps, T* dx, int64_t dx_stride) {
   // x and dx may be the same memory (in place): no __restrict__ on them.
   using A = at::opmath_type<T>;
   using P = Pack<T, VEC>;
@@ -146,14 +147,14 @@ __global__ void __launch_bounds__(512) ce_bwd_kernel(const at::opmath_type<T>* _
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* xr = x + r * x_stride;
     T* dr = dx + r * dx_stride;
-    const int64_t t = target[r];
+    const int64_t t = target[r], local = t - offset;  // local: the target's column, if in [0, n)
     const bool counted = t != ignore_index;
-    const bool bad = counted && (t < 0 || t >= n);
+    const bool bad = counted && (t < 0 || t >= n_classes);
     const A gl = counted && g != nullptr ? g[r * g_stride] : A(0);
     const A p_scale = bad ? std::numeric_limits<A>::quiet_NaN() : gl + (h != nullptr ? h[r * h_stride] : A(0));
-    const A uniform = gl * eps / A(n), at_target = gl * (A(1) - eps), l = lse[r];
+    const A uniform = gl * eps / A(n_classes), at_target = gl * (A(1) - eps), l = lse[r];
     auto grad = [&](A xv, int64_t c) {
-      return fast_exp(xv - l) * p_scale - uniform - (c == t ? at_target : A(0));
+      return fast_exp(xv - l) * p_scale - uniform - (c == local ? at_target : A(0));
     };
     for (int64_t i0 = threadIdx.x; i0 < nv; i0 += int64_t{blockDim.x} * kUnroll) {
       P v[kUnroll];
@@ -220,7 +221,7 @@ void forward_cuda(const at::Tensor& logits, const at::Tensor& target, int64_t ig
 
 void backward_cuda(const at::Tensor& grad_loss, const at::Tensor& grad_lse, const at::Tensor& logits,
                    const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index, double eps,
-                   const at::Tensor& grad_logits) {
+                   int64_t class_offset, int64_t n_classes, const at::Tensor& grad_logits) {
   const int64_t rows = logits.size(0), n = logits.size(1);
   if (rows == 0) return;
   c10::cuda::CUDAGuard guard(logits.device());
@@ -234,7 +235,8 @@ void backward_cuda(const at::Tensor& grad_loss, const at::Tensor& grad_lse, cons
           grad_loss.defined() ? grad_loss.const_data_ptr<A>() : nullptr, grad_loss.defined() ? grad_loss.stride(0) : 0,
           grad_lse.defined() ? grad_lse.const_data_ptr<A>() : nullptr, grad_lse.defined() ? grad_lse.stride(0) : 0,
           logits.const_data_ptr<scalar_t>(), logits.stride(0), target.const_data_ptr<int64_t>(), lse.const_data_ptr<A>(),
-          rows, n, ignore_index, static_cast<A>(eps), grad_logits.data_ptr<scalar_t>(), grad_logits.stride(0));
+          rows, n, class_offset, n_classes, ignore_index, static_cast<A>(eps), grad_logits.data_ptr<scalar_t>(),
+          grad_logits.stride(0));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
@@ -266,7 +268,7 @@ at::Tensor cross_entropy_backward_cuda(const std::optional<at::Tensor>& grad_los
   check_cross_entropy_backward(grad_loss, grad_lse, logits, target, lse, eps);
   at::Tensor grad = at::empty(logits.sizes(), logits.options());
   backward_cuda(flat(grad_loss), flat(grad_lse), as_2d(logits), target.contiguous().view(-1), lse.contiguous().view(-1),
-                ignore_index, eps, grad.view({-1, logits.size(-1)}));
+                ignore_index, eps, 0, logits.size(-1), grad.view({-1, logits.size(-1)}));
   return grad;
 }
 

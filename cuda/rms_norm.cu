@@ -334,7 +334,9 @@ void rms_norm_forward(const at::Tensor& x, const at::Tensor& res, const at::Tens
     const scalar_t* rp = res.defined() ? res.const_data_ptr<scalar_t>() : nullptr;
     scalar_t* sp = sum.defined() ? sum.mutable_data_ptr<scalar_t>() : nullptr;
     const int v = weight_vec_width<scalar_t>(vec_width<scalar_t>(n, {x.const_data_ptr(), y.const_data_ptr(), rp, sp}), wp);
-    const auto [k, threads] = row_split(n / v, 8);
+    // add_rms_norm holds x and residual: at most 2 packs of each per thread (more threads instead),
+    // which keeps the kernel within the 64 registers a 1024-thread block allows.
+    const auto [k, threads] = row_split(n / v, rp != nullptr ? 2 : 8);
     const int64_t blocks = std::min(rows, kMaxGrid);
     auto stream = at::cuda::getCurrentCUDAStream();
     if (threads > 0) {

@@ -94,18 +94,20 @@ inline void check_linear_cross_entropy(const char* op, const at::Tensor& hidden,
               reduction, "\"");
 }
 
-// The cross-entropy kernels of one device, called on 2-D tensors: logits [rows, V] (any row
+// The cross-entropy kernels of one device, called on 2-D tensors: logits [rows, width] (any row
 // stride, unit last stride), target [rows] contiguous int64, per-row tensors 1-D of the
 // accumulation dtype with any stride (0 too: one value for every row).
 struct CrossEntropyKernels {
-  // Writes loss[r] and lse[r] (contiguous, preallocated).
+  // Writes loss[r] and lse[r] (contiguous, preallocated) of rows holding every class.
   void (*forward)(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index, double label_smoothing,
                   const at::Tensor& loss, const at::Tensor& lse);
-  // Writes grad_logits [rows, V] (any row stride, unit last stride); it may be logits itself
+  // Writes grad_logits [rows, width] (any row stride, unit last stride); it may be logits itself
   // (each element is read before it is written). grad_loss or grad_lse may be undefined (zero).
+  // The rows may hold a slice of the classes, [class_offset, class_offset + width) of n_classes
+  // (linear_cross_entropy's vocabulary chunks): target and lse are the whole row's.
   void (*backward)(const at::Tensor& grad_loss, const at::Tensor& grad_lse, const at::Tensor& logits,
                    const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index, double label_smoothing,
-                   const at::Tensor& grad_logits);
+                   int64_t class_offset, int64_t n_classes, const at::Tensor& grad_logits);
 };
 
 // Raises, naming op, when target holds a class outside [0, V) other than ignore_index. It reads

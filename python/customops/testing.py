@@ -390,7 +390,7 @@ def _linear_cross_entropy_samples(device, dtype, requires_grad):
     for (n, h, v), layout, with_bias, ignore_index, smoothing, reduction in [
         ((6, 8, 11), "contiguous", False, -100, 0.0, "mean"),
         ((9, 16, 37), "contiguous", True, -100, 0.1, "sum"),
-        ((130, 8, 40), "contiguous", False, 3, 0.0, "mean"),  # several chunks
+        ((130, 8, 600), "contiguous", False, 3, 0.1, "mean"),  # several chunks of classes
         ((5, 6, 7), "transposed", True, -100, 0.0, "mean"),
         ((4, 6, 9), "strided", False, -100, 0.2, "sum"),
         ((0, 6, 9), "contiguous", True, -100, 0.0, "sum"),
