@@ -45,7 +45,8 @@ class Target:
 
     device: str
     # "eager", "compile", "liger": customops' speed-up over that; "fastest": over the faster of
-    # torch.compile and Liger-Kernel; "copy": share of copy bandwidth
+    # torch.compile and Liger-Kernel; "copy": share of copy bandwidth; "liger_memory": Liger-Kernel's
+    # peak memory over customops' (CUDA)
     against: str
     at_least: float
     pass_: str = "fwd"
@@ -76,6 +77,10 @@ class Bench:
     out: Callable[[], Callable] | None = None  # -> fn(*inputs, out=): customops' out= variant
     overhead: Overhead | None = None
     targets: tuple[Target, ...] = ()
+    no_grad: tuple[int, ...] = ()  # positions of floating-point inputs that take no gradient (rope's cos, sin)
+    # fwd+bwd only: -> fn(*inputs) timed beside the others as impl "matmuls" (the matmuls an op is
+    # built on, so its table shows their share)
+    matmuls: Callable[[], Callable] | None = None
 
 
 def _randn(dims, device, dtype):
@@ -127,6 +132,84 @@ def _chunked(fn):
     return lambda x: fn(*x.chunk(2, -1))
 
 
+def _add_rms_norm_eager(x, residual, w, eps):
+    # Hugging Face's decoder layer: the residual add in the activations' dtype, then LlamaRMSNorm.
+    h = x + residual
+    return _rms_norm_eager(h, w, eps), h
+
+
+def _add_rms_norm_bytes(dims, itemsize):
+    # Forward reads x, residual and w, writes y and sum; backward reads dy, the gradient of sum,
+    # sum and w, writes one gradient (x's and residual's are the same tensor) and dw.
+    xs, w = math.prod(dims) * itemsize, dims[-1] * itemsize
+    return 4 * xs + w, 4 * xs + 2 * w
+
+
+def _rope_inputs(dims, dev, dt):
+    # dims (B, Hq, Hkv, S, D); cos and sin [1, S, D] as Hugging Face's rotary module makes them.
+    b, hq, hkv, s, d = dims
+    theta = torch.randn(1, s, d // 2, device=dev).repeat(1, 1, 2)
+    return (_randn((b, hq, s, d), dev, dt), _randn((b, hkv, s, d), dev, dt), theta.cos().to(dt), theta.sin().to(dt))
+
+
+def _rope_eager(q, k, cos, sin):
+    def rotate_half(x):
+        h = x.shape[-1] // 2
+        return torch.cat((-x[..., h:], x[..., :h]), -1)
+
+    c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+
+
+def _rope_bytes(dims, itemsize):
+    # Each pass reads q and k (or their gradients) and writes as much; cos and sin once.
+    b, hq, hkv, s, d = dims
+    qk, cs = b * (hq + hkv) * s * d * itemsize, 2 * s * d * itemsize
+    return 2 * qk + cs, 2 * qk + cs
+
+
+def _liger_rope():
+    from liger_kernel.ops.rope import LigerRopeFunction
+
+    return lambda q, k, cos, sin: LigerRopeFunction.apply(q, k, cos, sin)
+
+
+def _cross_entropy_bytes(dims, itemsize):
+    # Forward reads the logits once; backward reads them once and writes their gradient.
+    n = math.prod(dims) * itemsize
+    return n, 2 * n
+
+
+def _liger_functional(name: str):
+    def load():
+        import importlib
+
+        return getattr(importlib.import_module("liger_kernel.transformers.functional"), name)
+
+    return load
+
+
+def _linear_ce_inputs(dims, dev, dt):
+    n, h, v = dims
+    return (_randn((n, h), dev, dt), _randn((v, h), dev, dt) * h ** -0.5, torch.randint(0, v, (n,), device=dev))
+
+
+def _linear_ce_bytes(dims, itemsize):
+    # What any implementation must move at least: hidden and weight in, their gradients out (the
+    # op is bound by its matmuls; % of copy says little here).
+    n, h, v = dims
+    return (n * h + v * h) * itemsize, 2 * (n * h + v * h) * itemsize
+
+
+def _linear_ce_matmuls():
+    # The three matmuls a fused linear cross-entropy cannot avoid: logits, grad_hidden, grad_weight.
+    def run(hidden, weight, target):
+        logits = hidden @ weight.T
+        return logits @ weight, logits.T @ hidden
+
+    return run
+
+
 _OPS = torch.ops.customops
 _BF16, _F32 = torch.bfloat16, torch.float32
 _MLP = (16384, 11008)  # Llama-7B's intermediate activations: tokens x ffn width
@@ -146,6 +229,63 @@ _GATE_UP = dict(
 )
 
 BENCHES: list[Bench] = [
+    Bench(
+        name="add_rms_norm",
+        op="add_rms_norm",
+        inputs=lambda d, dev, dt: (_randn(d, dev, dt), _randn(d, dev, dt), 1 + 0.1 * _randn(d[-1:], dev, dt), 1e-6),
+        customops=_wrapper("add_rms_norm", lambda: lambda x, r, w, eps: _OPS.add_rms_norm.default(x, r, w, eps)[:2]),
+        eager=_add_rms_norm_eager,
+        bytes=_add_rms_norm_bytes,
+        shapes=(Shape((4096, 4096), "cpu", (_F32, _BF16)),
+                Shape((32768, 4096), "cuda", (_BF16,)), Shape((4096, 8192), "cuda", (_BF16,))),
+        quick_dims=(256, 1024),
+        targets=(Target("cpu", "eager", 2.0), Target("cpu", "compile", 1.0), Target("cuda", "copy", 0.9),
+                 Target("cuda", "copy", 0.9, "fwd+bwd"), Target("cuda", "compile", 1.0, "fwd+bwd")),
+    ),
+    Bench(
+        name="rope",
+        op="rope",
+        inputs=_rope_inputs,
+        customops=_wrapper("rope", lambda: lambda q, k, c, s: _OPS.rope.default(q, k, c, s, False)),
+        eager=_rope_eager,
+        bytes=_rope_bytes,
+        shapes=(Shape((1, 32, 8, 1024, 128), "cpu", (_F32,)), Shape((4, 32, 8, 2048, 128), "cuda", (_BF16,))),
+        quick_dims=(1, 4, 2, 64, 64),
+        liger=_liger_rope,
+        no_grad=(2, 3),
+        targets=(Target("cpu", "eager", 2.0), Target("cpu", "compile", 1.0), Target("cuda", "copy", 0.9, "fwd+bwd"),
+                 Target("cuda", "fastest", 1.0, "fwd+bwd")),
+    ),
+    Bench(
+        name="cross_entropy",
+        op="cross_entropy",
+        inputs=lambda d, dev, dt: (_randn(d, dev, dt), torch.randint(0, d[-1], d[:-1], device=dev)),
+        customops=lambda: customops.cross_entropy,
+        # Hugging Face's loss: the logits upcast to float32, then F.cross_entropy.
+        eager=lambda logits, target: F.cross_entropy(logits.float(), target),
+        bytes=_cross_entropy_bytes,
+        shapes=(Shape((4096, 32000), "cpu", (_F32, _BF16)), Shape((8192, 128256), "cuda", (_BF16,))),
+        quick_dims=(64, 1000),
+        # Liger writes the gradient into the logits during the forward; later repetitions read
+        # those values instead (the timing is the same).
+        liger=_liger_functional("liger_cross_entropy"),
+        targets=(Target("cpu", "eager", 2.0), Target("cpu", "compile", 1.0), Target("cuda", "copy", 0.9, "fwd+bwd"),
+                 Target("cuda", "fastest", 1.0, "fwd+bwd")),
+    ),
+    Bench(
+        name="linear_cross_entropy",
+        op="linear_cross_entropy",
+        inputs=_linear_ce_inputs,
+        customops=lambda: customops.linear_cross_entropy,
+        eager=lambda hidden, weight, target: F.cross_entropy((hidden @ weight.T).float(), target),
+        bytes=_linear_ce_bytes,
+        shapes=(Shape((512, 512, 8192), "cpu", (_F32,)), Shape((8192, 2048, 128256), "cuda", (_BF16,))),
+        quick_dims=(64, 32, 1000),
+        liger=_liger_functional("liger_fused_linear_cross_entropy"),
+        matmuls=_linear_ce_matmuls,
+        targets=(Target("cpu", "compile", 1.0), Target("cuda", "liger", 1.0, "fwd+bwd"),
+                 Target("cuda", "liger_memory", 1.0, "fwd+bwd")),
+    ),
     Bench(
         name="muladd",
         op="muladd",
@@ -246,7 +386,7 @@ BENCHES: list[Bench] = [
 ]
 
 BENCHES_BY_NAME = {b.name: b for b in BENCHES}
-IMPLS = ("customops", "customops_out", "eager", "compile", "liger")
+IMPLS = ("customops", "customops_out", "eager", "compile", "liger", "matmuls")
 ALTERNATIVES = ("eager", "compile", "liger")  # what customops' speed-up is measured against
 PASSES = ("fwd", "fwd+bwd")
 # Allocator settings that change what a fresh output costs; recorded with the results when set.
@@ -371,12 +511,30 @@ def _sync(device: str) -> Callable[[], None]:
     return torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
 
-def _grad_leaves(args: tuple) -> tuple:
+def _grad_leaves(args: tuple, no_grad: tuple[int, ...] = ()) -> tuple:
     return tuple(a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point()
-                 else a for a in args)
+                 and i not in no_grad else a for i, a in enumerate(args))
 
 
-def _forward_backward(fn: Callable, args: tuple, grad_out: torch.Tensor) -> Callable[[], object]:
+def _grads_like(ref) -> torch.Tensor | tuple:
+    return tuple(torch.randn_like(r) for r in ref) if isinstance(ref, (tuple, list)) else torch.randn_like(ref)
+
+
+def _peak_mib(fn: Callable, device: str) -> float | None:
+    """Peak memory one call allocates above what was allocated before it (CUDA only)."""
+    if device != "cuda":
+        return None
+    torch.cuda.synchronize()
+    gc.collect()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    del out
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _forward_backward(fn: Callable, args: tuple, grad_out) -> Callable[[], object]:
     # autograd.grad returns the gradients instead of accumulating into .grad: no extra add.
     leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     return lambda: torch.autograd.grad(fn(*args), leaves, grad_out)
@@ -445,8 +603,10 @@ def _run_case(bench: Bench, dims: tuple, dtype: torch.dtype, device: str, budget
                 calls["customops_out"] = lambda: out_fn(*args, out=out)
             nbytes = fwd_bytes
         else:
-            gargs, grad_out = _grad_leaves(args), torch.randn_like(ref)
+            gargs, grad_out = _grad_leaves(args, bench.no_grad), _grads_like(ref)
             calls = {k: _forward_backward(f, gargs, grad_out) for k, f in fns.items()}
+            if bench.matmuls is not None:
+                calls["matmuls"] = functools.partial(bench.matmuls(), *args)
             nbytes = fwd_bytes + bwd_bytes
         compile_s = {}
         for k, f in list(calls.items()):  # the first call compiles (torch.compile, Triton autotuning)
@@ -467,6 +627,7 @@ def _run_case(bench: Bench, dims: tuple, dtype: torch.dtype, device: str, budget
         times = timer({**calls, "copy": copy}, budget)
         copy_gbps = copy.record(times.pop("copy"))
         base = times["customops"]["median_ms"]
+        peaks = {k: _peak_mib(f, device) for k, f in calls.items()}
         for impl in IMPLS:
             if impl not in times:
                 continue
@@ -474,7 +635,7 @@ def _run_case(bench: Bench, dims: tuple, dtype: torch.dtype, device: str, budget
             gbps = nbytes / t["median_ms"] / 1e6
             row = {"op": bench.name, "shape": list(dims), "dtype": str(dtype).removeprefix("torch."), "pass": pass_,
                    "impl": impl, **t, "bytes": nbytes, "gbps": gbps, "pct_of_copy": 100 * gbps / copy_gbps,
-                   "copy_gbps": copy_gbps}
+                   "copy_gbps": copy_gbps, "peak_mib": peaks[impl]}
             if impl == "compile":
                 row["first_call_s"] = compile_s[impl]
             if impl == "customops":
@@ -541,8 +702,15 @@ def _targets(benches: list[Bench], rows: list[dict], device: str) -> list[dict]:
                 if r["op"] != b.name or r["impl"] != "customops" or r["pass"] != tg.pass_:
                     continue
                 fastest = [a for a in ("compile", "liger") if a in r["speedup"]]
+                liger = next((x for x in rows if x["impl"] == "liger" and
+                              (x["op"], x["shape"], x["dtype"], x["pass"]) == (r["op"], r["shape"], r["dtype"], r["pass"])),
+                             None)
                 if tg.against == "copy":
                     value = r["pct_of_copy"] / 100
+                elif tg.against == "liger_memory":
+                    if liger is None or not liger.get("peak_mib") or not r.get("peak_mib"):
+                        continue
+                    value = liger["peak_mib"] / r["peak_mib"]
                 elif tg.against == "fastest" and fastest:
                     value = min(r["speedup"][a] for a in fastest)
                 elif tg.against in r["speedup"]:
@@ -666,8 +834,13 @@ def _shape(r: dict) -> str:
 
 
 IMPL_LABEL = {"customops": "customops", "customops_out": "customops out=", "eager": "eager",
-              "compile": "torch.compile", "liger": "Liger-Kernel"}
-AGAINST_LABEL = {"eager": "eager", "compile": "torch.compile", "liger": "Liger-Kernel", "copy": "copy bandwidth"}
+              "compile": "torch.compile", "liger": "Liger-Kernel", "matmuls": "its matmuls (torch.mm)"}
+AGAINST_LABEL = {"eager": "eager", "compile": "torch.compile", "liger": "Liger-Kernel", "copy": "copy bandwidth",
+                 "liger_memory": "Liger-Kernel's peak memory over customops'"}
+
+
+def _peak_cell(r: dict) -> str:
+    return "" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
 
 
 def _speedup_cell(rows_of_case: list[dict], r: dict) -> str:
@@ -710,7 +883,7 @@ def print_report(report: dict) -> None:
     t = Table(title=_header(report), title_justify="left")
     for col, just in (("op", "left"), ("shape", "left"), ("dtype", "left"), ("pass", "left"), ("impl", "left"),
                       ("median", "right"), ("GB/s", "right"), ("% of copy", "right"),
-                      ("customops speed-up", "right")):
+                      ("customops speed-up", "right"), ("peak MiB", "right")):
         t.add_column(col, justify=just)
     for _, g in _groups(report["rows"]):
         for i, r in enumerate(g):
@@ -720,7 +893,7 @@ def print_report(report: dict) -> None:
             first = i == 0
             t.add_row(r["op"] if first else "", _shape(r) if first else "", r["dtype"] if first else "",
                       r["pass"] if first else "", IMPL_LABEL[r["impl"]], _fmt_ms(r["median_ms"]),
-                      f"{r['gbps']:.1f}", f"{r['pct_of_copy']:.0f}%", sp,
+                      f"{r['gbps']:.1f}", f"{r['pct_of_copy']:.0f}%", sp, _peak_cell(r),
                       style="bold" if r["impl"] == "customops" else None, end_section=i == len(g) - 1)
     console.print(t)
     console.print(f"copy roofline: dst.copy_(src), {c['bytes'] / 2**20:.0f} MiB moved: {c['gbps']:.1f} GB/s (median of "
@@ -753,7 +926,7 @@ def plot(report: dict, path: str) -> None:
     passes = [p for p in PASSES if any(r["pass"] == p for r in report["rows"])]
     fig, axes = plt.subplots(len(passes) or 1, 1, figsize=(11, 3.6 * max(1, len(passes))), squeeze=False)
     impls = [i for i in IMPLS if any(r["impl"] == i for r in report["rows"])]
-    colors = dict(zip(IMPLS, ("tab:blue", "tab:cyan", "tab:gray", "tab:orange", "tab:green")))
+    colors = dict(zip(IMPLS, ("tab:blue", "tab:cyan", "tab:gray", "tab:orange", "tab:green", "tab:purple")))
     for ax, p in zip(axes[:, 0], passes):
         groups = [(k, g) for k, g in _groups(report["rows"]) if k[3] == p]
         width = 0.8 / len(impls)
@@ -796,14 +969,14 @@ def markdown(report: dict, image: str | None = None) -> str:
         f"**{c['gbps']:.1f} GB/s** (median; {c['gbps_range'][0]:.1f} to {c['gbps_range'][1]:.1f}). Each row's "
         "% of copy is against the copy timed alongside it.",
         "",
-        "| op | shape | dtype | pass | impl | median | GB/s | % of copy | customops speed-up |",
-        "|---|---|---|---|---|--:|--:|--:|--:|",
+        "| op | shape | dtype | pass | impl | median | GB/s | % of copy | customops speed-up | peak MiB |",
+        "|---|---|---|---|---|--:|--:|--:|--:|--:|",
     ]
     for _, g in _groups(report["rows"]):
         for r in g:
             name = f"**{IMPL_LABEL[r['impl']]}**" if r["impl"] == "customops" else IMPL_LABEL[r["impl"]]
             lines.append(f"| {r['op']} | {_shape(r)} | {r['dtype']} | {r['pass']} | {name} | {_fmt_ms(r['median_ms'])} "
-                         f"| {r['gbps']:.1f} | {r['pct_of_copy']:.0f}% | {_speedup_cell(g, r)} |")
+                         f"| {r['gbps']:.1f} | {r['pct_of_copy']:.0f}% | {_speedup_cell(g, r)} | {_peak_cell(r)} |")
     if image:
         lines += ["", f"![effective bandwidth, {m['device_name']}]({image})"]
     if report["overhead"]:

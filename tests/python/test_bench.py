@@ -47,3 +47,13 @@ def test_bench_quick_report(tmp_path):
     text = doc.read_text()
     assert text.startswith("# before\n<!-- bench:cpu -->\n") and text.endswith("<!-- /bench:cpu -->\n# after\n")
     assert "| muladd |" in text and "old" not in text
+
+
+def test_bench_tuple_outputs_and_no_grad_inputs():
+    # add_rms_norm returns (y, sum): both get an output gradient; rope's cos and sin take none.
+    report = bench.run(["add_rms_norm", "rope"], device="cpu", quick=True, progress=False)
+    assert report["failures"] == []
+    for op in ("add_rms_norm", "rope"):
+        passes = {r["pass"] for r in report["rows"] if r["op"] == op and r["impl"] == "customops"}
+        assert passes == {"fwd", "fwd+bwd"}, (op, passes)
+    assert all(r["peak_mib"] is None for r in report["rows"])  # CUDA only
