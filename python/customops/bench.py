@@ -149,7 +149,10 @@ def _rope_inputs(dims, dev, dt):
     # dims (B, Hq, Hkv, S, D); cos and sin [1, S, D] as Hugging Face's rotary module makes them.
     b, hq, hkv, s, d = dims
     theta = torch.randn(1, s, d // 2, device=dev).repeat(1, 1, 2)
-    return (_randn((b, hq, s, d), dev, dt), _randn((b, hkv, s, d), dev, dt), theta.cos().to(dt), theta.sin().to(dt))
+    # q and k as Hugging Face's attention makes them: [B, S, H, D] projections viewed as [B, H, S, D],
+    # the layout Liger-Kernel rotates in place (a contiguous [B, H, S, D] would cost it a copy).
+    q, k = _randn((b, s, hq, d), dev, dt).transpose(1, 2), _randn((b, s, hkv, d), dev, dt).transpose(1, 2)
+    return q, k, theta.cos().to(dt), theta.sin().to(dt)
 
 
 def _rope_eager(q, k, cos, sin):
@@ -251,6 +254,8 @@ BENCHES: list[Bench] = [
         bytes=_rope_bytes,
         shapes=(Shape((1, 32, 8, 1024, 128), "cpu", (_F32,)), Shape((4, 32, 8, 2048, 128), "cuda", (_BF16,))),
         quick_dims=(1, 4, 2, 64, 64),
+        # Liger-Kernel rotates q and k in place (and, in the backward, the output gradients): the
+        # values the others read later change, their timing does not.
         liger=_liger_rope,
         no_grad=(2, 3),
         targets=(Target("cpu", "eager", 2.0), Target("cpu", "compile", 1.0), Target("cuda", "copy", 0.9, "fwd+bwd"),
@@ -517,7 +522,11 @@ def _grad_leaves(args: tuple, no_grad: tuple[int, ...] = ()) -> tuple:
 
 
 def _grads_like(ref) -> torch.Tensor | tuple:
-    return tuple(torch.randn_like(r) for r in ref) if isinstance(ref, (tuple, list)) else torch.randn_like(ref)
+    # A scalar loss gets 1, as loss.backward() gives it: Liger-Kernel's cross entropies skip a pass
+    # over their saved gradient then (any other value costs them a read and write of [N, V]).
+    if isinstance(ref, (tuple, list)):
+        return tuple(_grads_like(r) for r in ref)
+    return torch.ones_like(ref) if ref.dim() == 0 else torch.randn_like(ref)
 
 
 def _peak_mib(fn: Callable, device: str) -> float | None:
@@ -1023,14 +1032,14 @@ def vmap_report(device: str, entries: int = 64, quick: bool = False) -> list[dic
     """Per op, forward: torch.vmap over `entries` entries (the op's batching rule: one kernel call)
     against a Python loop of `entries` calls, and against one plain call on the stacked input (what
     the batching rule should cost). Entries of two sizes: tiny (where a loop pays per-call overhead)
-    and the benchmark's quick shape; rows and elementwise inputs are batched, a norm's weight is
-    shared."""
+    and the benchmark's quick shape; rows, elementwise inputs and class targets are batched, a
+    norm's weight is shared. Ops on rows only (1-D or 2-D dims): not rope or linear_cross_entropy."""
     budget = QUICK if quick else Budget(seconds=0.5, min_reps=10, rounds=5, overhead_calls=0, overhead_rounds=0)
     timer = _time_cuda if device == "cuda" else _time_cpu
     sync = _sync(device)
     out = []
     for b in BENCHES:
-        if b.name != b.op or not hasattr(_OPS, b.op):
+        if b.name != b.op or not hasattr(_OPS, b.op) or len(b.quick_dims) > 2:
             continue
         for dims in ((32, 64) if len(b.quick_dims) == 2 else (2048,), b.quick_dims):
             out.append(_vmap_case(b, dims, device, entries, budget, timer, sync))
@@ -1041,7 +1050,7 @@ def _vmap_case(b: Bench, dims: tuple, device: str, entries: int, budget: Budget,
     dtype = _BF16 if device == "cuda" else _F32
     args = b.inputs(dims, device, dtype)
     fn = b.customops()
-    rows = [isinstance(a, torch.Tensor) and a.dim() >= len(dims) for a in args]
+    rows = [isinstance(a, torch.Tensor) and (a.dim() >= len(dims) or not a.is_floating_point()) for a in args]
     stacked = [torch.stack([a] * entries) if r else a for a, r in zip(args, rows)]
     vmapped = torch.vmap(fn, in_dims=tuple(0 if r else None for r in rows))
     entry = [[s[i] if r else s for s, r in zip(stacked, rows)] for i in range(entries)]
