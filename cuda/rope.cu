@@ -1,14 +1,17 @@
-// CUDA kernels of rope and _rope_backward: one launch for the rows (head vectors) of q and k
-// together. A thread owns one unit of a row: for rotate-half pairs, the 16-byte pack at i in the
-// first half and the pack at i + R/2 in the second; for GPT-J pairs, one pack of adjacent pairs;
-// past R, one pack copied through. q and k are read through their strides (views of a fused qkv
-// projection stay in place); cos and sin rows, shared by every head, come mostly from L2.
-// Outputs are contiguous. Rows or strides not aligned to 16 bytes take the same kernel one
-// element at a time. The backward is the transposed rotation.
+// CUDA kernels of rope and _rope_backward: one launch for q and k together. A thread owns one unit
+// of a position (b, s) in kHeads heads of q or of k (grid y: head chunks, q's first; grid x:
+// positions x units), so each cos/sin load serves kHeads rows and every x load of those rows is in
+// flight before any math. A rotating unit is two 16-byte packs, at i and i + R/2: rotate-half pairs
+// (j, j + R/2) span them, GPT-J pairs (2j, 2j + 1) lie inside each; dims past R go through one pack
+// a unit. Consecutive threads read consecutive packs. q and k are read through their strides (views
+// of a fused qkv projection stay in place); outputs are contiguous. Rows, strides or R/2 not
+// aligned to 16 bytes take the same kernel one pair (or element) a unit. The backward is the
+// transposed rotation.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
 
 #include "elementwise.cuh"
@@ -19,90 +22,100 @@ namespace {
 
 using cuda::Pack;
 
+constexpr int kThreads = 256;
+constexpr int kHeads = 4;  // heads per thread
+
 template <typename T>
 struct RopeArgs {
-  const T* x[2];          // q, k
-  int64_t stride[2][3];   // their strides of B, H, S (the last dim's is 1)
+  const T* x[2];         // q, k
+  int64_t stride[2][3];  // their strides of B, H, S (the last dim's is 1)
   int64_t heads[2];
-  T* out[2];              // contiguous
-  const T* cos;
+  T* out[2];             // contiguous
+  const T* cos;          // contiguous [Bc, S, R]
   const T* sin;
-  int64_t cos_b_stride;   // rows of cos per batch entry: S, or 0 when shared
-  int64_t b, s, d, r;
-  int64_t q_rows, rows;
+  int64_t cos_b_stride;  // rows of cos per batch entry: S, or 0 when shared
+  int64_t s, d, r;
+  int64_t positions;     // B * S
+  int64_t rot_units;     // units per position that rotate; then (d - r) / V that copy
+  int64_t units;
+  int64_t q_chunks;      // head chunks of q, then those of k
+  int64_t chunks;
 };
 
-// One pair of packs (rotate-half) or one pack (interleaved): y = x * c -/+ partner * s.
-template <typename T, int V, bool kInverse, bool kInterleaved>
-__device__ __forceinline__ void rotate(const T* x, const T* c, const T* s, T* y, int64_t i, int64_t h) {
+// Forward: y1 = x1*c1 - x2*s1, y2 = x2*c2 + x1*s2; inverse (its transpose): y1 = x1*c1 + x2*s2,
+// y2 = x2*c2 - x1*s1.
+template <typename T, bool kInverse>
+__device__ __forceinline__ void rotate_pair(T x1, T x2, T c1, T c2, T s1, T s2, T& y1, T& y2) {
   using A = at::opmath_type<T>;
-  using P = Pack<T, V>;
-  if constexpr (kInterleaved) {  // pairs (2j, 2j + 1): V / 2 of them in one pack (V = 1: one pair, unpacked)
-    constexpr int W = V < 2 ? 2 : V;
-    using PW = Pack<T, W>;
-    PW xv, cv, sv, o;
-    if constexpr (V >= 2) {
-      xv = *reinterpret_cast<const PW*>(x + i);
-      cv = *reinterpret_cast<const PW*>(c + i);
-      sv = *reinterpret_cast<const PW*>(s + i);
-    } else {
-#pragma unroll
-      for (int j = 0; j < W; ++j) {
-        xv.v[j] = x[i + j];
-        cv.v[j] = c[i + j];
-        sv.v[j] = s[i + j];
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < W; j += 2) {
-      const A x1 = A(xv.v[j]), x2 = A(xv.v[j + 1]), c1 = A(cv.v[j]), c2 = A(cv.v[j + 1]), s1 = A(sv.v[j]),
-              s2 = A(sv.v[j + 1]);
-      o.v[j] = static_cast<T>(kInverse ? x1 * c1 + x2 * s2 : x1 * c1 - x2 * s1);
-      o.v[j + 1] = static_cast<T>(kInverse ? x2 * c2 - x1 * s1 : x2 * c2 + x1 * s2);
-    }
-    if constexpr (V >= 2) {
-      *reinterpret_cast<PW*>(y + i) = o;
-    } else {
-#pragma unroll
-      for (int j = 0; j < W; ++j) y[i + j] = o.v[j];
-    }
-  } else {  // pairs (j, j + h): the pack at i and the pack at i + h
-    const P x1v = *reinterpret_cast<const P*>(x + i), x2v = *reinterpret_cast<const P*>(x + i + h);
-    const P c1v = *reinterpret_cast<const P*>(c + i), c2v = *reinterpret_cast<const P*>(c + i + h);
-    const P s1v = *reinterpret_cast<const P*>(s + i), s2v = *reinterpret_cast<const P*>(s + i + h);
-    P o1, o2;
-#pragma unroll
-    for (int j = 0; j < V; ++j) {
-      const A x1 = A(x1v.v[j]), x2 = A(x2v.v[j]), c1 = A(c1v.v[j]), c2 = A(c2v.v[j]), s1 = A(s1v.v[j]),
-              s2 = A(s2v.v[j]);
-      o1.v[j] = static_cast<T>(kInverse ? x1 * c1 + x2 * s2 : x1 * c1 - x2 * s1);
-      o2.v[j] = static_cast<T>(kInverse ? x2 * c2 - x1 * s1 : x2 * c2 + x1 * s2);
-    }
-    *reinterpret_cast<P*>(y + i) = o1;
-    *reinterpret_cast<P*>(y + i + h) = o2;
-  }
+  const A a1 = A(x1), a2 = A(x2);
+  y1 = static_cast<T>(kInverse ? a1 * A(c1) + a2 * A(s2) : a1 * A(c1) - a2 * A(s1));
+  y2 = static_cast<T>(kInverse ? a2 * A(c2) - a1 * A(s1) : a2 * A(c2) + a1 * A(s2));
 }
 
+// V = 16 / sizeof(T): a unit is the packs at u*V and R/2 + u*V. V = 1: a unit is one pair, loaded
+// element by element.
 template <typename T, int V, bool kInverse, bool kInterleaved>
-__global__ void __launch_bounds__(256) rope_kernel(RopeArgs<T> a) {
+__global__ void __launch_bounds__(kThreads) rope_kernel(RopeArgs<T> a) {
   using P = Pack<T, V>;
-  const int64_t h = a.r / 2;
-  constexpr int kRot = kInterleaved && V < 2 ? 2 : V;  // elements a rotating unit starts apart
-  const int64_t rot_units = (kInterleaved ? a.r : h) / kRot, units = rot_units + (a.d - a.r) / V;
-  const int64_t total = a.rows * units;
-  for (int64_t g = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; g < total; g += int64_t{gridDim.x} * blockDim.x) {
-    const int64_t row = g / units, u = g % units;
-    const int which = row < a.q_rows ? 0 : 1;
-    const int64_t i = which == 0 ? row : row - a.q_rows;  // ((bi * H) + hi) * S + si within q or k
-    const int64_t si = i % a.s, hi = (i / a.s) % a.heads[which], bi = i / (a.s * a.heads[which]);
-    const T* x = a.x[which] + bi * a.stride[which][0] + hi * a.stride[which][1] + si * a.stride[which][2];
-    T* y = a.out[which] + i * a.d;
-    if (u < rot_units) {
-      const int64_t cs = (bi * a.cos_b_stride + si) * a.r;
-      rotate<T, V, kInverse, kInterleaved>(x, a.cos + cs, a.sin + cs, y, u * kRot, h);
-    } else {
-      const int64_t c = a.r + (u - rot_units) * V;  // dims past R pass through
-      *reinterpret_cast<P*>(y + c) = *reinterpret_cast<const P*>(x + c);
+  constexpr bool kAdjacent = kInterleaved && V > 1;  // each pack holds whole pairs
+  const int64_t h = a.r / 2, total = a.positions * a.units;
+  for (int64_t chunk = blockIdx.y; chunk < a.chunks; chunk += gridDim.y) {
+    const int w = chunk < a.q_chunks ? 0 : 1;
+    const int64_t h0 = (w == 0 ? chunk : chunk - a.q_chunks) * kHeads;
+    const int nh = static_cast<int>(std::min<int64_t>(kHeads, a.heads[w] - h0));
+    const int64_t x_hstride = a.stride[w][1], y_hstride = a.s * a.d;
+    for (int64_t g = blockIdx.x * int64_t{kThreads} + threadIdx.x; g < total; g += int64_t{gridDim.x} * kThreads) {
+      const int64_t p = g / a.units, u = g % a.units, bi = p / a.s, si = p % a.s;
+      const T* x = a.x[w] + bi * a.stride[w][0] + h0 * x_hstride + si * a.stride[w][2];
+      T* y = a.out[w] + ((bi * a.heads[w] + h0) * a.s + si) * a.d;
+      if (u < a.rot_units) {
+        const int64_t o1 = V == 1 && kInterleaved ? 2 * u : u * V;
+        const int64_t o2 = V == 1 && kInterleaved ? 2 * u + 1 : h + u * V;
+        P x1[kHeads], x2[kHeads];
+#pragma unroll
+        for (int k = 0; k < kHeads; ++k) {
+          if (k < nh) {
+            x1[k] = *reinterpret_cast<const P*>(x + k * x_hstride + o1);
+            x2[k] = *reinterpret_cast<const P*>(x + k * x_hstride + o2);
+          }
+        }
+        const int64_t cs = (bi * a.cos_b_stride + si) * a.r;
+        const P c1 = *reinterpret_cast<const P*>(a.cos + cs + o1), c2 = *reinterpret_cast<const P*>(a.cos + cs + o2);
+        const P s1 = *reinterpret_cast<const P*>(a.sin + cs + o1), s2 = *reinterpret_cast<const P*>(a.sin + cs + o2);
+#pragma unroll
+        for (int k = 0; k < kHeads; ++k) {
+          if (k < nh) {
+            P y1, y2;
+            if constexpr (kAdjacent) {
+#pragma unroll
+              for (int j = 0; j < V; j += 2) {
+                rotate_pair<T, kInverse>(x1[k].v[j], x1[k].v[j + 1], c1.v[j], c1.v[j + 1], s1.v[j], s1.v[j + 1],
+                                         y1.v[j], y1.v[j + 1]);
+                rotate_pair<T, kInverse>(x2[k].v[j], x2[k].v[j + 1], c2.v[j], c2.v[j + 1], s2.v[j], s2.v[j + 1],
+                                         y2.v[j], y2.v[j + 1]);
+              }
+            } else {
+#pragma unroll
+              for (int j = 0; j < V; ++j) {
+                rotate_pair<T, kInverse>(x1[k].v[j], x2[k].v[j], c1.v[j], c2.v[j], s1.v[j], s2.v[j], y1.v[j], y2.v[j]);
+              }
+            }
+            *reinterpret_cast<P*>(y + k * y_hstride + o1) = y1;
+            *reinterpret_cast<P*>(y + k * y_hstride + o2) = y2;
+          }
+        }
+      } else {  // dims past R pass through
+        const int64_t o = a.r + (u - a.rot_units) * V;
+        P v[kHeads];
+#pragma unroll
+        for (int k = 0; k < kHeads; ++k) {
+          if (k < nh) v[k] = *reinterpret_cast<const P*>(x + k * x_hstride + o);
+        }
+#pragma unroll
+        for (int k = 0; k < kHeads; ++k) {
+          if (k < nh) *reinterpret_cast<P*>(y + k * y_hstride + o) = v[k];
+        }
+      }
     }
   }
 }
@@ -110,13 +123,7 @@ __global__ void __launch_bounds__(256) rope_kernel(RopeArgs<T> a) {
 // t itself when its last dim is contiguous (any other strides are read in place), else a copy.
 at::Tensor unit_last_stride(const at::Tensor& t) { return t.size(-1) <= 1 || t.stride(-1) == 1 ? t : t.contiguous(); }
 
-bool aligned16(const void* p, std::initializer_list<int64_t> byte_offsets) {
-  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  for (int64_t o : byte_offsets) {
-    if (o % 16 != 0) return false;
-  }
-  return true;
-}
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 std::tuple<at::Tensor, at::Tensor> rope_apply(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& cos_in,
                                               const at::Tensor& sin_in, bool interleaved, bool inverse) {
@@ -127,36 +134,42 @@ std::tuple<at::Tensor, at::Tensor> rope_apply(const at::Tensor& q_in, const at::
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "customops::rope", [&] {
     using T = scalar_t;
+    constexpr int kVec = 16 / sizeof(T);
     RopeArgs<T> a{};
-    const at::Tensor* in[2] = {&q, &k};
-    const at::Tensor* out[2] = {&q_out, &k_out};
-    for (int w = 0; w < 2; ++w) {
-      a.x[w] = in[w]->const_data_ptr<T>();
-      for (int dim = 0; dim < 3; ++dim) a.stride[w][dim] = in[w]->stride(dim);
-      a.heads[w] = in[w]->size(1);
-      a.out[w] = out[w]->mutable_data_ptr<T>();
-    }
-    a.cos = cos.const_data_ptr<T>();
-    a.sin = sin.const_data_ptr<T>();
-    a.b = q.size(0);
     a.s = q.size(2);
     a.d = q.size(3);
     a.r = cos.size(-1);
+    a.positions = q.size(0) * a.s;
+    a.cos = cos.const_data_ptr<T>();
+    a.sin = sin.const_data_ptr<T>();
     a.cos_b_stride = cos.dim() == 3 && cos.size(0) > 1 ? a.s : 0;
-    a.q_rows = a.b * a.heads[0] * a.s;
-    a.rows = a.q_rows + a.b * a.heads[1] * a.s;
-    constexpr int kVec = 16 / sizeof(T);
-    const int64_t e = sizeof(T);
-    const bool vec = a.r % (2 * kVec) == 0 && (a.d - a.r) % kVec == 0 &&
-                     aligned16(a.x[0], {a.stride[0][0] * e, a.stride[0][1] * e, a.stride[0][2] * e, a.d * e}) &&
-                     aligned16(a.x[1], {a.stride[1][0] * e, a.stride[1][1] * e, a.stride[1][2] * e}) &&
-                     aligned16(a.cos, {a.r * e}) && aligned16(a.sin, {}) && aligned16(a.out[0], {}) &&
-                     aligned16(a.out[1], {});
+    bool vec = (a.r / 2) % kVec == 0 && a.d % kVec == 0 && aligned16(a.cos) && aligned16(a.sin);
+    const at::Tensor* in[2] = {&q, &k};
+    const at::Tensor* out[2] = {&q_out, &k_out};
+    int64_t chunks[2];
+    for (int w = 0; w < 2; ++w) {
+      const at::Tensor& t = *in[w];
+      a.x[w] = t.const_data_ptr<T>();
+      a.out[w] = out[w]->mutable_data_ptr<T>();
+      a.heads[w] = t.size(1);
+      chunks[w] = t.numel() == 0 ? 0 : (a.heads[w] + kHeads - 1) / kHeads;
+      for (int dim = 0; dim < 3; ++dim) {
+        a.stride[w][dim] = t.size(dim) == 1 ? 0 : t.stride(dim);  // a size-1 dim's stride is never used
+        vec = vec && (chunks[w] == 0 || a.stride[w][dim] % kVec == 0);
+      }
+      vec = vec && (chunks[w] == 0 || (aligned16(a.x[w]) && aligned16(a.out[w])));
+    }
+    a.q_chunks = chunks[0];
+    a.chunks = chunks[0] + chunks[1];
     auto launch = [&](auto kernel, int v) {
-      const int64_t units = (interleaved ? a.r / std::max(v, 2) : a.r / 2 / v) + (a.d - a.r) / v;
-      const int64_t blocks = std::min<int64_t>((a.rows * units + 255) / 256, std::numeric_limits<int32_t>::max());
-      if (blocks == 0) return;
-      kernel<<<static_cast<unsigned>(blocks), 256, 0, at::cuda::getCurrentCUDAStream()>>>(a);
+      a.rot_units = a.r / 2 / v;
+      a.units = a.rot_units + (a.d - a.r) / v;
+      const int64_t blocks_x = std::min<int64_t>((a.positions * a.units + kThreads - 1) / kThreads,
+                                                 std::numeric_limits<int32_t>::max());
+      const int64_t blocks_y = std::min<int64_t>(a.chunks, 65535);
+      if (blocks_x == 0 || blocks_y == 0) return;
+      const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(blocks_y));
+      kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     auto with_flags = [&](auto vc) {

@@ -1,9 +1,10 @@
 // CPU kernels of rope and _rope_backward: one parallel loop over the rows (head vectors) of q and
 // k together, each row in float32 (float64 for float64). q and k are read through their strides
-// (views of a fused qkv projection stay in place); outputs are contiguous. Rotate-half pairs
-// (i, i + R/2) are two contiguous runs, so they go in vectors; GPT-J pairs (2i, 2i + 1) are
-// interleaved and go element by element. The backward is the same loop with the transposed
-// rotation.
+// (views of a fused qkv projection stay in place), in their memory order: heads innermost when a
+// head's stride is the smaller (a [B, S, H, D] layout), positions innermost otherwise, so reads
+// stream either way; outputs are contiguous. Rotate-half pairs (i, i + R/2) are two contiguous
+// runs, so they go in vectors; GPT-J pairs (2i, 2i + 1) are interleaved and go element by element
+// (a loop compilers vectorize). The backward is the same loop with the transposed rotation.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -23,6 +24,7 @@ struct RopeIn {
   const T* x;
   int64_t stride[3];  // of B, H, S (the last dim's is 1)
   int64_t h;
+  bool heads_inner;   // rows in (b, s, h) order rather than (b, h, s)
   T* out;             // contiguous [B, H, S, D]
 };
 
@@ -74,11 +76,12 @@ void rope_rows(const RopeIn<T>& q, const RopeIn<T>& k, const T* cos, const T* si
     for (int64_t row = begin; row < end; ++row) {
       const bool is_q = row < q_rows;
       const RopeIn<T>& t = is_q ? q : k;
-      const int64_t i = is_q ? row : row - q_rows;  // row within t: ((bi * H) + hi) * S + si
-      const int64_t si = i % s, hi = (i / s) % t.h, bi = i / (s * t.h);
+      const int64_t i = is_q ? row : row - q_rows;  // row within t, in its order
+      const int64_t si = t.heads_inner ? (i / t.h) % s : i % s, hi = t.heads_inner ? i % t.h : (i / s) % t.h;
+      const int64_t bi = i / (s * t.h);
       const int64_t cs = (bi * cos_b_stride + si) * r;
       rope_row<T, kInverse>(t.x + bi * t.stride[0] + hi * t.stride[1] + si * t.stride[2], cos + cs, sin + cs,
-                            t.out + i * d, r, d, interleaved);
+                            t.out + ((bi * t.h + hi) * s + si) * d, r, d, interleaved);
     }
   });
 }
@@ -89,8 +92,11 @@ void rope_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos
   const int64_t cos_b_stride = cos.dim() == 3 && cos.size(0) > 1 ? s : 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "customops::rope", [&] {
     using T = scalar_t;
-    const RopeIn<T> qi{q.const_data_ptr<T>(), {q.stride(0), q.stride(1), q.stride(2)}, q.size(1), q_out.mutable_data_ptr<T>()};
-    const RopeIn<T> ki{k.const_data_ptr<T>(), {k.stride(0), k.stride(1), k.stride(2)}, k.size(1), k_out.mutable_data_ptr<T>()};
+    auto in = [](const at::Tensor& t, const at::Tensor& out) {
+      return RopeIn<T>{t.const_data_ptr<T>(), {t.stride(0), t.stride(1), t.stride(2)}, t.size(1),
+                       t.stride(1) < t.stride(2), out.mutable_data_ptr<T>()};
+    };
+    const RopeIn<T> qi = in(q, q_out), ki = in(k, k_out);
     if (inverse) {
       rope_rows<T, true>(qi, ki, cos.const_data_ptr<T>(), sin.const_data_ptr<T>(), cos_b_stride, b, s, d, r, interleaved);
     } else {
