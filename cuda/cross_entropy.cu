@@ -1,5 +1,5 @@
-// CUDA kernels of cross_entropy and _cross_entropy_backward, and the kernel-level entry points
-// linear_cross_entropy runs on its chunks. One block per row (grid-stride), 16-byte loads, four
+// CUDA kernels of cross_entropy: the kernel-level entry points (cross_entropy_kernels_cuda) that
+// the ops cross_entropy, _cross_entropy_backward and linear_cross_entropy run (cpp/ops). One block per row (grid-stride), 16-byte loads, four
 // in flight per thread before any math; a row's few elements before its first 16-byte boundary
 // and after its last whole pack go one by one, so every row start and every V get the packs.
 // - Forward: one pass. Each thread keeps an online (max, sum of exp(x - max)) pair, rescaled once
@@ -12,14 +12,12 @@
 // and gradient are NaN, never a read out of bounds.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
-#include <torch/library.h>
 
 #include <cmath>
 #include <limits>
 
 #include "elementwise.cuh"
 #include "ops/cross_entropy.h"
-#include "ops/row_view.h"
 
 namespace customops {
 namespace {
@@ -290,47 +288,11 @@ void backward_cuda(const at::Tensor& grad_loss, const at::Tensor& grad_lse, cons
   });
 }
 
-// logits as [rows, V] with a unit last stride (read in place when its rows have one stride).
-at::Tensor as_2d(const at::Tensor& logits) {
-  const at::Tensor r = as_rows(logits);
-  return r.dim() == 2 ? r : r.view({-1, r.size(-1)});
-}
-
-at::Tensor flat(const std::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined() ? t->contiguous().view(-1) : at::Tensor();
-}
-
-std::tuple<at::Tensor, at::Tensor> cross_entropy_cuda(const at::Tensor& logits, const at::Tensor& target,
-                                                      int64_t ignore_index, double eps) {
-  check_cross_entropy("customops::cross_entropy", logits, target, eps);
-  const auto opts = logits.options().dtype(cross_entropy_acc_dtype(logits.scalar_type()));
-  at::Tensor loss = at::empty(target.sizes(), opts), lse = at::empty(target.sizes(), opts);
-  forward_cuda(as_2d(logits), target.contiguous().view(-1), ignore_index, eps, loss.view(-1), lse.view(-1));
-  return {loss, lse};
-}
-
-at::Tensor cross_entropy_backward_cuda(const std::optional<at::Tensor>& grad_loss,
-                                       const std::optional<at::Tensor>& grad_lse, const at::Tensor& logits,
-                                       const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index,
-                                       double eps) {
-  check_cross_entropy_backward(grad_loss, grad_lse, logits, target, lse, eps);
-  at::Tensor grad = at::empty(logits.sizes(), logits.options());
-  backward_cuda(flat(grad_loss), flat(grad_lse), as_2d(logits), target.contiguous().view(-1), lse.contiguous().view(-1),
-                ignore_index, eps, 0, logits.size(-1), grad.view({-1, logits.size(-1)}));
-  return grad;
-}
-
 }  // namespace
 
 const CrossEntropyKernels& cross_entropy_kernels_cuda() {
   static const CrossEntropyKernels k{&forward_cuda, &backward_cuda};
   return k;
-}
-
-// CUDA kernels of cross_entropy.
-TORCH_LIBRARY_IMPL(customops, CUDA, m) {
-  m.impl("cross_entropy", &cross_entropy_cuda);
-  m.impl("_cross_entropy_backward", &cross_entropy_backward_cuda);
 }
 
 }  // namespace customops

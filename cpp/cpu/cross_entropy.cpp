@@ -1,5 +1,5 @@
-// CPU kernels of cross_entropy and _cross_entropy_backward, and the kernel-level entry points
-// linear_cross_entropy runs on its chunks. Rows in parallel (at::parallel_for), each row in
+// CPU kernels of cross_entropy: the kernel-level entry points (cross_entropy_kernels_cpu) that the
+// ops cross_entropy, _cross_entropy_backward and linear_cross_entropy run (cpp/ops). Rows in parallel (at::parallel_for), each row in
 // float32 (float64 for float64) vectors.
 // - Forward: one pass. Each vector lane keeps an online (max, sum of exp(x - max)) pair and the
 //   sum of x (label smoothing); a step rescales the sums only when a lane's max grew (rare after
@@ -184,51 +184,11 @@ void backward_cpu(const at::Tensor& grad_loss, const at::Tensor& grad_lse, const
                          class_offset, n_classes, grad_logits);
 }
 
-// logits as [rows, V] with a unit last stride (read in place when its rows have one stride).
-at::Tensor as_2d(const at::Tensor& logits) {
-  const at::Tensor r = as_rows(logits);
-  return r.dim() == 2 ? r : r.view({-1, r.size(-1)});
-}
-
-at::Tensor flat(const std::optional<at::Tensor>& t) {
-  return t.has_value() && t->defined() ? t->contiguous().view(-1) : at::Tensor();
-}
-
-std::tuple<at::Tensor, at::Tensor> cross_entropy_cpu(const at::Tensor& logits, const at::Tensor& target,
-                                                     int64_t ignore_index, double eps) {
-  constexpr const char* op = "customops::cross_entropy";
-  check_cross_entropy(op, logits, target, eps);
-  check_target_range(op, target, logits.size(-1), ignore_index);
-  const auto opts = logits.options().dtype(cross_entropy_acc_dtype(logits.scalar_type()));
-  at::Tensor loss = at::empty(target.sizes(), opts), lse = at::empty(target.sizes(), opts);
-  forward_cpu(as_2d(logits), target.contiguous().view(-1), ignore_index, eps, loss.view(-1), lse.view(-1));
-  return {loss, lse};
-}
-
-at::Tensor cross_entropy_backward_cpu(const std::optional<at::Tensor>& grad_loss,
-                                      const std::optional<at::Tensor>& grad_lse, const at::Tensor& logits,
-                                      const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index,
-                                      double eps) {
-  constexpr const char* op = "customops::_cross_entropy_backward";
-  check_cross_entropy_backward(grad_loss, grad_lse, logits, target, lse, eps);
-  check_target_range(op, target, logits.size(-1), ignore_index);
-  at::Tensor grad = at::empty(logits.sizes(), logits.options());
-  backward_cpu(flat(grad_loss), flat(grad_lse), as_2d(logits), target.contiguous().view(-1), lse.contiguous().view(-1),
-               ignore_index, eps, 0, logits.size(-1), grad.view({-1, logits.size(-1)}));
-  return grad;
-}
-
 }  // namespace
 
 const CrossEntropyKernels& cross_entropy_kernels_cpu() {
   static const CrossEntropyKernels k{&forward_cpu, &backward_cpu};
   return k;
-}
-
-// CPU kernels of cross_entropy.
-TORCH_LIBRARY_IMPL(customops, CPU, m) {
-  m.impl("cross_entropy", &cross_entropy_cpu);
-  m.impl("_cross_entropy_backward", &cross_entropy_backward_cpu);
 }
 #endif  // CPU_CAPABILITY_DEFAULT
 

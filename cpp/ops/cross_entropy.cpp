@@ -1,7 +1,7 @@
-// cross_entropy and _cross_entropy_backward, device-independent parts: typed C++ API, Meta
-// kernels, Autograd kernels and vmap rules. The row's log-sum-exp is an output: the backward
-// reuses it (one pass over the logits each way), and it is differentiable, so a z-loss lse**2
-// costs no second pass. Under autocast the op needs no kernel: it reads half-type logits as they
+// cross_entropy and _cross_entropy_backward, device-independent parts: typed C++ API, the CPU and
+// CUDA kernels over each device's kernel set (cpp/cpu, cuda/), Meta kernels, Autograd kernels and
+// vmap rules. The row's log-sum-exp is an output: the backward reuses it (one pass over the
+// logits each way), and it is differentiable, so a z-loss lse**2 costs no second pass. Under autocast the op needs no kernel: it reads half-type logits as they
 // are and computes in float32 (ATen's cross_entropy casts them to float32 first).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -11,6 +11,7 @@
 #include "ops/autograd.h"
 #include "ops/batching.h"
 #include "ops/cross_entropy.h"
+#include "ops/row_view.h"
 
 namespace customops {
 namespace {
@@ -49,6 +50,43 @@ void check_target_range(const char* op, const at::Tensor& target, int64_t v, int
 }
 
 namespace {
+
+// ---- CPU and CUDA: one implementation over the device's kernels ------------------------------
+
+// logits as [rows, V] with a unit last stride (read in place when its rows have one stride).
+at::Tensor as_2d(const at::Tensor& logits) {
+  const at::Tensor r = as_rows(logits);
+  return r.dim() == 2 ? r : r.view({-1, r.size(-1)});
+}
+
+at::Tensor flat(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t->contiguous().view(-1) : at::Tensor();
+}
+
+template <const CrossEntropyKernels& (*Kernels)()>
+std::tuple<at::Tensor, at::Tensor> cross_entropy_device(const at::Tensor& logits, const at::Tensor& target,
+                                                        int64_t ignore_index, double eps) {
+  constexpr const char* op = "customops::cross_entropy";
+  check_cross_entropy(op, logits, target, eps);
+  if (logits.is_cpu()) check_target_range(op, target, logits.size(-1), ignore_index);
+  const auto opts = logits.options().dtype(cross_entropy_acc_dtype(logits.scalar_type()));
+  at::Tensor loss = at::empty(target.sizes(), opts), lse = at::empty(target.sizes(), opts);
+  Kernels().forward(as_2d(logits), target.contiguous().view(-1), ignore_index, eps, loss.view(-1), lse.view(-1));
+  return {loss, lse};
+}
+
+template <const CrossEntropyKernels& (*Kernels)()>
+at::Tensor cross_entropy_backward_device(const std::optional<at::Tensor>& grad_loss,
+                                         const std::optional<at::Tensor>& grad_lse, const at::Tensor& logits,
+                                         const at::Tensor& target, const at::Tensor& lse, int64_t ignore_index,
+                                         double eps) {
+  check_cross_entropy_backward(grad_loss, grad_lse, logits, target, lse, eps);
+  if (logits.is_cpu()) check_target_range("customops::_cross_entropy_backward", target, logits.size(-1), ignore_index);
+  at::Tensor grad = at::empty(logits.sizes(), logits.options());
+  Kernels().backward(flat(grad_loss), flat(grad_lse), as_2d(logits), target.contiguous().view(-1),
+                     lse.contiguous().view(-1), ignore_index, eps, 0, logits.size(-1), grad.view({-1, logits.size(-1)}));
+  return grad;
+}
 
 // ---- Meta -------------------------------------------------------------------------------------
 std::tuple<at::Tensor, at::Tensor> cross_entropy_meta(const at::Tensor& logits, const at::Tensor& target,
@@ -139,6 +177,19 @@ TORCH_LIBRARY_IMPL(customops, Autograd, m) {
   m.impl("cross_entropy", &cross_entropy_autograd);
   m.impl("_cross_entropy_backward", &cross_entropy_backward_autograd);
 }
+
+// CPU and CUDA kernels of cross_entropy.
+TORCH_LIBRARY_IMPL(customops, CPU, m) {
+  m.impl("cross_entropy", &cross_entropy_device<cross_entropy_kernels_cpu>);
+  m.impl("_cross_entropy_backward", &cross_entropy_backward_device<cross_entropy_kernels_cpu>);
+}
+
+#ifdef CUSTOMOPS_WITH_CUDA
+TORCH_LIBRARY_IMPL(customops, CUDA, m) {
+  m.impl("cross_entropy", &cross_entropy_device<cross_entropy_kernels_cuda>);
+  m.impl("_cross_entropy_backward", &cross_entropy_backward_device<cross_entropy_kernels_cuda>);
+}
+#endif
 
 // vmap batching rules of cross_entropy: every tensor argument is per row.
 TORCH_LIBRARY_IMPL(customops, FuncTorchBatched, m) {

@@ -323,7 +323,9 @@ def _cross_entropy_ref(logits, target, ignore_index=-100, label_smoothing=0.0):
     lse = torch.logsumexp(logits, -1)
     ignored = target == ignore_index
     picked = logits.gather(-1, target.masked_fill(ignored, 0).unsqueeze(-1)).squeeze(-1)
-    loss = lse - (1 - label_smoothing) * picked - label_smoothing * logits.mean(-1)
+    loss = lse - (1 - label_smoothing) * picked
+    if label_smoothing:  # (0 * mean would turn a -inf logit into NaN)
+        loss = loss - label_smoothing * logits.mean(-1)
     return loss.masked_fill(ignored, 0), lse
 
 
@@ -348,6 +350,11 @@ def _cross_entropy_samples(device, dtype, requires_grad):
         target = _targets(shape[:-1], shape[-1], device, ignore_index)
         out.append(Sample((logits, target, ignore_index, smoothing), {}, f"{layout} {list(shape)}"
                           + (f" smoothing {smoothing}" if smoothing else "")))
+    # A masked-out class (-inf logit) off the target: a finite loss, a zero gradient there.
+    logits = torch.randn(4, 9, device=device, dtype=dtype)
+    logits[:, 3] = float("-inf")
+    out.append(Sample((logits.requires_grad_(requires_grad), torch.tensor([0, 8, 1, 5], device=device), -100, 0.0), {},
+                      "contiguous [4, 9] with -inf logits"))
     return out
 
 
