@@ -87,9 +87,13 @@ Grads run(const CrossEntropyKernels& ce, const at::Tensor& hidden, const at::Ten
   const bool grads = mask[0] || mask[1] || mask[2];
   const at::Tensor none = at::empty({0}, hidden.options());
   const int64_t chunk = chunk_classes(hidden.size(1), v);
+  // One buffer for every chunk's logits: a fresh [N, chunk] per chunk would, on CPU, go back to
+  // the OS and fault its pages in again each time (glibc maps large blocks).
+  at::Tensor buffer = at::empty({n * chunk}, hidden.options());
   auto logits_of = [&](int64_t v0, int64_t c) {
     const at::Tensor w = weight.narrow(0, v0, c);
-    return bias.defined() ? at::addmm(bias.narrow(0, v0, c), hidden, w.t()) : at::mm(hidden, w.t());
+    at::Tensor out = buffer.narrow(0, 0, n * c).view({n, c});
+    return bias.defined() ? at::addmm_out(out, bias.narrow(0, v0, c), hidden, w.t()) : at::mm_out(out, hidden, w.t());
   };
 
   // Pass 1: lse, the target's logit and (label smoothing) the sum of the logits, per row.
