@@ -28,11 +28,17 @@ def _check_torch_version() -> None:
 _check_torch_version()
 
 from . import _C  # noqa: E402  (loads libcustomops.so and registers the ops)
+from . import compile as _compile  # noqa: E402
 from . import export  # noqa: E402
+from .compile import explain  # noqa: E402
 from ._ops import (add_rms_norm, cross_entropy, linear_cross_entropy, mul, muladd, rms_norm, rope,  # noqa: E402
                    scale_clamp, silu, silu_mul, swiglu)
 
 __version__ = _build_info.version
+
+# torch.compile(..., backend="customops") works once customops is imported (and, through the
+# torch_dynamo_backends entry point, without importing it first).
+_compile._register_backend()
 
 #: Folder to add to CMAKE_PREFIX_PATH for ``find_package(customops)``, like
 #: ``torch.utils.cmake_prefix_path``.
@@ -77,4 +83,5 @@ __all__ = [
     "rope",
     "cross_entropy",
     "linear_cross_entropy",
+    "explain",
     "library_path", "build_info", "runner_path", "export", "cmake_prefix_path", "__version__"]

@@ -1,0 +1,545 @@
+"""The ``"customops"`` torch.compile backend: rewrites eager patterns into customops ops.
+
+Dynamo's graph is traced once more into pre-dispatch ATen (above autograd and autocast, so the
+rewritten graph still differentiates and autocasts like the original), the patterns below are
+replaced with ``torch.pattern_matcher`` passes, and Inductor compiles the result. Autograd then
+records customops' own backward ops, so training runs customops' backward kernels.
+:func:`explain` shows per captured graph what matched and what was replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import itertools
+import operator
+import warnings
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+from torch._inductor import pattern_matcher as pm
+from torch._inductor.pattern_matcher import (MULTIPLE, CallFunction, CallFunctionVarArgs, KeywordArg, Match,
+                                             PatternMatcherPass)
+from torch.fx import GraphModule, Node
+
+aten = torch.ops.aten
+cops = torch.ops.customops
+_END = 2**63 - 1  # the end of an open slice (x[..., h:]) in ATen graphs
+
+
+@dataclasses.dataclass
+class GraphReport:
+    """What the rewrite did to one graph that Dynamo captured."""
+
+    index: int
+    ops: Counter  # op -> count, before the rewrite
+    matched: Counter = dataclasses.field(default_factory=Counter)  # pattern -> times replaced
+    skipped: list[str] = dataclasses.field(default_factory=list)  # patterns found but left alone, and why
+    customops_calls: Counter = dataclasses.field(default_factory=Counter)  # after the rewrite
+    error: str | None = None  # why the graph was handed to Inductor unchanged
+
+    def __str__(self) -> str:
+        lines = [f"graph {self.index}: {sum(self.ops.values())} ops"
+                 f" ({', '.join(f'{k} x{v}' for k, v in self.ops.most_common(8))}"
+                 f"{', ...' if len(self.ops) > 8 else ''})"]
+        if self.error:
+            lines.append(f"  not rewritten: {self.error}")
+        for name, n in self.matched.items():
+            lines.append(f"  replaced {name} x{n}")
+        for why in self.skipped:
+            lines.append(f"  left alone: {why}")
+        if not self.matched and not self.error:
+            lines.append("  nothing to rewrite: plain Inductor")
+        if self.customops_calls:
+            lines.append("  customops calls: " + ", ".join(f"{k} x{v}" for k, v in self.customops_calls.items()))
+        return "\n".join(lines)
+
+
+_report: GraphReport | None = None  # the graph being rewritten (set by rewrite())
+
+
+def _val(n: Any) -> Any:
+    return n.meta.get("val") if isinstance(n, Node) else n
+
+
+def _skip(why: str) -> bool:
+    if _report is not None:
+        _report.skipped.append(why)
+    return False
+
+
+# ----------------------------------------------------------------------------------------------
+# Emitting a replacement: trace a Python function of the inputs' fake values into pre-dispatch
+# ATen, copy its nodes into the graph and rewire the matched outputs to it.
+
+def _emit(graph: torch.fx.Graph, fn: Callable, inputs: list[Node], olds: list[Node], name: str) -> None:
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    vals = [_val(n) for n in inputs]
+    fake_mode = detect_fake_mode(vals)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        sub = make_fx(fn, pre_dispatch=True)(*vals)
+    placeholders = sub.graph.find_nodes(op="placeholder")
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    first = min((n for n in olds if n is not None), key=lambda n: order[n])
+    last_input = max(inputs, key=lambda n: order[n])
+    # Before the first replaced node when every input is defined by then; else after the last
+    # input, and a stable topological sort moves the users that now come too early.
+    in_order = order[last_input] < order[first]
+    where = graph.inserting_before(first) if in_order else graph.inserting_after(last_input)
+    val_map = dict(zip(placeholders, inputs))
+    with where:
+        news = graph.graph_copy(sub.graph, val_map)
+    for n in val_map.values():
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "customops":
+            _fill_defaults(n)
+    news = list(news) if isinstance(news, (tuple, list)) else [news]
+    for old, new in zip(olds, news):
+        if old is not None:
+            old.replace_all_uses_with(new)
+    if not in_order:
+        pm.stable_topological_sort(graph)
+    if _report is not None:
+        _report.matched[name] += 1
+
+
+def _same(a: Node, b: Node) -> bool:
+    va, vb = _val(a), _val(b)
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dtype == vb.dtype
+            and va.shape == vb.shape)
+
+
+def _cast_like(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return y if y.dtype == like.dtype else y.to(like.dtype)
+
+
+def _last_dim(dim: Any, ndim: int) -> bool:
+    return dim in (-1, ndim - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Canonical form: no-op casts removed, defaults spelled out, x * sigmoid(x) written as silu.
+
+def _canonicalize(graph: torch.fx.Graph) -> None:
+    filled = (aten.cross_entropy_loss.default, aten.nll_loss_nd.default, aten.log_softmax.int)
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.to.dtype and len(node.args) == 2 and not node.kwargs:
+            x, dtype = node.args
+            if isinstance(_val(x), torch.Tensor) and _val(x).dtype == dtype:
+                node.replace_all_uses_with(x)  # .to(own dtype) returns the tensor itself
+                graph.erase_node(node)
+        elif node.target in filled:
+            _fill_defaults(node)
+
+
+def _fill_defaults(node: Node) -> None:
+    """Spells out the arguments make_fx leaves off when they equal the schema's defaults, so that
+    a pattern matches one form."""
+    if not node.kwargs:
+        args = node.target._schema.arguments
+        node.args = tuple(node.args) + tuple(a.default_value for a in args[len(node.args):] if not a.kwarg_only)
+
+
+# ----------------------------------------------------------------------------------------------
+# The passes, applied in order: a later pass sees the earlier one's customops ops.
+
+_norm_pass = PatternMatcherPass(pass_name="customops_norm")
+_fuse_pass = PatternMatcherPass(pass_name="customops_fuse")
+_rope_pass = PatternMatcherPass(pass_name="customops_rope")
+_last_pass = PatternMatcherPass(pass_name="customops_last")
+_PASSES = (_norm_pass, _fuse_pass, _rope_pass, _last_pass)
+
+
+def _register(patterns, pass_dict, extra_check=None):
+    def decorator(handler):
+        for p in patterns:
+            pm.register_graph_pattern(p, extra_check=extra_check or pm._return_true, pass_dict=pass_dict)(handler)
+        return handler
+    return decorator
+
+
+# x * sigmoid(x) -> silu(x), so that the SwiGLU pattern sees one spelling.
+@_register([CallFunction(aten.mul.Tensor, KeywordArg("x"), CallFunction(aten.sigmoid.default, KeywordArg("x"))),
+            CallFunction(aten.mul.Tensor, CallFunction(aten.sigmoid.default, KeywordArg("x")), KeywordArg("x"))],
+           _norm_pass)
+def _silu_spelled_out(match: Match, x):
+    _emit(match.graph, aten.silu.default, [x], [match.output_node()], "x * sigmoid(x) -> silu")
+    match.erase_nodes()
+
+
+# RMSNorm as Hugging Face writes it (optional float32 upcast and downcast, pow or x * x,
+# weight on either side or none).
+def _rms_patterns():
+    for upcast, square, downcast, weight in itertools.product((True, False), ("pow", "mul"), (True, False),
+                                                              ("left", "right", None)):
+        xf = CallFunction(aten.to.dtype, KeywordArg("x"), KeywordArg("up"), _users=2) if upcast else KeywordArg("x")
+        sq = (CallFunction(aten.pow.Tensor_Scalar, xf, 2) if square == "pow"
+              else CallFunction(aten.mul.Tensor, xf, xf))
+        mean = CallFunction(aten.mean.dim, sq, KeywordArg("dims"), True)
+        rstd = CallFunction(aten.rsqrt.default, CallFunction(aten.add.Tensor, mean, KeywordArg("eps")))
+        y = CallFunction(aten.mul.Tensor, xf, rstd, _users=1)
+        if downcast:
+            y = CallFunction(aten.to.dtype, y, KeywordArg("down"))
+        if weight == "left":
+            y = CallFunction(aten.mul.Tensor, KeywordArg("w"), y)
+        elif weight == "right":
+            y = CallFunction(aten.mul.Tensor, y, KeywordArg("w"))
+        yield y
+
+
+def _rms_check(match: Match) -> bool:
+    kw = match.kwargs
+    x, w, eps = _val(kw["x"]), _val(kw.get("w")), kw["eps"]
+    out = _val(match.output_node())
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or not isinstance(eps, float):
+        return False
+    if list(kw["dims"]) not in ([-1], [x.dim() - 1]):
+        return False
+    if "up" in kw and kw["up"] != torch.float32 or "down" in kw and kw["down"] != x.dtype:
+        return False
+    if w is not None:
+        if not isinstance(w, torch.Tensor) or w.shape != x.shape[-1:] or w.dtype != x.dtype:
+            return _skip(f"RMSNorm with a {getattr(w, 'dtype', type(w))} weight of shape "
+                         f"{tuple(getattr(w, 'shape', ()))} on a {x.dtype} input")
+    return out.dtype == x.dtype and out.shape == x.shape
+
+
+@_register(list(_rms_patterns()), _norm_pass, _rms_check)
+def _rms_norm(match: Match, x, eps, w=None, **_):
+    inputs = [x] if w is None else [x, w]
+    _emit(match.graph, lambda x, w=None: cops.rms_norm.default(x, w, eps)[0], inputs, [match.output_node()],
+          "RMSNorm -> customops.rms_norm")
+    match.erase_nodes()
+
+
+# F.rms_norm over the last dim.
+def _aten_rms_check(match: Match) -> bool:
+    x, shape = _val(match.kwargs["x"]), match.kwargs["shape"]
+    w = _val(match.kwargs["w"])
+    return (isinstance(x, torch.Tensor) and list(shape) == [x.shape[-1]]
+            and (w is None or (w.dtype == x.dtype and w.shape == x.shape[-1:])))
+
+
+@_register([CallFunction(aten.rms_norm.default, KeywordArg("x"), KeywordArg("shape"), KeywordArg("w"),
+                         KeywordArg("eps"))], _norm_pass, _aten_rms_check)
+def _aten_rms_norm(match: Match, x, shape, w, eps):
+    eps = torch.finfo(_val(x).dtype).eps if eps is None else eps
+    inputs = [x] if w is None else [x, w]
+    _emit(match.graph, lambda x, w=None: cops.rms_norm.default(x, w, eps)[0], inputs, [match.output_node()],
+          "F.rms_norm -> customops.rms_norm")
+    match.erase_nodes()
+
+
+# silu(gate) * up -> silu_mul(gate, up).
+def _silu_mul_check(match: Match) -> bool:
+    return _same(match.kwargs["g"], match.kwargs["u"])
+
+
+@_register([CallFunction(aten.mul.Tensor, CallFunction(aten.silu.default, KeywordArg("g")), KeywordArg("u")),
+            CallFunction(aten.mul.Tensor, KeywordArg("u"), CallFunction(aten.silu.default, KeywordArg("g")))],
+           _fuse_pass, _silu_mul_check)
+def _silu_mul(match: Match, g, u):
+    _emit(match.graph, cops.silu_mul.default, [g, u], [match.output_node()], "silu(gate) * up -> customops.silu_mul")
+    match.erase_nodes()
+
+
+# residual add in front of a norm -> add_rms_norm (the sum's other uses read its second output).
+_add = CallFunction(aten.add.Tensor, KeywordArg("a"), KeywordArg("b"), _users=MULTIPLE)
+
+
+def _add_rms_check(match: Match) -> bool:
+    a, b = match.kwargs["a"], match.kwargs["b"]
+    if not _same(a, b):
+        return _skip("residual add of tensors of different dtypes or shapes in front of a norm")
+    return True
+
+
+@_register([CallFunction(operator.getitem, CallFunction(cops.rms_norm.default, _add, KeywordArg("w"),
+                                                        KeywordArg("eps")), 0)], _fuse_pass, _add_rms_check)
+def _add_rms_norm(match: Match, a, b, w, eps):
+    add = next(n for n in match.nodes if n.target is aten.add.Tensor)
+    inputs = [a, b] if w is None else [a, b, w]
+
+    def fn(a, b, w=None):
+        y, s, _ = cops.add_rms_norm.default(a, b, w, eps)
+        return y, s
+
+    _emit(match.graph, fn, inputs, [match.output_node(), add], "residual add + RMSNorm -> customops.add_rms_norm")
+    match.erase_nodes()
+
+
+# cross-entropy, and the linear layer (+ upcast, + flatten) in front of it.
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def _ce_args():
+    return (KeywordArg("t"), KeywordArg("weight"), KeywordArg("reduction"), KeywordArg("ii"), KeywordArg("ls"))
+
+
+def _logits_patterns():
+    lin = CallFunctionVarArgs(aten.linear.default)
+    to = functools.partial(CallFunction, aten.to.dtype)
+    for view in (aten.view.default, aten.reshape.default):
+        yield CallFunction(view, to(lin, KeywordArg("up")), KeywordArg("shape"))
+        yield to(CallFunction(view, lin, KeywordArg("shape")), KeywordArg("up"))
+        yield CallFunction(view, lin, KeywordArg("shape"))
+    yield to(lin, KeywordArg("up"))
+    yield lin
+
+
+def _ce_common(match: Match, logits: Node) -> bool:
+    kw = match.kwargs
+    x = _val(logits)
+    if kw["weight"] is not None:
+        return _skip("cross_entropy with class weights")
+    return isinstance(x, torch.Tensor) and x.dim() == 2 and kw["reduction"] in _REDUCTIONS
+
+
+def _linear_ce_check(match: Match) -> bool:
+    kw = match.kwargs
+    lin = next(n for n in match.nodes if n.target is aten.linear.default)
+    logits = match.output_node().args[0]
+    if not _ce_common(match, logits) or kw.get("up", torch.float32) != torch.float32:
+        return False
+    if kw["reduction"] == 0:
+        return _skip("linear + cross_entropy with reduction='none' (customops.cross_entropy used instead)")
+    h, w = _val(lin.args[0]), _val(lin.args[1])
+    return (isinstance(h, torch.Tensor) and w.dim() == 2 and h.dtype == w.dtype
+            and _val(logits).shape[-1] == w.shape[0])
+
+
+@_register([CallFunction(aten.cross_entropy_loss.default, lg, *_ce_args()) for lg in _logits_patterns()],
+           _fuse_pass, _linear_ce_check)
+def _linear_cross_entropy(match: Match, t, weight, reduction, ii, ls, **_):
+    lin = next(n for n in match.nodes if n.target is aten.linear.default)
+    h, w, *b = lin.args
+    b = b[0] if b else None
+    out = _val(match.output_node())
+    red = _REDUCTIONS[reduction]
+    inputs = [h, w, t] + ([b] if b is not None else [])
+
+    def fn(h, w, t, b=None):
+        loss = cops.linear_cross_entropy.default(h.reshape(-1, h.shape[-1]), w, t.reshape(-1), b, ii, ls, red)
+        return _cast_like(loss, out)
+
+    _emit(match.graph, fn, inputs, [match.output_node()], "linear + cross_entropy -> customops.linear_cross_entropy")
+    match.erase_nodes()
+
+
+def _ce_check(match: Match) -> bool:
+    logits = match.kwargs["x"]
+    if not _ce_common(match, logits):
+        return False
+    return match.output_node().target is not aten.nll_loss_nd.default or _last_dim(match.kwargs["dim"], 2)
+
+
+def _reduce(loss, t, ii, red):
+    if red == "mean":
+        return loss.sum() / (t != ii).sum()
+    return loss.sum() if red == "sum" else loss
+
+
+@_register([CallFunction(aten.cross_entropy_loss.default, KeywordArg("x"), *_ce_args())], _last_pass, _ce_check)
+def _cross_entropy(match: Match, x, t, weight, reduction, ii, ls):
+    out = _val(match.output_node())
+    red = _REDUCTIONS[reduction]
+    _emit(match.graph, lambda x, t: _cast_like(_reduce(cops.cross_entropy.default(x, t, ii, ls)[0], t, ii, red), out),
+          [x, t], [match.output_node()], "cross_entropy -> customops.cross_entropy")
+    match.erase_nodes()
+
+
+@_register([CallFunction(aten.nll_loss_nd.default, CallFunction(aten.log_softmax.int, KeywordArg("x"),
+                                                                KeywordArg("dim"), None),
+                         KeywordArg("t"), KeywordArg("weight"), KeywordArg("reduction"), KeywordArg("ii"))],
+           _last_pass, _ce_check)
+def _log_softmax_nll(match: Match, x, dim, t, weight, reduction, ii):
+    out = _val(match.output_node())
+    red = _REDUCTIONS[reduction]
+    _emit(match.graph, lambda x, t: _cast_like(_reduce(cops.cross_entropy.default(x, t, ii, 0.0)[0], t, ii, red), out),
+          [x, t], [match.output_node()], "log_softmax + nll_loss -> customops.cross_entropy")
+    match.erase_nodes()
+
+
+# Rotate-half RoPE: x * cos + cat(-x2, x1) * sin for q and for k; q and k that share cos and sin
+# become one customops.rope call (a lone rotation gets an empty k).
+def _rope_patterns():
+    x = KeywordArg("x")
+    half1 = CallFunction(aten.slice.Tensor, x, KeywordArg("d1"), 0, KeywordArg("h1"))
+    half2 = CallFunction(aten.slice.Tensor, x, KeywordArg("d2"), KeywordArg("h2"), _END)
+    rot = CallFunction(aten.cat.default, [CallFunction(aten.neg.default, half2), half1], KeywordArg("dc"))
+    for cos_first, sin_first, cos_term_first in itertools.product((False, True), repeat=3):
+        c = (CallFunction(aten.mul.Tensor, KeywordArg("cos"), x) if cos_first
+             else CallFunction(aten.mul.Tensor, x, KeywordArg("cos")))
+        s = (CallFunction(aten.mul.Tensor, KeywordArg("sin"), rot) if sin_first
+             else CallFunction(aten.mul.Tensor, rot, KeywordArg("sin")))
+        yield CallFunction(aten.add.Tensor, *((c, s) if cos_term_first else (s, c)))
+
+
+def _rope_check(match: Match) -> bool:
+    kw = match.kwargs
+    x, cos, sin = _val(kw["x"]), _val(kw["cos"]), _val(kw["sin"])
+    if not all(isinstance(v, torch.Tensor) for v in (x, cos, sin)) or x.dim() != 4:
+        return False
+    d = x.shape[-1]
+    if not (all(_last_dim(kw[k], 4) for k in ("d1", "d2", "dc")) and kw["h1"] == kw["h2"] and 2 * kw["h1"] == d):
+        return False
+    if cos.shape != sin.shape or cos.dim() != 4 or cos.shape[1] != 1 or cos.shape[-1] != d:
+        return _skip(f"rotate-half RoPE with cos of shape {tuple(cos.shape)} (expected [B or 1, 1, S, {d}])")
+    if cos.requires_grad or sin.requires_grad:
+        return _skip("RoPE whose cos/sin require grad")
+    if cos.dtype != x.dtype or sin.dtype != x.dtype:
+        return _skip(f"RoPE of a {x.dtype} tensor with {cos.dtype} cos/sin")
+    return True
+
+
+_rope_found: list[tuple[Match, Node, Node, Node]] = []
+
+
+@_register(list(_rope_patterns()), _rope_pass, _rope_check)
+def _rope_collect(match: Match, x, cos, sin, **_):
+    _rope_found.append((match, x, cos, sin))
+
+
+def _rope_apply(graph: torch.fx.Graph) -> None:
+    found = sorted(_rope_found, key=lambda f: list(graph.nodes).index(f[0].output_node()))
+    _rope_found.clear()
+    groups: dict[tuple[Node, Node], list] = {}
+    for f in found:
+        groups.setdefault((f[2], f[3]), []).append(f)
+    for (cos, sin), members in groups.items():
+        while members:
+            (mq, q, _, _), rest = members[0], members[1:]
+            other = next((m for m in rest if _val(m[1]).shape[0] == _val(q).shape[0]
+                          and _val(m[1]).shape[2:] == _val(q).shape[2:]), None)
+            if other is not None:
+                mk, k = other[0], other[1]
+                members = [m for m in rest if m is not other]
+                olds, matches = [mq.output_node(), mk.output_node()], [mq, mk]
+                fn = lambda q, k, c, s: tuple(cops.rope.default(q, k, c.squeeze(1), s.squeeze(1), False))
+                _emit(graph, fn, [q, k, cos, sin], olds, "rotate-half RoPE of q and k -> customops.rope")
+            else:
+                members = rest
+                olds, matches = [mq.output_node()], [mq]
+                fn = lambda q, c, s: cops.rope.default(q, q[:, :0], c.squeeze(1), s.squeeze(1), False)[0]
+                _emit(graph, fn, [q, cos, sin], olds, "rotate-half RoPE -> customops.rope")
+            for m in matches:
+                m.erase_nodes()
+
+
+# A silu left on its own.
+@_register([CallFunction(aten.silu.default, KeywordArg("x"))], _last_pass)
+def _silu(match: Match, x):
+    _emit(match.graph, cops.silu.default, [x], [match.output_node()], "silu -> customops.silu")
+    match.erase_nodes()
+
+
+# ----------------------------------------------------------------------------------------------
+
+def _op_counts(graph: torch.fx.Graph) -> Counter:
+    return Counter(str(getattr(n.target, "__name__", n.target)) if not isinstance(n.target, torch._ops.OpOverload)
+                   else str(n.target).removesuffix(".default")
+                   for n in graph.nodes if n.op == "call_function")
+
+
+_graph_count = itertools.count()
+
+
+def rewrite(gm: GraphModule, example_inputs: list) -> tuple[GraphModule, GraphReport]:
+    """Traces a graph Dynamo captured into pre-dispatch ATen and replaces the patterns customops
+    computes faster with customops ops.
+
+    Returns:
+        ``(graph module, report)``. When the graph cannot be traced, ``gm`` itself comes back and
+        the report says why.
+    """
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    global _report
+    report = GraphReport(next(_graph_count), _op_counts(gm.graph))
+    try:
+        # Fakes of the inputs in the backend's fake mode (as compile_fx makes them); symbolic
+        # sizes passed as inputs keep Dynamo's SymInt.
+        fake_mode = detect_fake_mode(example_inputs)
+        metas = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
+        fakes = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor)
+                 else m if isinstance(m, torch.SymInt) else x
+                 for x, m in zip(example_inputs, metas + [None] * (len(example_inputs) - len(metas)))]
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            traced = make_fx(gm, pre_dispatch=True)(*fakes)
+    except Exception as e:  # noqa: BLE001  (any tracing failure: leave the graph to Inductor as it is)
+        report.error = f"pre-dispatch trace failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        return gm, report
+    report.ops = _op_counts(traced.graph)
+    _report = report
+    _rope_found.clear()
+    try:
+        graph = traced.graph
+        _canonicalize(graph)
+        for p in _PASSES:  # dead code goes after each (unused outputs' getitems hide a node's one use)
+            p.apply(traced)
+            if p is _rope_pass:
+                _rope_apply(graph)
+            graph.eliminate_dead_code()
+        graph.lint()
+        traced.recompile()
+    finally:
+        _report = None
+        _rope_found.clear()
+    report.customops_calls = Counter({k: v for k, v in _op_counts(traced.graph).items()
+                                      if k.startswith("customops.")})
+    return traced, report
+
+
+def backend(gm: GraphModule, example_inputs: list, **kwargs):
+    """The ``"customops"`` torch.compile backend: :func:`rewrite`, then Inductor (``compile_fx``).
+
+    Graphs with nothing to rewrite, or that cannot be traced, go to Inductor unchanged.
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    new_gm, report = rewrite(gm, example_inputs)
+    if report.error:
+        warnings.warn(f"customops backend: {report.error}; compiling the graph with plain Inductor", stacklevel=2)
+    return compile_fx(new_gm if report.matched else gm, example_inputs, **kwargs)
+
+
+def explain(model: Callable, *args, print_report: bool = True, **kwargs) -> list[GraphReport]:
+    """Runs ``model(*args, **kwargs)`` once under torch.compile with the customops rewrite and
+    reports, per graph Dynamo captured, its ops, what matched and what was replaced.
+
+    The graphs run eagerly after the rewrite (no Inductor), so this is quick; the model's output
+    is discarded.
+
+    Returns:
+        One :class:`GraphReport` per captured graph (also printed unless ``print_report=False``).
+    """
+    reports: list[GraphReport] = []
+
+    def recorder(gm, example_inputs):
+        new_gm, report = rewrite(gm, example_inputs)
+        reports.append(report)
+        return new_gm
+
+    compiled = torch.compile(model, backend=recorder)
+    compiled(*args, **kwargs)
+    for i, r in enumerate(reports):
+        r.index = i
+    if print_report:
+        print("\n".join(str(r) for r in reports))
+    return reports
+
+
+def _register_backend() -> None:
+    from torch._dynamo.backends.registry import _BACKENDS, register_backend
+
+    if "customops" not in _BACKENDS or _BACKENDS["customops"] is None:
+        register_backend(name="customops")(backend)
+
+
+__all__ = ["backend", "rewrite", "explain", "GraphReport"]
