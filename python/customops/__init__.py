@@ -31,6 +31,7 @@ from . import _C  # noqa: E402  (loads libcustomops.so and registers the ops)
 from . import compile as _compile  # noqa: E402
 from . import export  # noqa: E402
 from .compile import explain  # noqa: E402
+from .hf import optimize  # noqa: E402
 from ._ops import (add_rms_norm, cross_entropy, linear_cross_entropy, mul, muladd, rms_norm, rope,  # noqa: E402
                    scale_clamp, silu, silu_mul, swiglu)
 
@@ -84,4 +85,5 @@ __all__ = [
     "cross_entropy",
     "linear_cross_entropy",
     "explain",
+    "optimize",
     "library_path", "build_info", "runner_path", "export", "cmake_prefix_path", "__version__"]

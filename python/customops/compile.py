@@ -81,7 +81,7 @@ def _emit(graph: torch.fx.Graph, fn: Callable, inputs: list[Node], olds: list[No
     vals = [_val(n) for n in inputs]
     fake_mode = detect_fake_mode(vals)
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        sub = make_fx(fn, pre_dispatch=True)(*vals)
+        sub = make_fx(lambda *args: fn(*args), pre_dispatch=True)(*vals)  # defaults of fn stay defaults
     placeholders = sub.graph.find_nodes(op="placeholder")
     order = {n: i for i, n in enumerate(graph.nodes)}
     first = min((n for n in olds if n is not None), key=lambda n: order[n])
@@ -135,6 +135,27 @@ def _canonicalize(graph: torch.fx.Graph) -> None:
                 graph.erase_node(node)
         elif node.target in filled:
             _fill_defaults(node)
+
+
+def _mark_requires_grad(graph: torch.fx.Graph, example_inputs: list) -> None:
+    """node.meta["customops_grad"]: whether the node's value may require grad (the traced fake
+    values do not say: make_fx keeps them detached). Grad mode starts as it is now and follows
+    the graph's _set_grad_enabled calls; detach cuts."""
+    enabled = torch.is_grad_enabled()
+    inputs = iter(example_inputs)
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            x = next(inputs, None)
+            node.meta["customops_grad"] = not isinstance(x, torch.Tensor) or x.requires_grad
+        elif node.op == "get_attr":
+            node.meta["customops_grad"] = bool(getattr(getattr(graph.owning_module, node.target, None),
+                                                       "requires_grad", True))
+        elif node.target is torch._C._set_grad_enabled:
+            enabled = bool(node.args[0])
+        elif node.op == "call_function":
+            grads = [a.meta.get("customops_grad", True) for a in node.all_input_nodes]
+            node.meta["customops_grad"] = (enabled and any(grads)
+                                           and node.target not in (aten.detach.default, aten.detach_.default))
 
 
 def _fill_defaults(node: Node) -> None:
@@ -315,7 +336,7 @@ def _linear_ce_check(match: Match) -> bool:
 
 @_register([CallFunction(aten.cross_entropy_loss.default, lg, *_ce_args()) for lg in _logits_patterns()],
            _fuse_pass, _linear_ce_check)
-def _linear_cross_entropy(match: Match, t, weight, reduction, ii, ls, **_):
+def _linear_cross_entropy(match: Match, *_linear_args, t, weight, reduction, ii, ls, **_):
     lin = next(n for n in match.nodes if n.target is aten.linear.default)
     h, w, *b = lin.args
     b = b[0] if b else None
@@ -390,8 +411,8 @@ def _rope_check(match: Match) -> bool:
         return False
     if cos.shape != sin.shape or cos.dim() != 4 or cos.shape[1] != 1 or cos.shape[-1] != d:
         return _skip(f"rotate-half RoPE with cos of shape {tuple(cos.shape)} (expected [B or 1, 1, S, {d}])")
-    if cos.requires_grad or sin.requires_grad:
-        return _skip("RoPE whose cos/sin require grad")
+    if kw["cos"].meta.get("customops_grad", True) or kw["sin"].meta.get("customops_grad", True):
+        return _skip("RoPE whose cos/sin may require grad")
     if cos.dtype != x.dtype or sin.dtype != x.dtype:
         return _skip(f"RoPE of a {x.dtype} tensor with {cos.dtype} cos/sin")
     return True
@@ -481,6 +502,7 @@ def rewrite(gm: GraphModule, example_inputs: list) -> tuple[GraphModule, GraphRe
     try:
         graph = traced.graph
         _canonicalize(graph)
+        _mark_requires_grad(graph, example_inputs)
         for p in _PASSES:  # dead code goes after each (unused outputs' getitems hide a node's one use)
             p.apply(traced)
             if p is _rope_pass:
@@ -488,6 +510,10 @@ def rewrite(gm: GraphModule, example_inputs: list) -> tuple[GraphModule, GraphRe
             graph.eliminate_dead_code()
         graph.lint()
         traced.recompile()
+    except Exception as e:  # noqa: BLE001  (a rewrite that fails must not fail the user's compile)
+        report.error = f"rewrite failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        report.matched.clear()
+        return gm, report
     finally:
         _report = None
         _rope_found.clear()

@@ -32,6 +32,7 @@ def package(
     dynamic_shapes: Any = None,
     size_oblivious: bool = True,
     inductor_configs: dict[str, Any] | None = None,
+    optimize: bool = False,
 ) -> str:
     """Exports ``model`` with :func:`torch.export.export` and compiles it into an AOTInductor
     package with :func:`torch._inductor.aoti_compile_and_package`.
@@ -53,6 +54,9 @@ def package(
             package rejects a batch of 1 ("dim value is too small ... expected it to be >= 2").
             Turn it off if export fails with a data-dependent error under it.
         inductor_configs: Extra Inductor options, as for ``aoti_compile_and_package``.
+        optimize: Apply :func:`customops.optimize` to ``model`` first (in place), so that a
+            Hugging Face Llama, Mistral, Qwen2 or Qwen3 model's package calls customops ops
+            (RMSNorm, SwiGLU, RoPE, residual add + norm). Export the model in eval mode.
 
     Returns:
         The package's path, as a string.
@@ -63,6 +67,10 @@ def package(
     """
     import torch.fx.experimental._config as fx_config
 
+    if optimize:
+        from .hf import optimize as optimize_model
+
+        optimize_model(model)
     # Inductor re-derives the size ranges when it compiles, so the setting covers both steps.
     with fx_config.patch(backed_size_oblivious=size_oblivious):
         ep = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic_shapes)

@@ -1,0 +1,293 @@
+"""``customops.optimize(model)``: customops ops in Hugging Face transformers' Llama, Mistral, Qwen2
+and Qwen3 models, in one line.
+
+Each known module keeps its object, parameters and ``state_dict``; only its class changes, to a
+subclass whose forward calls customops ops. A forward is swapped only when its code is one this
+file was checked against (a hash of its syntax tree, per transformers release), so a changed
+transformers is left alone with a warning instead of being computed differently.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import hashlib
+import inspect
+import sys
+import textwrap
+import types
+import warnings
+from collections import Counter
+
+import torch
+from torch import nn
+
+from ._ops import add_rms_norm, linear_cross_entropy, rms_norm, rope, silu_mul
+
+_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+# Syntax-tree hashes (see _form) of the forwards each swap restates or relies on, as in
+# transformers 5.17 and 5.23 (all four families share them).
+_KNOWN_FORMS = {
+    "RMSNorm": {"4aa43b06b4dc"},
+    "MLP": {"b8c28f722327"},
+    "DecoderLayer": {"40dc1b2a48a8"},
+    "ForCausalLM": {"35c88172d400", "1bfc70a5fc6c"},
+    "apply_rotary_pos_emb": {"49be0a48c139"},
+}
+
+
+def _form(fn) -> str:
+    """A hash of a function's syntax tree without docstring, annotations and decorators: what it
+    computes, not how it is documented."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    tree.decorator_list, tree.returns = [], None
+    a = tree.args
+    for arg in a.posonlyargs + a.args + a.kwonlyargs + [x for x in (a.vararg, a.kwarg) if x]:
+        arg.annotation = None
+    body = tree.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        tree.body = body[1:]
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:12]
+
+
+@dataclasses.dataclass
+class Summary:
+    """What :func:`optimize` did: modules replaced per kind, modules already optimized, and what
+    it left alone and why."""
+
+    replaced: Counter = dataclasses.field(default_factory=Counter)
+    already: Counter = dataclasses.field(default_factory=Counter)
+    left_alone: list[str] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        if not self.replaced and not self.already:
+            lines = ["customops.optimize: no known modules (Hugging Face Llama, Mistral, Qwen2, Qwen3); "
+                     "model unchanged"]
+        else:
+            lines = ["customops.optimize: " + (", ".join(f"{k} x{v}" for k, v in self.replaced.items())
+                                               or "nothing new")]
+            if self.already:
+                lines.append("  already optimized: " + ", ".join(f"{k} x{v}" for k, v in self.already.items()))
+        lines += [f"  left alone: {why}" for why in self.left_alone]
+        return "\n".join(lines)
+
+
+class _Swapped:
+    """Marks a module whose class optimize() swapped."""
+
+
+# ---- the forwards ------------------------------------------------------------------------------
+
+def _rms_norm_forward(self, hidden_states):
+    if hidden_states.dtype != self.weight.dtype:  # Hugging Face promotes; keep its arithmetic
+        return super(type(self), self).forward(hidden_states)
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _mlp_forward(self, x):
+    return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                           use_cache=False, position_embeddings=None, **kwargs):
+    residual = hidden_states
+    hidden_states = self.input_layernorm(hidden_states)
+    hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
+                                      position_ids=position_ids, past_key_values=past_key_values,
+                                      use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+    norm = self.post_attention_layernorm
+    if hidden_states.dtype == residual.dtype == norm.weight.dtype:
+        normed, hidden_states = add_rms_norm(hidden_states, residual, norm.weight, norm.variance_epsilon)
+    else:
+        hidden_states = residual + hidden_states
+        normed = norm(hidden_states)
+    return hidden_states + self.mlp(normed)
+
+
+def _rope_for(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if unsqueeze_dim != 1 or cos.dim() != 3 or cos.shape[-1] != q.shape[-1] or q.dim() != 4:
+            return original(q, k, cos, sin, unsqueeze_dim)
+        dtype = torch.promote_types(q.dtype, cos.dtype)  # Hugging Face's q * cos promotes
+        q, k, cos, sin = (t.to(dtype) for t in (q, k, cos, sin))
+        return rope(q, k, cos, sin)
+
+    return apply_rotary_pos_emb
+
+
+def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                       inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+    # In training with labels, the loss comes from the last hidden state through
+    # linear_cross_entropy: the [tokens, vocabulary] logits are never built (logits is None, as
+    # with Liger-Kernel). Otherwise Hugging Face's forward runs.
+    shift_labels = kwargs.pop("shift_labels", None)
+    if not (self.training and (labels is not None or shift_labels is not None)):
+        if shift_labels is not None:
+            kwargs["shift_labels"] = shift_labels
+        return super(type(self), self).forward(input_ids=input_ids, attention_mask=attention_mask,
+                                               position_ids=position_ids, past_key_values=past_key_values,
+                                               inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                                               logits_to_keep=logits_to_keep, **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    num_items = kwargs.pop("num_items_in_batch", None)
+    ignore_index = kwargs.pop("ignore_index", -100)
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                         **kwargs)
+    hidden = outputs.last_hidden_state
+    if shift_labels is None:  # as Hugging Face's ForCausalLMLoss: predict token t + 1 at t
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    loss = linear_cross_entropy(hidden, self.lm_head.weight, shift_labels.to(hidden.device), self.lm_head.bias,
+                                ignore_index=ignore_index, reduction="mean" if num_items is None else "sum")
+    if num_items is not None:
+        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+
+# ---- the swaps ---------------------------------------------------------------------------------
+
+def _subclass(cls: type, forward) -> type:
+    """``cls`` with ``forward`` swapped in, registered in this module so models still pickle."""
+    name = f"Customops{cls.__name__}"
+    existing = getattr(sys.modules[__name__], name, None)
+    if isinstance(existing, type) and existing.__mro__[1] is cls:
+        return existing
+    sub = type(name, (cls, _Swapped), {"forward": forward, "__module__": __name__, "__qualname__": name})
+    setattr(sys.modules[__name__], name, sub)
+    return sub
+
+
+def _attention_forward(cls: type, module: types.ModuleType):
+    """cls.forward, with the same code, reading customops' rope where it reads
+    ``apply_rotary_pos_emb``."""
+    fn = cls.forward
+    globals_ = dict(fn.__globals__)
+    globals_["apply_rotary_pos_emb"] = _rope_for(module.apply_rotary_pos_emb)
+    new = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__, new.__doc__ = fn.__kwdefaults__, fn.__doc__
+    return new
+
+
+def _check(kind: str, fn, summary: Summary, where: str, warned: set) -> bool:
+    try:
+        ok = _form(fn) in _KNOWN_FORMS[kind]
+    except (OSError, TypeError, SyntaxError):
+        ok = False
+    if not ok:
+        import transformers
+
+        why = (f"{where}: its forward is not one customops was checked against (transformers "
+               f"{transformers.__version__}); left as it is")
+        summary.left_alone.append(why)
+        if where not in warned:
+            warned.add(where)
+            warnings.warn(f"customops.optimize: {why}", stacklevel=3)
+    return ok
+
+
+def _plan(module: nn.Module, summary: Summary, warned: set):
+    """(kind, new class) for a module optimize() knows, else None."""
+    cls = type(module)
+    for fam, prefix in _FAMILIES.items():
+        mod_name = f"transformers.models.{fam}.modeling_{fam}"
+        if not cls.__module__ == mod_name:
+            continue
+        mod = sys.modules[mod_name]
+        kind = next((k for k in ("RMSNorm", "MLP", "Attention", "DecoderLayer", "ForCausalLM")
+                     if getattr(mod, prefix + k, None) is cls), None)
+        if kind is None:
+            return None
+        where = cls.__name__
+        if kind == "RMSNorm":
+            ok = _check("RMSNorm", cls.forward, summary, where, warned)
+            return (kind, _subclass(cls, _rms_norm_forward)) if ok else None
+        if kind == "MLP":
+            act = getattr(module.config, "hidden_act", None) if hasattr(module, "config") else None
+            if act not in ("silu", "swish") or type(getattr(module, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation"):
+                summary.left_alone.append(f"{where}: activation {act!r} is not SiLU")
+                return None
+            ok = _check("MLP", cls.forward, summary, where, warned)
+            return (kind, _subclass(cls, _mlp_forward)) if ok else None
+        if kind == "Attention":
+            if "apply_rotary_pos_emb" not in cls.forward.__code__.co_names:
+                summary.left_alone.append(f"{where}: its forward does not call apply_rotary_pos_emb")
+                return None
+            ok = _check("apply_rotary_pos_emb", mod.apply_rotary_pos_emb, summary, f"{mod_name}.apply_rotary_pos_emb",
+                        warned)
+            return (kind, _subclass(cls, _attention_forward(cls, mod))) if ok else None
+        if kind == "DecoderLayer":
+            norm = getattr(module, "post_attention_layernorm", None)
+            if type(norm) is not getattr(mod, prefix + "RMSNorm", None) and not isinstance(norm, _Swapped):
+                return None
+            ok = _check("DecoderLayer", cls.forward, summary, where, warned)
+            return (kind, _subclass(cls, _decoder_layer_forward)) if ok else None
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        if module.loss_function is not ForCausalLMLoss or module.lm_head.out_features != module.config.vocab_size:
+            summary.left_alone.append(f"{where}: a loss other than Hugging Face's ForCausalLMLoss")
+            return None
+        ok = _check("ForCausalLM", cls.forward, summary, where, warned)
+        if not ok:
+            return None
+        forward = _causal_lm_forward
+        try:
+            from transformers.utils import can_return_tuple
+
+            forward = can_return_tuple(forward)
+        except ImportError:
+            pass
+        return kind, _subclass(cls, forward)
+    return None
+
+
+_KIND_TEXT = {"RMSNorm": "RMSNorm -> rms_norm", "MLP": "SwiGLU MLP -> silu_mul",
+              "Attention": "attention RoPE -> rope", "DecoderLayer": "residual add + norm -> add_rms_norm",
+              "ForCausalLM": "LM head + loss -> linear_cross_entropy"}
+
+
+def optimize(model: nn.Module) -> tuple[nn.Module, Summary]:
+    """Swaps customops ops into a Hugging Face Llama, Mistral, Qwen2 or Qwen3 model, in place.
+
+    Replaced, per module: RMSNorm by ``rms_norm``; the SwiGLU MLP's ``act(gate) * up`` by
+    ``silu_mul``; the rotary embedding of q and k by ``rope``; the residual add in front of each
+    layer's second norm by ``add_rms_norm``; and, in training with labels, the LM head and loss by
+    ``linear_cross_entropy`` (the logits are never built and come back as ``None``). Parameters,
+    their names and ``state_dict`` stay as they were. Works on float32, bfloat16 and float16
+    models, and on float32 models under autocast (where a dtype mix would change Hugging Face's
+    arithmetic the original forward runs). Applying it twice changes nothing.
+
+    Args:
+        model: Any ``nn.Module``; its submodules of the classes above are optimized.
+
+    Returns:
+        ``(model, summary)``: the same model object, and a :class:`Summary` (print it) of what was
+        replaced and what was left alone. A model with none of the known modules comes back
+        unchanged, with a summary that says so.
+
+    Warns:
+        UserWarning: for a known class whose forward is not a form customops was checked against
+        (another transformers release, or a patched model): it is left alone.
+    """
+    summary, warned = Summary(), set()
+    if not any(type(m).__module__.startswith("transformers.") for m in model.modules()):
+        return model, summary
+    # Norms first: a decoder layer's add + norm fusion is planned only over a swapped norm.
+    modules = sorted(model.modules(), key=lambda m: not type(m).__name__.endswith("RMSNorm"))
+    for m in modules:
+        if isinstance(m, _Swapped):
+            kind = next(k for k in _KIND_TEXT if type(m).__mro__[1].__name__.endswith(k))
+            summary.already[_KIND_TEXT[kind]] += 1
+            continue
+        plan = _plan(m, summary, warned)
+        if plan is not None:
+            kind, new_cls = plan
+            m.__class__ = new_cls
+            summary.replaced[_KIND_TEXT[kind]] += 1
+    summary.left_alone = list(dict.fromkeys(summary.left_alone))
+    return model, summary
+
+
+__all__ = ["optimize", "Summary"]

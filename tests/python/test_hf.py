@@ -1,0 +1,301 @@
+"""Applying customops to models nobody here wrote: customops.optimize on Hugging Face Llama,
+Mistral, Qwen2 and Qwen3 (built from small configs, no download), the "customops" torch.compile
+backend and its pattern rewrites, customops.explain, and an optimized Llama packaged with
+AOTInductor and run by customops-run."""
+
+from __future__ import annotations
+
+import copy
+import io
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import customops
+from customops import compile as cc
+from conftest import DEVICES
+
+transformers = pytest.importorskip("transformers")
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+             vocab_size=256, attn_implementation="sdpa", use_cache=False)
+FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
+
+
+def model(family: str = "Llama", dtype=torch.float32, device="cpu", **over):
+    cfg = getattr(transformers, f"{family}Config")(**{**SMALL, **over})
+    torch.manual_seed(0)
+    return getattr(transformers, f"{family}ForCausalLM")(cfg).to(device=device, dtype=dtype)
+
+
+def tol(dtype):
+    return dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+
+
+def step(m, ids, params_of=None, **kw):
+    """Loss and parameter gradients of one training step (forward with labels + backward)."""
+    out = m(ids, labels=ids, **kw)
+    out.loss.backward()
+    src = params_of or m
+    grads = {n: p.grad.clone() for n, p in src.named_parameters()}
+    src.zero_grad(set_to_none=True)
+    return out.loss.detach(), grads
+
+
+def assert_same_step(a, b, dtype):
+    torch.testing.assert_close(a[0], b[0], **tol(dtype))
+    assert a[1].keys() == b[1].keys()
+    for n in a[1]:
+        torch.testing.assert_close(a[1][n], b[1][n], **tol(dtype), msg=lambda m: f"{n}: {m}")
+
+
+# ---- customops.optimize ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_optimize_trains_like_eager(family, dtype, device):
+    m = model(family, dtype, device).train()
+    ids = torch.randint(0, 256, (2, 16), device=device)
+    want = step(m, ids)
+    state = {k: v.clone() for k, v in m.state_dict().items()}
+    got_model, summary = customops.optimize(m)
+    assert got_model is m
+    kinds = dict(summary.replaced)
+    layers = SMALL["num_hidden_layers"]
+    assert kinds["SwiGLU MLP -> silu_mul"] == layers and kinds["attention RoPE -> rope"] == layers
+    assert kinds["residual add + norm -> add_rms_norm"] == layers
+    assert kinds["LM head + loss -> linear_cross_entropy"] == 1
+    assert kinds["RMSNorm -> rms_norm"] == 2 * layers + 1 + (2 * layers if family == "Qwen3" else 0)
+    assert not summary.left_alone, summary
+    out = m(ids, labels=ids)
+    assert out.logits is None  # in training with labels the logits are never built
+    assert_same_step(step(m, ids), want, dtype)
+    assert m.state_dict().keys() == state.keys()
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, state[k]), k
+    # eval mode: Hugging Face's forward, logits included, on the swapped modules
+    m.eval()
+    with torch.no_grad():
+        logits = m(ids).logits
+        m_ref = model(family, dtype, device).eval()
+        torch.testing.assert_close(logits, m_ref(ids).logits, **tol(dtype))
+
+
+def test_optimize_twice_changes_nothing_and_the_model_still_saves():
+    m, first = customops.optimize(model())
+    classes = [type(x) for x in m.modules()]
+    _, second = customops.optimize(m)
+    assert not second.replaced and second.already == first.replaced
+    assert [type(x) for x in m.modules()] == classes
+    assert "already optimized" in str(second)
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    ids = torch.randint(0, 256, (1, 8))
+    torch.testing.assert_close(loaded.eval()(ids).logits, m.eval()(ids).logits)
+    copy.deepcopy(m)
+
+
+def test_optimize_float32_model_under_autocast():
+    m = model().train()
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = step(m, ids)
+        customops.optimize(m)
+        got = step(m, ids)
+    assert_same_step(got, want, torch.bfloat16)
+
+
+def test_optimize_leaves_unknown_models_and_forms_alone(monkeypatch):
+    lin = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    same, summary = customops.optimize(lin)
+    assert same is lin and not summary.replaced and "model unchanged" in str(summary)
+    monkeypatch.setitem(customops.hf._KNOWN_FORMS, "MLP", set())
+    m = model()
+    with pytest.warns(UserWarning, match="LlamaMLP: its forward is not one customops was checked against"):
+        _, summary = customops.optimize(m)
+    assert "SwiGLU MLP -> silu_mul" not in summary.replaced
+    assert type(m.model.layers[0].mlp) is transformers.models.llama.modeling_llama.LlamaMLP
+    assert summary.replaced["RMSNorm -> rms_norm"] == 5
+
+
+# ---- the "customops" compile backend -----------------------------------------------------------
+
+def rewritten(fn, *args):
+    """fn compiled with the rewrite only (no Inductor): (compiled fn, reports)."""
+    reports = []
+
+    def backend(gm, example_inputs):
+        new, report = cc.rewrite(gm, example_inputs)
+        reports.append(report)
+        return new
+
+    return torch.compile(fn, backend=backend, fullgraph=True), reports
+
+
+def _rms_hf(x, w):
+    dt = x.dtype
+    x = x.to(torch.float32)
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dt)
+
+
+def _rope_hf(q, k, cos, sin):
+    def rot(x):
+        return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rot(q) * sin, k * cos + rot(k) * sin
+
+
+PATTERNS = {
+    # name: (function, inputs, the replacement explain reports)
+    "silu": (lambda x: x * torch.sigmoid(x), lambda: (torch.randn(4, 8),), "silu -> customops.silu"),
+    "swiglu": (lambda g, u: F.silu(g) * u, lambda: (torch.randn(4, 8), torch.randn(4, 8)),
+               "silu(gate) * up -> customops.silu_mul"),
+    "rms_norm_hf": (_rms_hf, lambda: (torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8, dtype=torch.bfloat16)),
+                    "RMSNorm -> customops.rms_norm"),
+    "F.rms_norm": (lambda x, w: F.rms_norm(x, (8,), w, 1e-6), lambda: (torch.randn(4, 8), torch.randn(8)),
+                   "F.rms_norm -> customops.rms_norm"),
+    "add_rms_norm": (lambda a, b, w: (lambda s: (F.rms_norm(s, (8,), w, 1e-6), s * 2))(a + b),
+                     lambda: (torch.randn(4, 8), torch.randn(4, 8), torch.randn(8)),
+                     "residual add + RMSNorm -> customops.add_rms_norm"),
+    "rope": (_rope_hf, lambda: (torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 6, 8),
+                                torch.randn(2, 6, 8)), "rotate-half RoPE of q and k -> customops.rope"),
+    "cross_entropy": (lambda x, t: F.cross_entropy(x, t, ignore_index=2, label_smoothing=0.1),
+                      lambda: (torch.randn(6, 10), torch.randint(0, 10, (6,))), "cross_entropy -> customops.cross_entropy"),
+    "log_softmax_nll": (lambda x, t: F.nll_loss(F.log_softmax(x, -1), t, reduction="sum"),
+                        lambda: (torch.randn(6, 10), torch.randint(0, 10, (6,))),
+                        "log_softmax + nll_loss -> customops.cross_entropy"),
+    "linear_cross_entropy": (lambda h, w, t: F.cross_entropy(F.linear(h, w).float().view(-1, 10), t),
+                             lambda: (torch.randn(2, 3, 8), torch.randn(10, 8), torch.randint(0, 10, (6,))),
+                             "linear + cross_entropy -> customops.linear_cross_entropy"),
+}
+
+
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_rewrite_matches_eager_forward_and_backward(name):
+    fn, make, replacement = PATTERNS[name]
+    args = list(make())
+    for a in args[:2] if name == "rope" else args:  # rope's cos and sin come from positions
+        if a.is_floating_point():
+            a.requires_grad_()
+    compiled, reports = rewritten(fn, *args)
+    got = compiled(*args)
+    got_grads = torch.autograd.grad([g.float().sum() for g in torch.utils._pytree.tree_leaves(got)],
+                                    [a for a in args if a.requires_grad])
+    want = fn(*args)
+    want_grads = torch.autograd.grad([w.float().sum() for w in torch.utils._pytree.tree_leaves(want)],
+                                     [a for a in args if a.requires_grad])
+    t = tol(args[0].dtype)
+    torch.testing.assert_close(got, want, **t)
+    torch.testing.assert_close(got_grads, want_grads, **t)
+    assert reports[0].matched[replacement] >= 1, reports[0]
+    assert reports[0].customops_calls, reports[0]
+
+
+def test_rewrite_leaves_lookalikes_alone():
+    # mean over another dim, pow 4, a broadcast multiply: not an RMSNorm / SwiGLU
+    def f(x, g, u):
+        a = x * torch.rsqrt(x.pow(2).mean(0, keepdim=True) + 1e-6)
+        b = x * torch.rsqrt(x.pow(4).mean(-1, keepdim=True) + 1e-6)
+        return a, b, F.silu(g) * u
+
+    args = (torch.randn(4, 8), torch.randn(4, 8), torch.randn(1, 8))
+    compiled, reports = rewritten(f, *args)
+    torch.testing.assert_close(compiled(*args), f(*args))
+    assert not any(k.startswith("RMSNorm") or k.startswith("silu(gate)") for k in reports[0].matched), reports[0]
+    # RoPE whose cos/sin require grad: customops.rope would refuse them, so it stays as written
+    _, make, _ = PATTERNS["rope"]
+    args = [a.requires_grad_() for a in make()]
+    compiled, reports = rewritten(_rope_hf, *args)
+    torch.testing.assert_close(compiled(*args), _rope_hf(*args))
+    assert not reports[0].matched and "RoPE whose cos/sin may require grad" in str(reports[0])
+
+
+def test_backend_trains_llama_like_eager_with_customops_backward_kernels():
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    m = model().train()
+    ids = torch.randint(0, 256, (2, 16))
+    want = step(m, ids)
+    # the rewrite, then AOTAutograd: the backward graph calls customops' backward ops
+    graphs = []
+
+    def keep(gm, _):
+        graphs.append(gm)
+        return gm
+
+    backend = lambda gm, ex: aot_autograd(fw_compiler=keep, bw_compiler=keep)(cc.rewrite(gm, ex)[0], ex)
+    assert_same_step(step(torch.compile(m, backend=backend, fullgraph=True), ids, params_of=m), want, torch.float32)
+    backward = str(graphs[-1].graph)
+    for op in ("_rms_norm_backward", "_add_rms_norm_backward", "_silu_mul_backward", "_rope_backward",
+               "_cross_entropy_backward"):
+        assert f"customops.{op}" in backward, op
+    # the registered backend (rewrite + Inductor), dynamic shapes: no recompile for a new size
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("customops")
+    compiled = torch.compile(m, backend=counter, fullgraph=True, dynamic=True)
+    assert_same_step(step(compiled, ids, params_of=m), want, torch.float32)
+    compiles = counter.frame_count  # Inductor itself restarts this model's first compile once
+    ids2 = torch.randint(0, 256, (3, 24))
+    assert_same_step(step(compiled, ids2, params_of=m), step(m, ids2), torch.float32)
+    assert counter.frame_count == compiles
+
+
+def test_backend_is_registered_and_falls_back_for_graphs_with_nothing_to_rewrite():
+    assert "customops" in torch._dynamo.list_backends()
+    f = torch.compile(lambda x: x.sin() + 1, backend="customops", fullgraph=True)
+    x = torch.randn(8)
+    torch.testing.assert_close(f(x), x.sin() + 1)
+    reports = customops.explain(lambda x: x.sin() + 1, x, print_report=False)
+    assert len(reports) == 1 and not reports[0].matched
+    assert "nothing to rewrite" in str(reports[0])
+
+
+def test_explain_on_llama(capsys):
+    m = model().train()
+    ids = torch.randint(0, 256, (2, 16))
+    reports = customops.explain(m, ids, labels=ids)
+    text = capsys.readouterr().out
+    assert "replaced RMSNorm -> customops.rms_norm" in text and "customops calls:" in text
+    matched = reports[0].matched
+    # every residual add (one cross-layer), both RoPEs, both MLPs, the loss
+    assert matched["residual add + RMSNorm -> customops.add_rms_norm"] == 4
+    assert matched["rotate-half RoPE of q and k -> customops.rope"] == 2
+    assert matched["silu(gate) * up -> customops.silu_mul"] == 2
+    assert matched["cross_entropy -> customops.cross_entropy"] == 1
+
+
+# ---- deployment: an optimized Llama in an AOTInductor package ---------------------------------
+
+def test_package_optimized_llama_runs_in_customops_run(tmp_path):
+    from test_aoti import describe, run
+
+    m = model(num_hidden_layers=1).eval()
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():
+        want = m(ids).logits
+
+    class Logits(torch.nn.Module):
+        def __init__(self, lm):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids):
+            return self.lm(ids).logits
+
+    path = customops.export.package(Logits(m), (ids,), tmp_path / "llama.pt2", optimize=True)
+    assert type(m.model.norm).__name__ == "CustomopsLlamaRMSNorm"
+    program = subprocess.run(["unzip", "-p", path], capture_output=True).stdout
+    customops.export.save_inputs((ids,), tmp_path / "in.pt")
+    r = run([customops.runner_path(), path, tmp_path / "in.pt", tmp_path / "out.pt"])
+    assert r.returncode == 0, f"customops-run {describe(r.returncode)}:\n{r.stderr}"
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    got = got[0] if isinstance(got, (tuple, list)) else got
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert b"customops" in program
