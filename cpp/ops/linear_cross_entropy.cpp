@@ -1,6 +1,6 @@
 // linear_cross_entropy: the loss of hidden @ weight.T + bias against target without the [N, V]
-// logits. The vocabulary goes in chunks; each chunk's logits ([N, chunk], hidden's dtype) come
-// from one ATen matmul (cuBLAS on CUDA) and the device's cross-entropy kernels. When a gradient is
+// logits. The rows go in chunks; each chunk's logits ([chunk, V], hidden's dtype) come from one
+// ATen matmul (cuBLAS on CUDA) and the device's cross-entropy kernels. When a gradient is
 // needed the forward computes it for a unit loss gradient (grad_hidden, grad_weight, grad_bias are
 // outputs of the private _linear_cross_entropy_with_grads, so the backward only scales them, and
 // hidden need not be kept for a recomputation). Here: the device-generic implementation, typed C++
@@ -54,26 +54,27 @@ const auto& lce_backward_op() {
 
 constexpr const char* kOpName = "customops::linear_cross_entropy";
 
-// Classes per chunk: a multiple of 256 (for the matmuls) up to 15/8 H, so the chunk's logits
-// [N, chunk] take a little less than twice hidden's memory, no more than Liger-Kernel's row chunks
-// take at Llama shapes. Measured on an H100 (N 8192, H 2048, V 128256, bf16): 2048 classes 31.6 ms
-// and 0.55 GiB above the inputs, 4096 29.8 ms and 0.58 GiB, 8192 29.3 ms and 0.65 GiB.
-// CUSTOMOPS_LINEAR_CE_CHUNK overrides it (benchmarking).
-int64_t chunk_classes(int64_t h, int64_t v) {
+// Rows per chunk: enough for each chunk's matmuls to run at full speed (a multiple of 128, at
+// least 256), few enough that the chunk's logits [rows, V] take about 256 MiB. Measured on an
+// H100 (N 8192, H 2048, V 128256, bf16) before this layout: vocabulary chunks took 4 matmuls
+// (the logits twice) and 30.4 ms; rows in chunks take the 3 matmuls a plain linear + cross-entropy
+// takes. CUSTOMOPS_LINEAR_CE_CHUNK overrides it (benchmarking).
+int64_t chunk_rows(int64_t n, int64_t v, int64_t itemsize) {
   static const int64_t forced = [] {
     const char* e = std::getenv("CUSTOMOPS_LINEAR_CE_CHUNK");
     return e != nullptr ? std::atoll(e) : int64_t{0};
   }();
-  const int64_t c = forced > 0 ? forced : std::max<int64_t>(256, 15 * h / 8 / 256 * 256);
-  return std::min(c, v);
+  const int64_t budget = int64_t{256} << 20;
+  const int64_t r = forced > 0 ? forced : std::max<int64_t>(256, budget / std::max<int64_t>(1, v * itemsize) / 128 * 128);
+  return std::max<int64_t>(1, std::min(r, n));
 }
 
-// The vocabulary goes in chunks of classes [v0, v0 + c): logits_j = hidden @ weight[v0:v0+c].T.
-// Pass 1 merges each chunk's log-sum-exp into the rows' (and gathers the target's logit); pass 2,
-// only when a gradient is needed, recomputes logits_j, turns it into its gradient in place, and
-// adds logits_j @ weight_j to grad_hidden and writes grad_weight[v0:v0+c] = logits_j.T @ hidden
-// once. Four matmuls in all, and no pass over the whole [V, H] gradient per chunk (which the
-// row-chunked way, three matmuls and a read-modify-write of grad_weight per chunk, pays).
+// The rows go in chunks [r0, r0 + r): logits_r = hidden[r0:r0+r] @ weight.T (one matmul into one
+// buffer reused by every chunk), the device's cross-entropy kernel gives each row's loss and lse,
+// and, when a gradient is needed, turns logits_r into its gradient in place; then
+// grad_hidden[r0:r0+r] = logits_r @ weight and grad_weight += logits_r.T @ hidden[r0:r0+r]. Three
+// matmuls in all, as a plain linear + cross-entropy; grad_weight is read and written once per
+// chunk (in the matmul's epilogue), which the chunk size keeps to a few passes.
 Grads run(const CrossEntropyKernels& ce, const at::Tensor& hidden, const at::Tensor& weight,
           const at::Tensor& target_in, const std::optional<at::Tensor>& bias_in, int64_t ignore_index,
           double label_smoothing, c10::string_view reduction, std::array<bool, 3> mask) {
@@ -86,59 +87,49 @@ Grads run(const CrossEntropyKernels& ce, const at::Tensor& hidden, const at::Ten
   mask[2] = mask[2] && bias.defined();
   const bool grads = mask[0] || mask[1] || mask[2];
   const at::Tensor none = at::empty({0}, hidden.options());
-  const int64_t chunk = chunk_classes(hidden.size(1), v);
-  // One buffer for every chunk's logits: a fresh [N, chunk] per chunk would, on CPU, go back to
-  // the OS and fault its pages in again each time (glibc maps large blocks).
-  at::Tensor buffer = at::empty({n * chunk}, hidden.options());
-  auto logits_of = [&](int64_t v0, int64_t c) {
-    const at::Tensor w = weight.narrow(0, v0, c);
-    at::Tensor out = buffer.narrow(0, 0, n * c).view({n, c});
-    return bias.defined() ? at::addmm_out(out, bias.narrow(0, v0, c), hidden, w.t()) : at::mm_out(out, hidden, w.t());
-  };
+  const int64_t chunk = chunk_rows(n, v, hidden.element_size());
+  at::Tensor buffer = at::empty({std::min(chunk, n) * v}, hidden.options());
 
-  // Pass 1: lse, the target's logit and (label smoothing) the sum of the logits, per row.
-  const at::Tensor ignored = target == ignore_index;
-  const at::Tensor none_counted = at::full({n}, -1, target.options());  // every row ignored: lse only
-  at::Tensor lse = at::full({n}, -std::numeric_limits<double>::infinity(), acc_opts);
-  at::Tensor picked = at::zeros({n}, acc_opts), sum_x = label_smoothing != 0.0 ? at::zeros({n}, acc_opts) : at::Tensor();
-  at::Tensor lse_j = at::empty({n}, acc_opts), unused = at::empty({n}, acc_opts);
-  for (int64_t v0 = 0; v0 < v; v0 += chunk) {
-    const int64_t c = std::min(chunk, v - v0);
-    const at::Tensor logits = logits_of(v0, c);
-    ce.forward(logits, none_counted, -1, 0.0, unused, lse_j);
-    lse = at::logaddexp(lse, lse_j);
-    const at::Tensor local = target - v0, here = (local >= 0).logical_and_(local < c);
-    picked.add_(logits.gather(1, local.clamp(0, c - 1).unsqueeze(1)).squeeze(1).to(acc).masked_fill_(here.logical_not(), 0));
-    if (sum_x.defined()) sum_x.add_(logits.sum(1, /*keepdim=*/false, acc));
+  const at::Tensor counted = mean ? (target != ignore_index).sum() : at::Tensor();
+  // Each counted row's loss gradient: 1 / (rows counted) for "mean", 1 for "sum" (a device
+  // scalar read by the kernels with stride 0: no host sync).
+  const at::Tensor row_grad = (mean ? counted.to(acc).reciprocal() : at::ones({}, acc_opts)).expand({n});
+  at::Tensor loss_rows = at::empty({n}, acc_opts), lse = at::empty({n}, acc_opts);
+  at::Tensor dh = mask[0] ? at::empty(hidden.sizes(), hidden.options()) : none;
+  // The first chunk writes grad_weight, the others add to it (zeros only when there is no row).
+  at::Tensor dw = mask[1] ? (n == 0 ? at::zeros(weight.sizes(), weight.options()) : at::empty(weight.sizes(), weight.options()))
+                          : none;
+  at::Tensor db = mask[2] ? at::zeros({v}, acc_opts) : none;
+  for (int64_t r0 = 0; r0 < n; r0 += chunk) {
+    const int64_t r = std::min(chunk, n - r0);
+    const at::Tensor h = hidden.narrow(0, r0, r), t = target.narrow(0, r0, r);
+    at::Tensor logits = buffer.narrow(0, 0, r * v).view({r, v});
+    if (bias.defined()) {
+      at::addmm_out(logits, bias, h, weight.t());
+    } else {
+      at::mm_out(logits, h, weight.t());
+    }
+    const at::Tensor lse_r = lse.narrow(0, r0, r);
+    ce.forward(logits, t, ignore_index, label_smoothing, loss_rows.narrow(0, r0, r), lse_r);
+    if (!grads) continue;
+    ce.backward(row_grad.narrow(0, r0, r), at::Tensor(), logits, t, lse_r, ignore_index, label_smoothing, 0, v, logits);
+    if (mask[0]) {
+      at::Tensor rows = dh.narrow(0, r0, r);
+      at::mm_out(rows, logits, weight);
+    }
+    if (mask[1]) {
+      if (r0 == 0) {
+        at::mm_out(dw, logits.t(), h);
+      } else {
+        dw.addmm_(logits.t(), h);
+      }
+    }
+    if (mask[2]) db.add_(logits.sum(0, /*keepdim=*/false, acc));
   }
-  at::Tensor loss_rows = lse - picked * (1.0 - label_smoothing);
-  if (sum_x.defined()) loss_rows = loss_rows - sum_x * (label_smoothing / static_cast<double>(v));
-  // A target outside [0, V) (CUDA only: CPU raised before) makes its row NaN, never silently 0.
-  const at::Tensor bad = ignored.logical_not().logical_and_((target < 0).logical_or_(target >= v));
-  loss_rows = loss_rows.masked_fill(ignored, 0).masked_fill(bad, std::numeric_limits<double>::quiet_NaN());
-  const at::Tensor counted = mean ? ignored.logical_not().sum() : at::Tensor();
   at::Tensor loss = loss_rows.sum();
   if (mean) loss = loss / counted;  // NaN when no row counts, as F.cross_entropy
   if (!grads) return {loss, none, none, none};
-
-  // Pass 2: each counted row's loss gradient is 1 / (rows counted) for "mean", 1 for "sum" (a
-  // device scalar, read by the kernels with stride 0: no host sync).
-  const at::Tensor row_grad = (mean ? counted.to(acc).reciprocal() : at::ones({}, acc_opts)).expand({n});
-  at::Tensor dh = mask[0] ? at::zeros(hidden.sizes(), hidden.options()) : none;
-  at::Tensor dw = mask[1] ? at::empty(weight.sizes(), weight.options()) : none;
-  at::Tensor db = mask[2] ? at::empty({v}, bias.options()) : none;
-  for (int64_t v0 = 0; v0 < v; v0 += chunk) {
-    const int64_t c = std::min(chunk, v - v0);
-    at::Tensor logits = logits_of(v0, c);
-    ce.backward(row_grad, at::Tensor(), logits, target, lse, ignore_index, label_smoothing, v0, v, logits);
-    if (mask[0]) dh.addmm_(logits, weight.narrow(0, v0, c));
-    if (mask[1]) {
-      at::Tensor rows = dw.narrow(0, v0, c);
-      at::mm_out(rows, logits.t(), hidden);
-    }
-    if (mask[2]) db.narrow(0, v0, c).copy_(logits.sum(0, /*keepdim=*/false, acc));
-  }
-  return {loss, dh, dw, db};
+  return {loss, dh, dw, mask[2] ? db.to(bias.scalar_type()) : none};
 }
 
 }  // namespace

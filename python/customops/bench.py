@@ -1069,8 +1069,14 @@ def _vmap_case(b: Bench, dims: tuple, device: str, entries: int, budget: Budget,
 
 
 def main(argv: list[str]) -> int:
+    if any(a == "--model" or a.startswith("--model=") for a in argv):
+        from .bench_model import main as model_main
+
+        return model_main(argv)
     p = argparse.ArgumentParser(prog="python -m customops bench", description=__doc__.splitlines()[0],
-                                epilog="Ops whose customops:: operator is not in this build are skipped with a note.")
+                                epilog="Ops whose customops:: operator is not in this build are skipped with a note. "
+                                       "`--model llama` instead times a training step and an inference forward of "
+                                       "Hugging Face Llama (see `python -m customops bench --model llama --help`).")
     p.add_argument("ops", nargs="*", metavar="OP",
                    help=f"benchmarks to run (default: all): {', '.join(BENCHES_BY_NAME)}")
     p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")

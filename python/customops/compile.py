@@ -369,6 +369,11 @@ def _reduce(loss, t, ii, red):
 def _cross_entropy(match: Match, x, t, weight, reduction, ii, ls):
     out = _val(match.output_node())
     red = _REDUCTIONS[reduction]
+    # Half logits upcast only for the loss: customops reads them as they are (it computes in
+    # float32), so the float32 copy is never written.
+    if (x.op == "call_function" and x.target is aten.to.dtype and x.args[1] == torch.float32 and len(x.users) == 1
+            and _val(x.args[0]).dtype in (torch.bfloat16, torch.float16)):
+        x = x.args[0]
     _emit(match.graph, lambda x, t: _cast_like(_reduce(cops.cross_entropy.default(x, t, ii, ls)[0], t, ii, red), out),
           [x, t], [match.output_node()], "cross_entropy -> customops.cross_entropy")
     match.erase_nodes()

@@ -29,11 +29,11 @@ _FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": 
 # Syntax-tree hashes (see _form) of the forwards each swap restates or relies on, as in
 # transformers 5.17 and 5.23 (all four families share them).
 _KNOWN_FORMS = {
-    "RMSNorm": {"4aa43b06b4dc"},
-    "MLP": {"b8c28f722327"},
-    "DecoderLayer": {"40dc1b2a48a8"},
-    "ForCausalLM": {"35c88172d400", "1bfc70a5fc6c"},
-    "apply_rotary_pos_emb": {"49be0a48c139"},
+    "RMSNorm": {"9635bcd843f3"},
+    "MLP": {"7d2027d4464e"},
+    "DecoderLayer": {"1a8125909341"},
+    "ForCausalLM": {"30455d0ea27c", "bc1bb9f5b8f9"},
+    "apply_rotary_pos_emb": {"4a8f8b85ee37"},
 }
 
 
@@ -48,7 +48,8 @@ def _form(fn) -> str:
     body = tree.body
     if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         tree.body = body[1:]
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:12]
+    # unparse, not ast.dump: the dump's fields change between Python versions
+    return hashlib.sha256(ast.unparse(tree).encode()).hexdigest()[:12]
 
 
 @dataclasses.dataclass
