@@ -276,11 +276,12 @@ def test_explain_on_llama(capsys):
 
 # ---- deployment: an optimized Llama in an AOTInductor package ---------------------------------
 
-def test_package_optimized_llama_runs_in_customops_run(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_package_optimized_llama_runs_in_customops_run(tmp_path, device):
     from test_aoti import describe, run
 
-    m = model(num_hidden_layers=1).eval()
-    ids = torch.randint(0, 256, (1, 8))
+    m = model(num_hidden_layers=1, device=device).eval()
+    ids = torch.randint(0, 256, (1, 8), device=device)
     with torch.no_grad():
         want = m(ids).logits
 
@@ -301,4 +302,4 @@ def test_package_optimized_llama_runs_in_customops_run(tmp_path):
     assert r.returncode == 0, f"customops-run {describe(r.returncode)}:\n{r.stderr}"
     got = torch.load(tmp_path / "out.pt", weights_only=True)
     got = got[0] if isinstance(got, (tuple, list)) else got
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got, want.cpu(), atol=1e-4, rtol=1e-4)
