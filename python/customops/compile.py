@@ -24,6 +24,8 @@ from torch._inductor.pattern_matcher import (MULTIPLE, CallFunction, CallFunctio
                                              PatternMatcherPass)
 from torch.fx import GraphModule, Node
 
+from ._ops import _reduce
+
 aten = torch.ops.aten
 cops = torch.ops.customops
 _END = 2**63 - 1  # the end of an open slice (x[..., h:]) in ATen graphs
@@ -232,9 +234,12 @@ def _rms_check(match: Match) -> bool:
 
 @_register(list(_rms_patterns()), _norm_pass, _rms_check)
 def _rms_norm(match: Match, x, eps, w=None, **_):
+    _emit_rms_norm(match, x, w, eps, "RMSNorm -> customops.rms_norm")
+
+
+def _emit_rms_norm(match: Match, x: Node, w: Node | None, eps: float, name: str) -> None:
     inputs = [x] if w is None else [x, w]
-    _emit(match.graph, lambda x, w=None: cops.rms_norm.default(x, w, eps)[0], inputs, [match.output_node()],
-          "RMSNorm -> customops.rms_norm")
+    _emit(match.graph, lambda x, w=None: cops.rms_norm.default(x, w, eps)[0], inputs, [match.output_node()], name)
     match.erase_nodes()
 
 
@@ -250,10 +255,7 @@ def _aten_rms_check(match: Match) -> bool:
                          KeywordArg("eps"))], _norm_pass, _aten_rms_check)
 def _aten_rms_norm(match: Match, x, shape, w, eps):
     eps = torch.finfo(_val(x).dtype).eps if eps is None else eps
-    inputs = [x] if w is None else [x, w]
-    _emit(match.graph, lambda x, w=None: cops.rms_norm.default(x, w, eps)[0], inputs, [match.output_node()],
-          "F.rms_norm -> customops.rms_norm")
-    match.erase_nodes()
+    _emit_rms_norm(match, x, w, eps, "F.rms_norm -> customops.rms_norm")
 
 
 # silu(gate) * up -> silu_mul(gate, up).
@@ -359,24 +361,22 @@ def _ce_check(match: Match) -> bool:
     return match.output_node().target is not aten.nll_loss_nd.default or _last_dim(match.kwargs["dim"], 2)
 
 
-def _reduce(loss, t, ii, red):
-    if red == "mean":
-        return loss.sum() / (t != ii).sum()
-    return loss.sum() if red == "sum" else loss
+def _emit_cross_entropy(match: Match, x: Node, t: Node, ii: int, ls: float, reduction: int, name: str) -> None:
+    out = _val(match.output_node())
+    red = _REDUCTIONS[reduction]
+    _emit(match.graph, lambda x, t: _cast_like(_reduce(cops.cross_entropy.default(x, t, ii, ls)[0], t, ii, red), out),
+          [x, t], [match.output_node()], name)
+    match.erase_nodes()
 
 
 @_register([CallFunction(aten.cross_entropy_loss.default, KeywordArg("x"), *_ce_args())], _last_pass, _ce_check)
 def _cross_entropy(match: Match, x, t, weight, reduction, ii, ls):
-    out = _val(match.output_node())
-    red = _REDUCTIONS[reduction]
     # Half logits upcast only for the loss: customops reads them as they are (it computes in
     # float32), so the float32 copy is never written.
     if (x.op == "call_function" and x.target is aten.to.dtype and x.args[1] == torch.float32 and len(x.users) == 1
             and _val(x.args[0]).dtype in (torch.bfloat16, torch.float16)):
         x = x.args[0]
-    _emit(match.graph, lambda x, t: _cast_like(_reduce(cops.cross_entropy.default(x, t, ii, ls)[0], t, ii, red), out),
-          [x, t], [match.output_node()], "cross_entropy -> customops.cross_entropy")
-    match.erase_nodes()
+    _emit_cross_entropy(match, x, t, ii, ls, reduction, "cross_entropy -> customops.cross_entropy")
 
 
 @_register([CallFunction(aten.nll_loss_nd.default, CallFunction(aten.log_softmax.int, KeywordArg("x"),
@@ -384,11 +384,7 @@ def _cross_entropy(match: Match, x, t, weight, reduction, ii, ls):
                          KeywordArg("t"), KeywordArg("weight"), KeywordArg("reduction"), KeywordArg("ii"))],
            _last_pass, _ce_check)
 def _log_softmax_nll(match: Match, x, dim, t, weight, reduction, ii):
-    out = _val(match.output_node())
-    red = _REDUCTIONS[reduction]
-    _emit(match.graph, lambda x, t: _cast_like(_reduce(cops.cross_entropy.default(x, t, ii, 0.0)[0], t, ii, red), out),
-          [x, t], [match.output_node()], "log_softmax + nll_loss -> customops.cross_entropy")
-    match.erase_nodes()
+    _emit_cross_entropy(match, x, t, ii, 0.0, reduction, "log_softmax + nll_loss -> customops.cross_entropy")
 
 
 # Rotate-half RoPE: x * cos + cat(-x2, x1) * sin for q and for k; q and k that share cos and sin
