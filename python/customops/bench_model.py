@@ -4,7 +4,10 @@ side by side in one run.
 
 Every variant builds its own model from one seed (so their losses must agree and their peak
 memory compares), warms up (compiles included) and is timed with CUDA events (wall clock on CPU).
-Liger-Kernel patches transformers' classes for the whole process, so it runs last.
+Liger-Kernel's apply_liger_kernel_to_llama replaces transformers' module-level Llama classes and
+forward for the whole process (every model built later would be Liger's), so it runs last.
+A variant whose piece is missing (Liger-Kernel, customops.optimize, the "customops" backend) is
+skipped with a note; one that fails, or a loss that differs from eager's, makes the exit status 1.
 """
 
 from __future__ import annotations
@@ -35,7 +38,14 @@ def _liger(model):
     return model
 
 
+class _Skip(Exception):
+    """The variant's piece is not in this installation: reported as not measured, not as failed."""
+
+
 def _prepare(variant: str) -> Callable[[torch.nn.Module], torch.nn.Module]:
+    if variant.startswith(OPT) and not hasattr(customops, "optimize"):
+        raise _Skip("this customops has no optimize")
+
     def prep(m):
         if variant.startswith(OPT):
             m = customops.optimize(m)[0]
@@ -44,7 +54,10 @@ def _prepare(variant: str) -> Callable[[torch.nn.Module], torch.nn.Module]:
         if variant.endswith("+ torch.compile") or variant == "torch.compile":
             m = torch.compile(m)
         elif "backend=" in variant:
-            m = torch.compile(m, backend="customops")
+            try:
+                m = torch.compile(m, backend="customops")
+            except torch._dynamo.exc.InvalidBackend as e:
+                raise _Skip('torch.compile has no "customops" backend') from e
         return m
     return prep
 
@@ -126,14 +139,14 @@ def run(args) -> dict:
         if v is not None:
             cfg_kw[{"hidden": "hidden_size", "intermediate": "intermediate_size", "heads": "num_attention_heads",
                     "kv_heads": "num_key_value_heads", "vocab": "vocab_size", "head_dim": "head_dim"}[k]] = v
-    if args.hidden is not None and args.head_dim is None:
+    if (args.hidden is not None or args.heads is not None) and args.head_dim is None:
         cfg_kw["head_dim"] = cfg_kw["hidden_size"] // cfg_kw["num_attention_heads"]
     wanted = [v.strip() for v in args.variants.split(",")] if args.variants else list(VARIANTS)
     unknown = [v for v in wanted if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"customops bench --model: unknown variant {unknown}; one of {', '.join(VARIANTS)}")
     order = [v for v in wanted if v != "liger"] + (["liger"] if "liger" in wanted else [])
-    rows, notes = [], []
+    rows, notes, failures = [], [], []
     for v in order:
         if v == "liger":
             try:
@@ -147,10 +160,12 @@ def run(args) -> dict:
             rows.append(_measure(v, args, cfg_kw))
             if not args.no_progress:
                 r = rows[-1]
-                print(f"    step {r['step_ms']:.1f} ms, peak {r['peak_gib'] or 0:.1f} GiB, inference {r['infer_ms']:.1f} ms, "
+                print(f"    step {r['step_ms']:.1f} ms, peak {_peak(r)}{' GiB' * (r['peak_gib'] is not None)}, inference {r['infer_ms']:.1f} ms, "
                       f"loss {r['loss']:.4f}", flush=True)
+        except _Skip as e:
+            notes.append(f"{v}: not measured ({e})")
         except Exception as e:  # noqa: BLE001  (a variant that fails is reported, the others still run)
-            notes.append(f"{v}: failed ({type(e).__name__}: {str(e).splitlines()[0][:300]})")
+            failures.append(f"{v}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
         torch._dynamo.reset()
         gc.collect()
         if args.device == "cuda":
@@ -168,7 +183,7 @@ def run(args) -> dict:
         meta["versions"]["transformers"] = transformers.__version__
     except ImportError:
         pass
-    report = {"meta": meta, "rows": rows, "notes": notes}
+    report = {"meta": meta, "rows": rows, "notes": notes, "failures": failures}
     report["mismatches"] = _mismatches(report, args)
     report["targets"] = _targets(rows)
     return report
@@ -180,72 +195,139 @@ def _mismatches(report, args) -> list[str]:
         return []
     ref = rows["eager"]["loss"]
     rel = 1e-4 if args.dtype == torch.float32 and not args.amp else 2e-2
-    return [f"{v}: loss {r['loss']:.5f} differs from eager's {ref:.5f}" for v, r in rows.items()
-            if not abs(r["loss"] - ref) <= rel * abs(ref)]
+    # not (<=) so that a NaN loss is a mismatch too
+    return [f"{v}: loss {r['loss']:.5f} differs from eager's {ref:.5f} by more than {rel:g} relative"
+            for v, r in rows.items() if not abs(r["loss"] - ref) <= rel * abs(ref)]
 
 
 def _targets(rows: list[dict]) -> list[dict]:
+    """The issue's three goals; met is None (not measured) while a variant they compare is missing."""
     by = {r["variant"]: r for r in rows}
 
     def best(names, key="step_ms"):
         have = [by[n] for n in names if n in by]
         return min(have, key=lambda r: r[key]) if have else None
 
+    def missing(*groups):
+        # a group is measured when any of its variants is; ("liger",) already says ("liger", "torch.compile")'s
+        gone = [set(g) for g in groups if not any(n in by for n in g)]
+        return ["customops variant" if len(g) > 2 else " or ".join(sorted(g)) for g in gone
+                if not any(h < g for h in gone)]
+
+    def gib(a, b):
+        return f", {a['peak_gib']:.1f} vs {b['peak_gib']:.1f} GiB" if a["peak_gib"] is not None else ""
+
+    def mem_ok(a, b):  # on CPU there is no peak to compare
+        return a["peak_gib"] is None or b["peak_gib"] is None or a["peak_gib"] <= b["peak_gib"]
+
     out = []
-    ours, theirs = best([OPT, CO]), best(["liger", "torch.compile"])
-    liger = by.get("liger")
-    if ours and theirs and liger:
+    groups = ((OPT, CO), ("liger", "torch.compile"), ("liger",))  # Liger-Kernel's peak is the memory bar
+    t = {"target": "training step: the faster of customops.optimize and the customops backend >= 1.05x the faster "
+                   "of Liger-Kernel and torch.compile, peak memory <= Liger-Kernel's", "met": None}
+    if missing(*groups):
+        t["measured"] = f"not measured (no {', no '.join(missing(*groups))})"
+    else:
+        ours, theirs, liger = best(groups[0]), best(groups[1]), by["liger"]
         speed = theirs["step_ms"] / ours["step_ms"]
-        mem_ok = ours["peak_gib"] is None or ours["peak_gib"] <= liger["peak_gib"]
-        out.append({"target": "training step: the faster of customops.optimize and the customops backend >= 1.05x the "
-                              "faster of Liger-Kernel and torch.compile, peak memory <= Liger-Kernel's",
-                    "met": speed >= 1.05 and mem_ok,
-                    "measured": f"{ours['variant']} {speed:.2f}x {theirs['variant']}"
-                                + (f", {ours['peak_gib']:.1f} vs {liger['peak_gib']:.1f} GiB" if ours["peak_gib"] else "")})
+        t["met"] = speed >= 1.05 and mem_ok(ours, liger)
+        t["measured"] = f"{ours['variant']} {speed:.2f}x {theirs['variant']}{gib(ours, liger)}"
+    out.append(t)
+
+    groups = ((f"{OPT} + torch.compile",), ("torch.compile",))
+    t = {"target": "customops.optimize + torch.compile faster than torch.compile, no more peak memory", "met": None}
+    if missing(*groups):
+        t["measured"] = f"not measured (no {', no '.join(missing(*groups))})"
     else:
-        out.append({"target": "training step vs Liger-Kernel and torch.compile", "met": None, "measured": "not measured"})
-    a, b = by.get(f"{OPT} + torch.compile"), by.get("torch.compile")
-    if a and b:
-        mem_ok = a["peak_gib"] is None or a["peak_gib"] <= b["peak_gib"]
-        out.append({"target": "customops.optimize + torch.compile faster than torch.compile, no more memory",
-                    "met": a["step_ms"] < b["step_ms"] and mem_ok,
-                    "measured": f"{b['step_ms'] / a['step_ms']:.2f}x"
-                                + (f", {a['peak_gib']:.1f} vs {b['peak_gib']:.1f} GiB" if a["peak_gib"] else "")})
+        a, b = by[groups[0][0]], by["torch.compile"]
+        t["met"] = a["step_ms"] < b["step_ms"] and mem_ok(a, b)
+        t["measured"] = f"{b['step_ms'] / a['step_ms']:.2f}x{gib(a, b)}"
+    out.append(t)
+
+    groups = (tuple(v for v in VARIANTS if "customops" in v), ("liger", "torch.compile"))
+    t = {"target": "inference forward of the best customops variant no slower than the faster of Liger-Kernel and "
+                   "torch.compile", "met": None}
+    if missing(*groups):
+        t["measured"] = f"not measured (no {', no '.join(missing(*groups))})"
     else:
-        out.append({"target": "customops.optimize + torch.compile vs torch.compile", "met": None, "measured": "not measured"})
-    ours_i = best([v for v in VARIANTS if "customops" in v], "infer_ms")
-    theirs_i = best(["liger", "torch.compile"], "infer_ms")
-    if ours_i and theirs_i:
-        out.append({"target": "inference forward no slower than the faster of Liger-Kernel and torch.compile",
-                    "met": ours_i["infer_ms"] <= theirs_i["infer_ms"],
-                    "measured": f"{ours_i['variant']} {theirs_i['infer_ms'] / ours_i['infer_ms']:.2f}x {theirs_i['variant']}"})
-    else:
-        out.append({"target": "inference forward vs Liger-Kernel and torch.compile", "met": None, "measured": "not measured"})
+        ours, theirs = best(groups[0], "infer_ms"), best(groups[1], "infer_ms")
+        t["met"] = ours["infer_ms"] <= theirs["infer_ms"]
+        t["measured"] = f"{ours['variant']} {theirs['infer_ms'] / ours['infer_ms']:.2f}x {theirs['variant']}"
+    out.append(t)
     return out
 
 
-def markdown(report: dict) -> str:
-    m = report["meta"]
-    c = m["config"]
+def _peak(r: dict) -> str:
+    return f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "n/a"
+
+
+def _cells(report: dict) -> list[list[str]]:
+    """The table's rows: variant, step ms, tokens/s, peak GiB, speed-up over eager's step, inference ms, loss."""
     eager = next((r for r in report["rows"] if r["variant"] == "eager"), None)
-    lines = [f"{m['device']}; " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ".",
-             f"Llama: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, intermediate {c['intermediate_size']}, "
-             f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, vocabulary {c['vocab_size']}; batch "
-             f"{c['batch']} x {c['seq']} tokens, {c['dtype']}. Training step = forward with labels + backward; "
-             f"median of {m['iters']}.", "",
-             "| variant | step ms | tokens/s | peak GiB | vs eager | inference ms | loss |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in report["rows"]:
-        peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "n/a"
-        vs = f"{eager['step_ms'] / r['step_ms']:.2f}x" if eager else ""
-        lines.append(f"| {r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {peak} | {vs} | "
-                     f"{r['infer_ms']:.1f} | {r['loss']:.4f} |")
+    return [[r["variant"], f"{r['step_ms']:.1f}", f"{r['tokens_per_s']:,.0f}", _peak(r),
+             f"{eager['step_ms'] / r['step_ms']:.2f}x" if eager else "", f"{r['infer_ms']:.1f}", f"{r['loss']:.4f}"]
+            for r in report["rows"]]
+
+
+COLUMNS = ("variant", "step ms", "tokens/s", "peak GiB", "vs eager", "inference ms", "loss")
+
+
+def _target_line(t: dict) -> str:
+    mark = "·" if t["met"] is None else ("✓" if t["met"] else "✗")
+    return f"{mark} {t['target']}: {t['measured']}"
+
+
+def _header(report: dict) -> list[str]:
+    m, c = report["meta"], report["meta"]["config"]
+    return [f"{m['device']}; " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ".",
+            f"Llama: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, intermediate {c['intermediate_size']}, "
+            f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, vocabulary {c['vocab_size']}; batch "
+            f"{c['batch']} x {c['seq']} tokens, {c['dtype']}. Training step = forward with labels + backward; "
+            f"median of {m['iters']}."]
+
+
+def print_report(report: dict) -> None:
+    """The table (rich when installed, else plain text), then targets, notes, failures and mismatches."""
+    lines = [_target_line(t) for t in report["targets"]] + [f"note: {n}" for n in report["notes"]]
+    bad = [f"FAILED: {n}" for n in report["failures"]] + [f"MISMATCH: {n}" for n in report["mismatches"]]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        rows = [list(COLUMNS)] + _cells(report)
+        w = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+        print("\n".join(_header(report)))
+        for k, r in enumerate(rows):
+            print("  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(r)))
+            if k == 0:
+                print("  ".join("-" * n for n in w))
+        print("\n".join(lines + bad))
+        return
+    console = Console(width=max(120, Console().width))
+    for line in _header(report):
+        console.print(line, highlight=False)
+    t = Table()
+    for col in COLUMNS:
+        t.add_column(col, justify="left" if col == "variant" else "right", no_wrap=True)
+    for r in _cells(report):
+        t.add_row(*r, style="bold" if "customops" in r[0] else None)
+    console.print(t)
+    for tg, line in zip(report["targets"], lines):
+        console.print(("[dim]" if tg["met"] is None else "[green]" if tg["met"] else "[red]") + line + "[/]",
+                      highlight=False)
+    for line in lines[len(report["targets"]):]:
+        console.print(f"[dim]{line}[/]", highlight=False)
+    for line in bad:
+        console.print(f"[bold red]{line}[/]", highlight=False)
+
+
+def markdown(report: dict) -> str:
+    """The --doc section: the same table and lines in Markdown."""
+    lines = [*_header(report), "", "| " + " | ".join(COLUMNS) + " |", "| --- |" + " ---: |" * (len(COLUMNS) - 1)]
+    lines += ["| " + " | ".join(r) + " |" for r in _cells(report)]
     lines.append("")
-    for t in report["targets"]:
-        mark = "not measured" if t["met"] is None else ("met" if t["met"] else "NOT met")
-        lines.append(f"- {t['target']}: {mark} ({t['measured']})")
-    for n in report["notes"] + [f"MISMATCH: {x}" for x in report["mismatches"]]:
-        lines.append(f"- {n}")
+    lines += [f"- {_target_line(t)}" for t in report["targets"]]
+    lines += [f"- {n}" for n in report["notes"]] + [f"- FAILED: {n}" for n in report["failures"]]
+    lines += [f"- MISMATCH: {n}" for n in report["mismatches"]]
     if report.get("command"):
         lines += ["", f"`{report['command']}`"]
     return "\n".join(lines)
@@ -254,32 +336,41 @@ def markdown(report: dict) -> str:
 def main(argv: list[str]) -> int:
     from .bench import DTYPES, update_doc
 
-    p = argparse.ArgumentParser(prog="python -m customops bench --model llama", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m customops bench --model llama",
+                                description="Training step and inference forward of Hugging Face Llama (built from a "
+                                            "config, Llama-3.2-1B shapes unless overridden) for eager, customops, "
+                                            "Liger-Kernel and torch.compile.")
     p.add_argument("--model", choices=["llama"], required=True)
-    p.add_argument("--device", choices=["cpu", "cuda"])
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
+    p.add_argument("--layers", type=int, default=8, help="decoder layers (default: 8)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per step (default: 4)")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default: 2048)")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                   help="the model's dtype (default: bfloat16)")
     p.add_argument("--amp", action="store_true", help="float32 model, step under autocast(bfloat16)")
     for k in ("hidden", "intermediate", "heads", "kv-heads", "vocab", "head-dim"):
-        p.add_argument(f"--{k}", type=int, help="override Llama-3.2-1B's")
-    p.add_argument("--variants", help=f"comma-separated subset of: {', '.join(VARIANTS)}")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--json", metavar="PATH")
+        p.add_argument(f"--{k}", type=int, help="override Llama-3.2-1B's (head-dim: hidden / heads when either is given)"
+                       if k == "head-dim" else "override Llama-3.2-1B's")
+    p.add_argument("--variants", help=f"comma-separated subset of: {', '.join(VARIANTS)} (default: all)")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations per pass, median reported (default: 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed iterations first, compilation included (default: 3)")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     p.add_argument("--doc", metavar="PATH", help="write the table between <!-- bench:SECTION --> markers")
-    p.add_argument("--section", default="llama")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--section", default="llama", help="the markers --doc writes between (default: llama)")
+    p.add_argument("--no-progress", action="store_true", help="no per-variant progress lines")
     args = p.parse_args(argv)
-    args.device = args.device or ("cuda" if torch.cuda.is_available() and customops.build_info()["cuda"] else "cpu")
+    cuda_ok = torch.cuda.is_available() and customops.build_info()["cuda"]
+    args.device = args.device or ("cuda" if cuda_ok else "cpu")
+    if args.device == "cuda" and not cuda_ok:
+        p.error("--device cuda: " + ("customops was built without CUDA" if torch.cuda.is_available()
+                                     else "no CUDA device is available"))
     args.dtype = DTYPES[args.dtype]
     report = run(args)
     report["command"] = "python -m customops bench " + " ".join(argv)
-    print(markdown(report))
+    print_report(report)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     if args.doc:
         update_doc(args.doc, args.section, markdown(report))
-    return 1 if report["mismatches"] or any("failed" in n for n in report["notes"]) else 0
+    return 1 if report["mismatches"] or report["failures"] else 0

@@ -1,8 +1,12 @@
 """`python -m customops bench --model llama` end to end on a tiny Llama on CPU (the GPU machine runs
 the real shapes): every variant asked for is measured, losses agree, the report renders."""
 
+import json
+import math
+
 import pytest
 
+import customops
 from customops import bench_model
 
 pytest.importorskip("transformers")
@@ -19,13 +23,20 @@ def test_model_bench_runs_and_losses_agree(tmp_path, capsys):
                                   "--doc", str(doc)])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert "| eager |" in out and "| customops.optimize |" in out
-    assert "| customops.optimize |" in doc.read_text()
-    import json
-
+    assert "eager" in out and "customops.optimize" in out
+    assert "| eager |" in doc.read_text() and "| customops.optimize |" in doc.read_text()
     report = json.loads((tmp_path / "r.json").read_text())
+    assert [r["variant"] for r in report["rows"]] == ["eager", "customops.optimize"]
     losses = [r["loss"] for r in report["rows"]]
-    assert len(losses) == 2 and abs(losses[0] - losses[1]) < 1e-4 and not report["mismatches"]
+    assert all(math.isfinite(x) for x in losses) and abs(losses[0] - losses[1]) <= 1e-4 * abs(losses[0])
+    assert not report["mismatches"] and not report["failures"]
+    assert all(t["met"] is None and "not measured" in t["measured"] for t in report["targets"])
+
+
+def test_model_bench_skips_what_is_missing(monkeypatch, capsys):
+    monkeypatch.delattr(customops, "optimize")
+    assert bench_model.main(TINY + ["--variants", "eager,customops.optimize", "--iters", "1"]) == 0
+    assert "customops.optimize: not measured (this customops has no optimize)" in capsys.readouterr().out
 
 
 def test_model_bench_rejects_unknown_variants():
