@@ -8,6 +8,7 @@ are then reachable as ``torch.ops.customops.<name>`` and through the typed wrapp
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -28,18 +29,32 @@ def _check_torch_version() -> None:
 _check_torch_version()
 
 from . import _C  # noqa: E402  (loads libcustomops.so and registers the ops)
-from . import compile as _compile  # noqa: E402
 from . import export  # noqa: E402
-from .compile import explain  # noqa: E402
 from .hf import optimize  # noqa: E402
 from ._ops import (add_rms_norm, cross_entropy, linear_cross_entropy, mul, muladd, rms_norm, rope,  # noqa: E402
                    scale_clamp, silu, silu_mul, swiglu)
 
 __version__ = _build_info.version
 
-# torch.compile(..., backend="customops") works once customops is imported (and, through the
-# torch_dynamo_backends entry point, without importing it first).
-_compile._register_backend()
+
+# customops.compile (the "customops" torch.compile backend, explain) loads Dynamo and Inductor's
+# pattern matcher, about 2 s: it is imported on first use, not by `import customops`.
+# torch.compile(..., backend="customops") finds the backend through the torch_dynamo_backends
+# entry point (pyproject.toml); when Dynamo is already loaded, importing customops registers it
+# right away too.
+def __getattr__(name: str):
+    if name in ("explain", "compile"):
+        import importlib
+
+        module = importlib.import_module(".compile", __name__)  # not `from . import`: it asks __getattr__
+        return module.explain if name == "explain" else module
+    raise AttributeError(f"module 'customops' has no attribute {name!r}")
+
+
+if "torch._dynamo" in sys.modules:
+    from .compile import _register_backend
+
+    _register_backend()
 
 #: Folder to add to CMAKE_PREFIX_PATH for ``find_package(customops)``, like
 #: ``torch.utils.cmake_prefix_path``.
