@@ -33,8 +33,9 @@ def clean_env() -> dict:
     return env
 
 
-def run(cmd, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=clean_env(), timeout=300, **kw)
+def run(cmd, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env={**clean_env(), **(env or {})},
+                          timeout=300, **kw)
 
 
 def describe(rc: int) -> str:
@@ -148,6 +149,28 @@ def _static_dim(pkg: Package) -> tuple[int, int]:
     raise AssertionError("every input dimension is dynamic")
 
 
+def _assert_one_line_error(r: subprocess.CompletedProcess, rc: int, message: str):
+    """Exit status rc and one "customops-run: <message>" line, the last on stderr (the model's
+    own words, where it prints them, come before it)."""
+    assert r.returncode == rc, f"{describe(r.returncode)}\n{r.stderr}"
+    lines = r.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("customops-run: "), r.stderr
+    assert sum(line.startswith("customops-run") for line in lines) == 1, r.stderr
+    assert re.search(r"^customops-run: " + message, lines[-1]), f"{message}\n{r.stderr}"
+    assert lines[-1].isprintable(), repr(lines[-1])
+
+
+def _rewrite_zip(src: Path, dst: Path, change) -> None:
+    """Copies a zip archive, each member's bytes through change(name, data) (None drops it)."""
+    import zipfile
+
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for item in zin.infolist():
+            data = change(item.filename, zin.read(item))
+            if data is not None:
+                zout.writestr(item.filename, data)
+
+
 def _bad_inputs(pkg: Package, case: str, path: Path) -> tuple[str, str | None]:
     """Writes an inputs file that is wrong in one way. Returns the regex of the runner's
     "customops-run: ..." line and, for errors the model itself reports, of the model's words
@@ -155,6 +178,46 @@ def _bad_inputs(pkg: Package, case: str, path: Path) -> tuple[str, str | None]:
     good = [t.cpu() for t in pkg.case.inputs(4)]
     n = len(good)
     pt2 = re.escape(str(pkg.path))
+    bad = re.escape(str(path))
+    expected = r" \(expected a tensor, or a list or tuple of tensors, written by torch\.save\)"
+    if case == "missing":
+        return rf"inputs file not found: {bad}$", None
+    if case == "directory":
+        path.mkdir()
+        return rf"inputs file is not a regular file: {bad}$", None
+    if case == "empty":
+        path.write_bytes(b"")
+        return rf"the inputs file {bad} is empty{expected}$", None
+    if case == "random_bytes":
+        path.write_bytes(os.urandom(4096))
+        return rf"cannot read the inputs file {bad}: it is not a zip archive, as torch\.save writes{expected}$", None
+    if case == "truncated":
+        torch.save(good, path)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        # miniz's advice about checkpoints is cut off after the first sentence.
+        return (rf"cannot read the inputs file {bad}{expected}: it is truncated or corrupt: "
+                r"PytorchStreamReader failed reading zip archive: failed finding central directory\.$"), None
+    if case == "short_record":
+        # A consistent zip whose first tensor's data record lost its second half: pickle_load read
+        # past its end and the model ran on whatever memory followed.
+        torch.save(good, path.with_suffix(".tmp"))
+        _rewrite_zip(path.with_suffix(".tmp"), path,
+                     lambda name, data: data[: len(data) // 2] if name.endswith("/data/0") else data)
+        return (rf"cannot read the inputs file {bad}{expected}: it is truncated or corrupt: .*require a storage of "
+                rf"at least {good[0].nbytes} bytes, but storage only has {good[0].nbytes // 2} bytes$"), None
+    if case == "garbled_pickle":
+        # A class name with a non-UTF-8 byte and a terminal escape: the error quotes it.
+        torch.save(good, path.with_suffix(".tmp"))
+        _rewrite_zip(path.with_suffix(".tmp"), path,
+                     lambda name, data: data.replace(b"torch._utils\n", b"torch.\xff\x1b[31m\n", 1)
+                     if name.endswith("data.pkl") else data)
+        return rf"cannot read the inputs file {bad}{expected}: it is truncated or corrupt: .*torch\.\?\?\[31m", None
+    if case == "batch_mismatch":
+        good[0] = torch.cat([good[0], good[0][:1]])  # batch 5, the other inputs 4
+        torch.save(good, path)
+        return (rf"running {pt2} failed: (an input of {bad} has size 4 in dim 0 where the model expects 5 \(inputs "
+                rf"that share a dynamic dimension, such as the batch, must agree on its size\)$|.*printed above)",
+                r"expected size 4==5, stride \d+==\d+ at dim=0")
     if case == "too_few":
         torch.save(good[:-1], path)
         return rf"{pt2} takes {n} input tensor\(s\)( by its call spec)?, but .* holds {n - 1}", None
@@ -182,16 +245,20 @@ def _bad_inputs(pkg: Package, case: str, path: Path) -> tuple[str, str | None]:
     raise ValueError(case)
 
 
-@pytest.mark.parametrize("case", ["too_few", "too_many", "shape", "dtype", "not_a_tensor", "not_a_list"])
+@pytest.mark.parametrize("case", ["too_few", "too_many", "shape", "dtype", "not_a_tensor", "not_a_list", "missing",
+                                  "directory", "empty", "random_bytes", "truncated", "short_record", "garbled_pickle",
+                                  "batch_mismatch"])
 def test_runner_rejects_bad_inputs(packages, tmp_path, case):
     pkg = packages("cpu")
     line, model_says = _bad_inputs(pkg, case, tmp_path / "bad.pt")
-    r = run([customops.runner_path(), pkg.path, tmp_path / "bad.pt", tmp_path / "out.pt"])
-    assert r.returncode == 1, f"{describe(r.returncode)}\n{r.stderr}"
-    assert re.search(r"^customops-run: " + line, r.stderr, re.M), f"{line}\n{r.stderr}"
+    (tmp_path / "tmp").mkdir()
+    r = run([customops.runner_path(), pkg.path, tmp_path / "bad.pt", tmp_path / "out.pt"],
+            env={"TMPDIR": tmp_path / "tmp"})
+    _assert_one_line_error(r, 1, line)
     if model_says:
         assert re.search(model_says, r.stderr), f"{model_says}\n{r.stderr}"
     assert not (tmp_path / "out.pt").exists()
+    assert not list((tmp_path / "tmp").iterdir()), "the unpacked package was left behind"
 
 
 @pytest.mark.parametrize("case, rc, message", [
@@ -201,6 +268,16 @@ def test_runner_rejects_bad_inputs(packages, tmp_path, case):
     ("other_zip", 1, r"cannot read .*other_zip\.pt2 \(model 'model'\): not a valid AOTInductor package"),
     ("usage", 2, r"expected PACKAGE\.pt2 INPUTS\.pt OUTPUTS\.pt, got 2 arguments"),
     ("bad_device", 1, r"--device expects cpu, cuda or cuda:N, got 'gpu'"),
+    ("directory", 1, r"package is not a regular file: .*directory\.pt2$"),
+    ("empty", 1, r"cannot load .*empty\.pt2: not an AOTInductor package"),
+    # One flipped byte in the model's library: miniz unpacks it without checking its CRC, and
+    # running it crashed (SIGSEGV, SIGILL).
+    ("damaged", 1, r"cannot load .*damaged\.pt2: the package is damaged: .*\.wrapper\.so does not match the checksum"),
+    # Fails inside the loader, after it unpacked the package (the test checks the copy is removed).
+    ("unknown_op", 1, r"cannot load .*unknown_op\.pt2: Could not find schema for customopz::\w+\. \(the library that "
+                      r"registers that operator must be loaded in this process before the package\)$"),
+    ("no_such_model", 1, r".*no_such_model\.pt2 holds no model named 'nope' \(it holds: model\); pick one with "
+                         r"--model-name$"),
 ])
 def test_runner_rejects_bad_packages(packages, tmp_path, case, rc, message):
     import zipfile
@@ -216,12 +293,84 @@ def test_runner_rejects_bad_packages(packages, tmp_path, case, rc, message):
         with zipfile.ZipFile(path, "w") as z:
             z.writestr("x/a.txt", "a")
             z.writestr("x/b.txt", "b")
+    elif case == "directory":
+        path.mkdir()
+    elif case == "empty":
+        path.write_bytes(b"")
+    elif case == "damaged":
+        data = bytearray(pkg.path.read_bytes())
+        with zipfile.ZipFile(pkg.path) as z:
+            lib = next(i for i in z.infolist() if i.filename.endswith(".wrapper.so"))
+        data[lib.header_offset + 30 + len(lib.filename) + lib.file_size // 2] ^= 0xFF  # inside the stored data
+        path.write_bytes(data)
+    elif case == "unknown_op":
+        _rewrite_zip(pkg.path, path, lambda name, data: data.replace(b'"customops::', b'"customopz::')
+                     if name.endswith(".wrapper.json") else data)
+    elif case == "no_such_model":
+        shutil.copy(pkg.path, path)
     elif case in ("usage", "bad_device"):
         path = pkg.path
-    args = {"usage": [path, inputs_file], "bad_device": ["--device", "gpu", path, inputs_file, tmp_path / "o.pt"]}
-    r = run([customops.runner_path(), *args.get(case, [path, inputs_file, tmp_path / "o.pt"])])
-    assert r.returncode == rc, f"{describe(r.returncode)}\n{r.stderr}"
-    assert re.search(r"^customops-run: " + message, r.stderr, re.M), r.stderr
+    args = {"usage": [path, inputs_file], "bad_device": ["--device", "gpu", path, inputs_file, tmp_path / "o.pt"],
+            "no_such_model": ["--model-name", "nope", path, inputs_file, tmp_path / "o.pt"]}
+    (tmp_path / "tmp").mkdir()
+    r = run([customops.runner_path(), *args.get(case, [path, inputs_file, tmp_path / "o.pt"])],
+            env={"TMPDIR": tmp_path / "tmp"})
+    _assert_one_line_error(r, rc, message)
+    assert not (tmp_path / "o.pt").exists()
+    assert not list((tmp_path / "tmp").iterdir()), "the unpacked package was left behind"
+
+
+@pytest.mark.parametrize("args, rc, message", [
+    ("--runs 0 PKG IN OUT", 2, r"--runs expects an integer >= 1, got '0'$"),
+    ("--runs -1 PKG IN OUT", 2, r"--runs expects an integer >= 1, got '-1'$"),
+    ("--runs abc PKG IN OUT", 2, r"--runs expects an integer >= 1, got 'abc'$"),
+    ("--runs 2.5 PKG IN OUT", 2, r"--runs expects an integer >= 1, got '2\.5'$"),
+    ("--runs 99999999999999999999 PKG IN OUT", 2,
+     r"--runs expects an integer >= 1 and <= 2147483647, got '99999999999999999999'$"),
+    ("--warmup -1 PKG IN OUT", 2, r"--warmup expects an integer >= 0, got '-1'$"),
+    ("--warmup -99999999999999999999 PKG IN OUT", 2, r"--warmup expects an integer >= 0 and <= 2147483647, got"),
+    ("PKG IN OUT --runs", 2, r"--runs expects a value$"),
+    ("--frobnicate PKG IN OUT", 2, r"unknown option --frobnicate \(see --help\)$"),
+    ("--info", 2, r"--info expects one argument, PACKAGE\.pt2"),
+    ("PKG IN EMPTY", 2, r"OUTPUTS\.pt is an empty string \(see --help\)$"),
+    ("--device cpu:1 PKG IN OUT", 1, r"--device cpu:1: there is one cpu device; use --device cpu$"),
+])
+def test_runner_rejects_bad_arguments(packages, tmp_path, args, rc, message):
+    pkg = packages("cpu")
+    inputs_file, _ = pkg.write_inputs(2)
+    names = {"PKG": pkg.path, "IN": inputs_file, "OUT": tmp_path / "o.pt", "EMPTY": ""}
+    r = run([customops.runner_path(), *(names.get(a, a) for a in args.split())])
+    _assert_one_line_error(r, rc, message)
+    assert not (tmp_path / "o.pt").exists()
+
+
+@pytest.mark.parametrize("case", ["missing_folder", "directory", "file_as_folder", "disk_full"])
+def test_runner_rejects_bad_outputs(packages, tmp_path, case):
+    if case == "disk_full" and not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    pkg = packages("cpu")
+    inputs_file, _ = pkg.write_inputs(2)
+    wrong_shape = tmp_path / "wrong_shape.pt"
+    _bad_inputs(pkg, "shape", wrong_shape)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_bytes(b"x")
+    out, message = {
+        "missing_folder": (tmp_path / "nowhere" / "o.pt",
+                           r"cannot write the outputs file .*nowhere/o\.pt: the folder .*nowhere does not exist$"),
+        "directory": (tmp_path / "dir", r"the outputs file .*dir is a directory; name a file in it$"),
+        "file_as_folder": (tmp_path / "file" / "o.pt",
+                           r"cannot write the outputs file .*file/o\.pt: .*file is not a folder$"),
+        "disk_full": (Path("/dev/full"), r"cannot write the outputs file /dev/full: No space left on device$"),
+    }[case]
+    if case != "disk_full":
+        # Checked before the inputs are read and the model runs: the error is the path's, although
+        # these inputs would make the run fail.
+        r = run([customops.runner_path(), pkg.path, wrong_shape, out])
+        _assert_one_line_error(r, 1, message)
+    r = run([customops.runner_path(), pkg.path, inputs_file, out])
+    _assert_one_line_error(r, 1, message)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dir", "file", "wrong_shape.pt"]
+    assert not list((tmp_path / "dir").iterdir()) and (tmp_path / "file").read_bytes() == b"x"
 
 
 @pytest.mark.skipif("cuda" in DEVICES, reason="checks the error on a machine without CUDA")
