@@ -69,7 +69,7 @@ struct ScaleClampBackward {  // (dy, x) -> dx
   A scale, lo, hi;
   __device__ void operator()(const A* in, A* out) const {
     const A sx = in[1] * scale;
-    out[0] = (sx > lo && sx < hi) ? in[0] * scale : A(0);
+    out[0] = (sx >= lo && sx <= hi) ? in[0] * scale : A(0);  // torch.clamp's gradient passes at the bounds
   }
 };
 

@@ -51,13 +51,13 @@ inline V clamp(const V& x, const V& lo, const V& hi) {
     return at::vec::clamp(x, lo, hi);
   }
 }
-// 1 where lo < x < hi, else 0.
+// 1 where lo <= x <= hi, else 0 (NaN too): torch.clamp's gradient passes at the bounds.
 template <typename V>
 inline V inside(const V& x, const V& lo, const V& hi) {
   if constexpr (std::is_arithmetic_v<V>) {
-    return (x > lo && x < hi) ? V(1) : V(0);
+    return (x >= lo && x <= hi) ? V(1) : V(0);
   } else {
-    return (x > lo) & (x < hi) & V(1);
+    return (x >= lo) & (x <= hi) & V(1);
   }
 }
 

@@ -10,17 +10,21 @@
 
 namespace customops {
 
-// True when t is rows x t.size(-1) with a contiguous last dim and one stride between rows.
+// True when t is rows x t.size(-1) with a contiguous last dim and one stride between rows. Dims
+// of size 1 have no meaningful stride: the row stride is that of the innermost leading dim of
+// size > 1 (x[..., :1] of a [2, 1, 2] tensor has strides (2, 1, 1) and rows 2 apart).
 inline bool is_row_view(const at::Tensor& t, int64_t& row_stride) {
   if (t.is_contiguous()) {
     row_stride = t.dim() == 0 ? 1 : t.size(-1);
     return true;
   }
-  if (t.dim() < 2 || t.stride(-1) != 1) return false;
-  row_stride = t.stride(-2);
-  int64_t expect = row_stride;
+  if (t.dim() < 2 || (t.size(-1) != 1 && t.stride(-1) != 1)) return false;
+  row_stride = t.size(-1);  // a single row: any stride will do
+  int64_t expect = -1;
   for (int64_t d = t.dim() - 2; d >= 0; --d) {
-    if (t.size(d) != 1 && t.stride(d) != expect) return false;
+    if (t.size(d) == 1) continue;
+    if (expect < 0) row_stride = expect = t.stride(d);
+    if (t.stride(d) != expect) return false;
     expect *= t.size(d);
   }
   return true;

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch.utils._pytree import tree_map
@@ -33,6 +33,7 @@ class Sample:
     args: tuple
     kwargs: dict = dataclasses.field(default_factory=dict)
     desc: str = ""
+    error: str | None = None  # a drawn sample the op must reject: the regex of its error
 
 
 @dataclasses.dataclass
@@ -54,6 +55,11 @@ class OpInfo:
     autocast: str = "none"
     # Positions of the differentiable tensor arguments; None: every floating-point tensor.
     grad_args: tuple | None = None
+    # Outputs are sums of terms that can cancel (x + residual, lse - logit, a rotation): where
+    # inputs are huge, the fuzz suite allows an error of a few float32 ulps of the largest one.
+    cancels: bool = False
+    # Draws one random sample from a FuzzSource (the property-based suite, test_fuzz.py).
+    fuzz: Callable[["FuzzSource", torch.device, torch.dtype], Sample] | None = None
 
     def differentiable_arg(self, i: int, x) -> bool:
         if not (self.differentiable and isinstance(x, torch.Tensor) and x.is_floating_point()):
@@ -505,6 +511,128 @@ def _scale_clamp_bad_inputs(device):
     ]
 
 
+# ---- fuzz makers: one sample drawn from a FuzzSource ---------------------------------------------
+
+class FuzzSource(Protocol):
+    """What a row's ``fuzz`` maker draws from; tests/python/test_fuzz.py implements it with
+    hypothesis, so a failing case shrinks to a small one. Sizes are 0, 1, small odd numbers or a
+    few thousand; every tensor comes in a drawn layout (contiguous, transposed, sliced with a step,
+    expanded with stride 0, offset into its storage, channels-last) and, unless ``values`` says
+    otherwise, holds NaN, +-inf, huge, tiny and denormal values among normal ones. ``gradients``
+    is true when the sample is for a gradient check: makers then keep off the points where the op
+    is not differentiable (eps = 0 on a row of one element, clamp bounds that tie)."""
+
+    gradients: bool
+
+    def choice(self, options: Sequence): ...
+
+    def size(self, most: int | None = None) -> int: ...
+
+    def shape(self, min_rank: int = 0, max_rank: int = 5, most: int | None = None) -> tuple[int, ...]: ...
+
+    # values: "any" (NaN and inf too), "finite" (huge, tiny, denormal) or "normal" (randn only);
+    # writable=False allows expanded layouts, whose elements share memory.
+    def tensor(self, shape, dtype, device, values: str = "any", writable: bool = False) -> torch.Tensor: ...
+
+    # int64 class indices in [0, high), some of them ignore_index
+    def index(self, shape, high: int, device, ignore_index: int | None = None) -> torch.Tensor: ...
+
+
+def _half(dtype) -> bool:
+    return dtype in (torch.float16, torch.bfloat16)
+
+
+def _fuzz_elementwise(n_tensors: int, scalars: Callable = lambda src: ((), None), with_out: bool = False):
+    """Same-shaped tensors, each in its own layout, then the scalars `scalars(src)` draws (with
+    the error they must raise, if any)."""
+
+    def make(src, device, dtype):
+        shape = src.shape()
+        ts = tuple(src.tensor(shape, dtype, device) for _ in range(n_tensors))
+        sc, error = scalars(src)
+        kwargs = {"out": src.tensor(shape, dtype, device, writable=True)} if with_out else {}
+        return Sample(ts + sc, kwargs, f"{list(shape)}", error)
+
+    return make
+
+
+def _fuzz_muladd_c(src):
+    return (src.choice([0.75, 0.0, -1.5, 1e4, float("inf"), float("nan")]),), None
+
+
+def _fuzz_scale_clamp(src):
+    if src.gradients:  # x * scale never on a bound
+        scale, lo, hi = src.choice([2.0, -0.5]), src.choice([-1.0, -float("inf")]), src.choice([1.5, float("inf")])
+    else:
+        scale, lo, hi = (src.choice([2.0, -0.5, 0.0, 1e30]), src.choice([-1.0, 0.0, -float("inf")]),
+                         src.choice([1.5, 0.0, -2.0, float("inf")]))
+    return (scale, lo, hi), (r"customops::scale_clamp: expected lo <= hi" if lo > hi else None)
+
+
+def _fuzz_rms_norm(residual: bool):
+    op = "customops::add_rms_norm" if residual else "customops::rms_norm"
+
+    def make(src, device, dtype):
+        shape = src.shape()
+        x = src.tensor(shape, dtype, device)
+        res = (src.tensor(shape, dtype, device),) if residual else ()
+        wdtype = src.choice([dtype, torch.float32]) if _half(dtype) else dtype
+        weight = src.tensor(shape[-1:], wdtype, device) if shape and src.choice([True, False]) else None
+        eps = src.choice([1e-6, 1e-5, 1.0] if src.gradients else [1e-6, 1e-5, 0.0, 1.0])
+        error = rf"{op}: x must have at least one dimension" if not shape else None
+        return Sample((x, *res, weight, eps), {}, f"{list(shape)} weight {None if weight is None else wdtype}",
+                      error)
+
+    return make
+
+
+def _fuzz_swiglu(src, device, dtype):
+    shape = src.shape()
+    error = None
+    if not shape:
+        error = r"customops::swiglu: x must have at least one dimension"
+    elif shape[-1] % 2:
+        error = r"customops::swiglu: x's last dimension holds gate and up side by side, so its size must be even"
+    return Sample((src.tensor(shape, dtype, device),), {}, f"{list(shape)}", error)
+
+
+def _fuzz_rope(src, device, dtype):
+    most = 1 << 12
+    b, hq, hkv, s = src.size(8), src.size(8), src.size(8), src.size(most // 8)
+    d = 2 * src.size(32) + src.choice([0, 1])
+    r = 2 * src.choice(range(d // 2 + 1))
+    q, k = src.tensor((b, hq, s, d), dtype, device), src.tensor((b, hkv, s, d), dtype, device)
+    cs_shape = src.choice([(s, r), (1, s, r), (b, s, r)])
+    cos, sin = (src.tensor(cs_shape, dtype, device, values="finite") for _ in range(2))
+    interleaved = src.choice([False, True])
+    return Sample((q, k, cos, sin, interleaved), {},
+                  f"q {list(q.shape)} k {list(k.shape)} cos {list(cs_shape)}" + (" interleaved" if interleaved else ""))
+
+
+def _fuzz_cross_entropy(src, device, dtype):
+    shape = src.shape(min_rank=1, max_rank=4)
+    v = shape[-1]
+    ignore_index = src.choice([-100, 0, max(v - 1, 0)])
+    smoothing = src.choice([0.0, 0.1, 1.0])
+    error = r"customops::cross_entropy: logits must have at least one class" if v == 0 else None
+    return Sample((src.tensor(shape, dtype, device), src.index(shape[:-1], max(v, 1), device, ignore_index),
+                   ignore_index, smoothing), {}, f"{list(shape)} ignore {ignore_index} smoothing {smoothing}", error)
+
+
+def _fuzz_linear_cross_entropy(src, device, dtype):
+    most = 1 << 13
+    n, h = src.size(512), src.size(64)
+    v = src.size(max(most // max(n, h, 1), 1))
+    ignore_index = src.choice([-100, 0])
+    bias = src.tensor((v,), dtype, device) if src.choice([False, True]) else None
+    smoothing, reduction = src.choice([0.0, 0.1]), src.choice(["mean", "sum"])
+    error = r"customops::linear_cross_entropy: weight must have at least one row \(class\)" if v == 0 else None
+    return Sample((src.tensor((n, h), dtype, device), src.tensor((v, h), dtype, device),
+                   src.index((n,), max(v, 1), device, ignore_index), bias, ignore_index, smoothing, reduction), {},
+                  f"N={n} H={h} V={v}{' bias' if bias is not None else ''} {reduction} smoothing {smoothing}",
+                  error)
+
+
 # ---- the table ---------------------------------------------------------------------------------
 
 OPS: list[OpInfo] = [
@@ -515,6 +643,8 @@ OPS: list[OpInfo] = [
         batch=_elementwise_batch(2, (0.75,)),
         bad_inputs=_binary_bad_inputs("muladd", (0.75,)),
         autocast="promote",
+        cancels=True,
+        fuzz=_fuzz_elementwise(2, _fuzz_muladd_c),
     ),
     OpInfo(
         name="mul",
@@ -523,6 +653,7 @@ OPS: list[OpInfo] = [
         batch=_elementwise_batch(2),
         bad_inputs=_binary_bad_inputs("mul"),
         autocast="promote",
+        fuzz=_fuzz_elementwise(2),
     ),
     OpInfo(
         name="muladd.out",
@@ -531,6 +662,8 @@ OPS: list[OpInfo] = [
         batch=_elementwise_batch(2, (-1.5,), with_out=True),
         bad_inputs=_binary_bad_inputs("muladd.out", (-1.5,), with_out=True),
         differentiable=False,
+        cancels=True,
+        fuzz=_fuzz_elementwise(2, _fuzz_muladd_c, with_out=True),
     ),
     OpInfo(
         name="rms_norm",
@@ -542,6 +675,7 @@ OPS: list[OpInfo] = [
         tolerances={**ROUNDED_ONCE, torch.float32: (2e-5, 2e-5)},
         double_backward=False,
         autocast="norm",
+        fuzz=_fuzz_rms_norm(residual=False),
     ),
     OpInfo(
         name="add_rms_norm",
@@ -555,6 +689,8 @@ OPS: list[OpInfo] = [
         double_backward=False,
         diff_outputs=(0, 1),
         autocast="add_norm",
+        cancels=True,
+        fuzz=_fuzz_rms_norm(residual=True),
     ),
     OpInfo(
         name="rope",
@@ -565,6 +701,8 @@ OPS: list[OpInfo] = [
         diff_outputs=(0, 1),
         grad_args=(0, 1),
         autocast="first",
+        cancels=True,
+        fuzz=_fuzz_rope,
     ),
     OpInfo(
         name="cross_entropy",
@@ -577,6 +715,8 @@ OPS: list[OpInfo] = [
         double_backward=False,
         diff_outputs=(0, 1),
         autocast="float32",
+        cancels=True,
+        fuzz=_fuzz_cross_entropy,
     ),
     OpInfo(
         name="linear_cross_entropy",
@@ -589,6 +729,8 @@ OPS: list[OpInfo] = [
                     torch.bfloat16: (5e-2, 3e-2)},
         double_backward=False,
         autocast="lower",
+        cancels=True,
+        fuzz=_fuzz_linear_cross_entropy,
     ),
     OpInfo(
         name="silu",
@@ -597,6 +739,7 @@ OPS: list[OpInfo] = [
         batch=_elementwise_batch(1),
         bad_inputs=_unary_bad_inputs("silu"),
         double_backward=False,
+        fuzz=_fuzz_elementwise(1),
     ),
     OpInfo(
         name="silu_mul",
@@ -606,6 +749,7 @@ OPS: list[OpInfo] = [
         bad_inputs=_silu_mul_bad_inputs,
         double_backward=False,
         autocast="promote",
+        fuzz=_fuzz_elementwise(2),
     ),
     OpInfo(
         name="swiglu",
@@ -614,6 +758,7 @@ OPS: list[OpInfo] = [
         batch=_swiglu_batch,
         bad_inputs=_swiglu_bad_inputs,
         double_backward=False,
+        fuzz=_fuzz_swiglu,
     ),
     OpInfo(
         name="scale_clamp",
@@ -621,6 +766,7 @@ OPS: list[OpInfo] = [
         ref=lambda x, scale, lo, hi: torch.clamp(x * scale, lo, hi),
         batch=_elementwise_batch(1, (2.0, -1.0, 1.5)),
         bad_inputs=_scale_clamp_bad_inputs,
+        fuzz=_fuzz_elementwise(1, _fuzz_scale_clamp),
     ),
 ]
 
