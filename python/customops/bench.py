@@ -1096,6 +1096,9 @@ def main(argv: list[str]) -> int:
                    help="instead: time torch.vmap over N entries against a loop of N calls and one call on the "
                         "stacked input, per op")
     args = p.parse_args(argv)
+    from .__main__ import require
+
+    require("python -m customops bench", {"rich": "cli", "tqdm": "cli", **({"matplotlib": "cli"} if args.plot else {})})
 
     cuda_ok = torch.cuda.is_available() and customops.build_info()["cuda"]
     device = args.device or ("cuda" if cuda_ok else "cpu")

@@ -359,6 +359,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--section", default="llama", help="the markers --doc writes between (default: llama)")
     p.add_argument("--no-progress", action="store_true", help="no per-variant progress lines")
     args = p.parse_args(argv)
+    from .__main__ import require
+
+    require("python -m customops bench --model llama", {"transformers": "hf"})
     cuda_ok = torch.cuda.is_available() and customops.build_info()["cuda"]
     args.device = args.device or ("cuda" if cuda_ok else "cpu")
     if args.device == "cuda" and not cuda_ok:

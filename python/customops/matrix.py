@@ -104,7 +104,10 @@ def _print(rows: list[dict], header: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m customops", description=__doc__.splitlines()[0])
+    from .__main__ import COMMANDS
+
+    p = argparse.ArgumentParser(prog="python -m customops", description=__doc__.splitlines()[0], epilog=COMMANDS,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", action="append", choices=["cpu", "cuda"],
                    help="devices to check (default: cpu, and cuda when present)")
     p.add_argument("--op", action="append", help="only these ops (default: all)")

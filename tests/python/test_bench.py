@@ -57,3 +57,21 @@ def test_bench_tuple_outputs_and_no_grad_inputs():
         passes = {r["pass"] for r in report["rows"] if r["op"] == op and r["impl"] == "customops"}
         assert passes == {"fwd", "fwd+bwd"}, (op, passes)
     assert all(r["peak_mib"] is None for r in report["rows"])  # CUDA only
+
+
+def test_help_lists_every_command():
+    out = subprocess.run([sys.executable, "-m", "customops", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "python -m customops bench [OP ...]" in out.stdout and "bench --model llama" in out.stdout
+
+
+def test_a_missing_extra_is_named_before_any_work():
+    # tqdm hidden as if the cli extra were not installed (None in sys.modules fails its import)
+    code = ("import sys; sys.modules['tqdm'] = None; from customops.__main__ import main; "
+            "sys.exit(main(['bench', 'muladd', '--quick', '--device', 'cpu']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert out.stderr.strip() == ("python -m customops bench: needs tqdm, from customops' cli extra: pip install rich "
+                                  "tqdm matplotlib (or, in a customops checkout, pip install --no-build-isolation "
+                                  "'.[cli]')"), out.stderr
+    assert "customops speed-up" not in out.stdout
