@@ -214,14 +214,15 @@ bool is_zip(const std::string& path) {
   return f.read(magic, 4) && magic[0] == 'P' && magic[1] == 'K' && magic[2] == 3 && magic[3] == 4;
 }
 
-// The model names listed under "Available models:" in the loader's error for a name it lacks,
-// comma-separated ("" when the error lists none).
+// The model names the loader's error for a name it lacks lists, comma-separated ("" when it lists
+// none): one per line after its "Available models:" (torch 2.13) or "Available models in the
+// archive:" (torch 2.11) line, up to an empty line.
 std::string models_in(const std::string& error) {
-  auto at = error.find("Available models:");
+  auto at = error.find("Available models");
   if (at == std::string::npos) return "";
-  std::istringstream lines(error.substr(at + std::string("Available models:").size()));
+  std::istringstream lines(error.substr(at));
   std::string line, models;
-  std::getline(lines, line);  // the rest of the heading's line
+  std::getline(lines, line);  // the heading
   while (std::getline(lines, line) && !line.empty()) models += (models.empty() ? "" : ", ") + line;
   return models;
 }
@@ -243,7 +244,7 @@ std::unordered_map<std::string, std::string> read_metadata(const Options& o) {
                       "); pick one with --model-name");
     }
     std::string msg = message_of(e);
-    msg = msg.substr(0, msg.find(" Available models:"));  // then a list of every file in the package
+    msg = msg.substr(0, msg.find(" Available models"));  // then a list of every file in the package
     throw UserError("cannot read " + o.package + " (model '" + o.model_name +
                     "'): not a valid AOTInductor package, or it holds no model of that name: " + msg);
   }
@@ -445,9 +446,24 @@ c10::IValue load_pickle(std::vector<char> bytes) {
                          at::Storage(c10::Storage::use_byte_size_t(), size, std::move(data), /*allocator=*/nullptr,
                                      /*resizable=*/false));
   }
-  return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"", std::nullopt,
-                                           std::nullopt, std::nullopt, reader,
-                                           torch::jit::Unpickler::defaultTypeParser, storages);
+  c10::IValue value = torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"",
+                                                         std::nullopt, std::nullopt, std::nullopt, reader,
+                                                         torch::jit::Unpickler::defaultTypeParser, storages);
+  // torch 2.13's set_ rejects a tensor that overruns its storage; torch 2.11's unpickler does not.
+  value.visit([](const c10::IValue& v) {
+    if (!v.isTensor() || v.toTensor().numel() == 0) return false;
+    const at::Tensor& t = v.toTensor();
+    int64_t last = t.storage_offset();
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const uint64_t need = static_cast<uint64_t>(last + 1) * t.element_size(), have = t.storage().nbytes();
+    if (need > have) {
+      throw std::runtime_error("a tensor of shape " + c10::str(t.sizes()) + " and strides " + c10::str(t.strides()) +
+                               " would require a storage of at least " + std::to_string(need) +
+                               " bytes, but storage only has " + std::to_string(have) + " bytes");
+    }
+    return false;
+  });
+  return value;
 }
 
 std::vector<at::Tensor> read_inputs(const std::string& path, const c10::Device& device) {
@@ -677,6 +693,13 @@ int run(const Options& o) {
       outputs = loader->run(inputs);
     } catch (const std::exception& e) {
       throw UserError(run_error(o, message_of(e), inputs.size(), spec_inputs));
+    }
+    // torch 2.11 returns undefined outputs from a model whose operator call failed (it printed why)
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (!outputs[i].defined()) {
+        throw UserError("running " + o.package + " failed: it returned no output " + std::to_string(i) +
+                        " (the model's own error is printed above)");
+      }
     }
     synchronize(device);
   };
