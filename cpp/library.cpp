@@ -56,9 +56,14 @@ TORCH_LIBRARY(customops, m) {
   // shape [S, R] or [B or 1, S, R] (R <= D, even): the first R dims of each head rotate, the rest
   // pass through. Rotate-half pairs (i, i + R/2) by default, GPT-J pairs (2i, 2i + 1) when
   // interleaved: y = x * cos + rotate(x) * sin.
-  m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved=False) -> (Tensor, Tensor)");
+  // The outputs are dense in the inputs' memory order ([B, S, H, D] when the heads are inside the
+  // positions), so the op carries needs_fixed_stride_order: Inductor keeps that order for inputs it
+  // lays out itself, including where a graph pass inserted the op.
+  m.def("rope(Tensor q, Tensor k, Tensor cos, Tensor sin, bool interleaved=False) -> (Tensor, Tensor)",
+        {at::Tag::needs_fixed_stride_order});
   // (grad_q, grad_k) of rope: the inverse rotation of the output gradients.
-  m.def("_rope_backward(Tensor grad_q, Tensor grad_k, Tensor cos, Tensor sin, bool interleaved) -> (Tensor, Tensor)");
+  m.def("_rope_backward(Tensor grad_q, Tensor grad_k, Tensor cos, Tensor sin, bool interleaved) -> (Tensor, Tensor)",
+        {at::Tag::needs_fixed_stride_order});
   // sum = x + residual (rounded to x's dtype), y = rms_norm(sum) * weight, in one pass; returns
   // (y, sum, rstd). The next residual connection takes sum; the backward reuses rstd.
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor? weight, float eps=1e-06) -> (Tensor, Tensor, Tensor)");

@@ -4,7 +4,8 @@
 // flight before any math. A rotating unit is two 16-byte packs, at i and i + R/2: rotate-half pairs
 // (j, j + R/2) span them, GPT-J pairs (2j, 2j + 1) lie inside each; dims past R go through one pack
 // a unit. Consecutive threads read consecutive packs. q and k are read through their strides (views
-// of a fused qkv projection stay in place); outputs are contiguous. Rows, strides or R/2 not
+// of a fused qkv projection stay in place); outputs are dense in the input's order
+// (rope_output_like). Rows, strides or R/2 not
 // aligned to 16 bytes take the same kernel one pair (or element) a unit. The backward is the
 // transposed rotation.
 #include <ATen/Dispatch.h>
@@ -30,7 +31,8 @@ struct RopeArgs {
   const T* x[2];         // q, k
   int64_t stride[2][3];  // their strides of B, H, S (the last dim's is 1)
   int64_t heads[2];
-  T* out[2];             // contiguous
+  T* out[2];
+  int64_t out_stride[2][3];
   const T* cos;          // contiguous [Bc, S, R]
   const T* sin;
   int64_t cos_b_stride;  // rows of cos per batch entry: S, or 0 when shared
@@ -63,11 +65,11 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(RopeArgs<T> a) {
     const int w = chunk < a.q_chunks ? 0 : 1;
     const int64_t h0 = (w == 0 ? chunk : chunk - a.q_chunks) * kHeads;
     const int nh = static_cast<int>(std::min<int64_t>(kHeads, a.heads[w] - h0));
-    const int64_t x_hstride = a.stride[w][1], y_hstride = a.s * a.d;
+    const int64_t x_hstride = a.stride[w][1], y_hstride = a.out_stride[w][1];
     for (int64_t g = blockIdx.x * int64_t{kThreads} + threadIdx.x; g < total; g += int64_t{gridDim.x} * kThreads) {
       const int64_t p = g / a.units, u = g % a.units, bi = p / a.s, si = p % a.s;
       const T* x = a.x[w] + bi * a.stride[w][0] + h0 * x_hstride + si * a.stride[w][2];
-      T* y = a.out[w] + ((bi * a.heads[w] + h0) * a.s + si) * a.d;
+      T* y = a.out[w] + bi * a.out_stride[w][0] + h0 * y_hstride + si * a.out_stride[w][2];
       if (u < a.rot_units) {
         const int64_t o1 = V == 1 && kInterleaved ? 2 * u : u * V;
         const int64_t o2 = V == 1 && kInterleaved ? 2 * u + 1 : h + u * V;
@@ -128,7 +130,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 std::tuple<at::Tensor, at::Tensor> rope_apply(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& cos_in,
                                               const at::Tensor& sin_in, bool interleaved, bool inverse) {
   c10::cuda::CUDAGuard guard(q_in.device());
-  at::Tensor q_out = at::empty(q_in.sizes(), q_in.options()), k_out = at::empty(k_in.sizes(), k_in.options());
+  at::Tensor q_out = rope_output_like(q_in), k_out = rope_output_like(k_in);
   if (q_in.numel() + k_in.numel() == 0) return {q_out, k_out};
   const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in);
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
@@ -155,7 +157,8 @@ std::tuple<at::Tensor, at::Tensor> rope_apply(const at::Tensor& q_in, const at::
       chunks[w] = t.numel() == 0 ? 0 : (a.heads[w] + kHeads - 1) / kHeads;
       for (int dim = 0; dim < 3; ++dim) {
         a.stride[w][dim] = t.size(dim) == 1 ? 0 : t.stride(dim);  // a size-1 dim's stride is never used
-        vec = vec && (chunks[w] == 0 || a.stride[w][dim] % kVec == 0);
+        a.out_stride[w][dim] = t.size(dim) == 1 ? 0 : out[w]->stride(dim);
+        vec = vec && (chunks[w] == 0 || (a.stride[w][dim] % kVec == 0 && a.out_stride[w][dim] % kVec == 0));
       }
       vec = vec && (chunks[w] == 0 || (aligned16(a.x[w]) && aligned16(a.out[w])));
     }

@@ -2,7 +2,7 @@
 // k together, each row in float32 (float64 for float64). q and k are read through their strides
 // (views of a fused qkv projection stay in place), in their memory order: heads innermost when a
 // head's stride is the smaller (a [B, S, H, D] layout), positions innermost otherwise, so reads
-// stream either way; outputs are contiguous. Rotate-half pairs (i, i + R/2) are two contiguous
+// stream either way; outputs are dense in the input's order (rope_output_like). Rotate-half pairs (i, i + R/2) are two contiguous
 // runs, so they go in vectors; GPT-J pairs (2i, 2i + 1) are interleaved and go element by element
 // (a loop compilers vectorize). The backward is the same loop with the transposed rotation.
 #include <ATen/ATen.h>
@@ -25,7 +25,8 @@ struct RopeIn {
   int64_t stride[3];  // of B, H, S (the last dim's is 1)
   int64_t h;
   bool heads_inner;   // rows in (b, s, h) order rather than (b, h, s)
-  T* out;             // contiguous [B, H, S, D]
+  T* out;
+  int64_t out_stride[3];
 };
 
 // y1 = x1*c1 - x2*s1, y2 = x2*c2 + x1*s2 (forward); y1 = x1*c1 + x2*s2, y2 = x2*c2 - x1*s1
@@ -81,7 +82,8 @@ void rope_rows(const RopeIn<T>& q, const RopeIn<T>& k, const T* cos, const T* si
       const int64_t bi = i / (s * t.h);
       const int64_t cs = (bi * cos_b_stride + si) * r;
       rope_row<T, kInverse>(t.x + bi * t.stride[0] + hi * t.stride[1] + si * t.stride[2], cos + cs, sin + cs,
-                            t.out + ((bi * t.h + hi) * s + si) * d, r, d, interleaved);
+                            t.out + bi * t.out_stride[0] + hi * t.out_stride[1] + si * t.out_stride[2], r, d,
+                            interleaved);
     }
   });
 }
@@ -94,7 +96,8 @@ void rope_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos
     using T = scalar_t;
     auto in = [](const at::Tensor& t, const at::Tensor& out) {
       return RopeIn<T>{t.const_data_ptr<T>(), {t.stride(0), t.stride(1), t.stride(2)}, t.size(1),
-                       t.stride(1) < t.stride(2), out.mutable_data_ptr<T>()};
+                       t.stride(1) < t.stride(2), out.mutable_data_ptr<T>(),
+                       {out.stride(0), out.stride(1), out.stride(2)}};
     };
     const RopeIn<T> qi = in(q, q_out), ki = in(k, k_out);
     if (inverse) {
@@ -118,7 +121,7 @@ at::Tensor unit_last_stride(const at::Tensor& t) { return t.size(-1) <= 1 || t.s
 
 std::tuple<at::Tensor, at::Tensor> rope_apply(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                               const at::Tensor& sin, bool interleaved, bool inverse) {
-  at::Tensor q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
+  at::Tensor q_out = rope_output_like(q), k_out = rope_output_like(k);
   if (q.numel() + k.numel() == 0) return {q_out, k_out};
   CUSTOMOPS_CPU_DISPATCH(rope_kernel, unit_last_stride(q), unit_last_stride(k), cos.contiguous(), sin.contiguous(), q_out,
                          k_out, interleaved, inverse);

@@ -43,13 +43,13 @@ namespace {
 // ---- Meta -------------------------------------------------------------------------------------
 Pair rope_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, bool) {
   check_rope("customops::rope", q, k, cos, sin);
-  return {at::empty_symint(q.sym_sizes(), q.options()), at::empty_symint(k.sym_sizes(), k.options())};
+  return {rope_output_like(q), rope_output_like(k)};
 }
 
 Pair rope_backward_meta(const at::Tensor& grad_q, const at::Tensor& grad_k, const at::Tensor& cos,
                         const at::Tensor& sin, bool) {
   check_rope_backward(grad_q, grad_k, cos, sin);
-  return {at::empty_symint(grad_q.sym_sizes(), grad_q.options()), at::empty_symint(grad_k.sym_sizes(), grad_k.options())};
+  return {rope_output_like(grad_q), rope_output_like(grad_k)};
 }
 
 // ---- Autograd ---------------------------------------------------------------------------------
@@ -141,7 +141,7 @@ Pair rope_batched_with(const Op& op, const at::Tensor& q, const at::Tensor& k, c
     return t.reshape_symint({e * b, t.sym_size(2), t.sym_size(3), t.sym_size(4)});
   };
   auto [qo, ko] = op.call(fold(q_), fold(k_), fold_cos(level, cos, e, b), fold_cos(level, sin, e, b), interleaved);
-  return {level.wrap(qo.view_symint(q_.sym_sizes())), level.wrap(ko.view_symint(k_.sym_sizes()))};
+  return {level.wrap(qo.reshape_symint(q_.sym_sizes())), level.wrap(ko.reshape_symint(k_.sym_sizes()))};
 }
 
 Pair rope_batched(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
