@@ -70,4 +70,16 @@ TORCH_LIBRARY(customops, m) {
   // (grad of sum, grad_weight) of add_rms_norm: rms_norm's backward on sum plus grad_sum (the
   // gradient that reached sum directly, or None); x and residual both take the first.
   m.def("_add_rms_norm_backward(Tensor grad_y, Tensor? grad_sum, Tensor sum, Tensor? weight, Tensor rstd, bool[2] output_mask) -> (Tensor, Tensor)");
+  // softmax(q k^T * scale) v for q [B, Hq, Sq, D] and k, v [B, Hkv, Sk, D] (Hq a multiple of Hkv:
+  // grouped-query attention); scale defaults to 1/sqrt(D); causal hides key j from query i when
+  // j > i + Sk - Sq (bottom-right aligned). Returns (out [B, Hq, Sq, D] in q's memory order, lse
+  // [B, Hq, Sq] in float32, float64 for float64): a row that sees no key gives out 0, lse -inf.
+  m.def("attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None) -> (Tensor, Tensor)",
+        {at::Tag::needs_fixed_stride_order});
+  // (dq, dk, dv) of attention from the gradients of out and of lse (either may be None), reusing
+  // out and lse; dk and dv sum over each kv head's group of query heads.
+  m.def("_attention_backward(Tensor? grad_out, Tensor? grad_lse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float? scale) -> (Tensor, Tensor, Tensor)",
+        {at::Tag::needs_fixed_stride_order});
+  // The attention over the union of two disjoint key sets from the attentions (out, lse) over each.
+  m.def("merge_attention(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)");
 }

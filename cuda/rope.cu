@@ -5,9 +5,8 @@
 // (j, j + R/2) span them, GPT-J pairs (2j, 2j + 1) lie inside each; dims past R go through one pack
 // a unit. Consecutive threads read consecutive packs. q and k are read through their strides (views
 // of a fused qkv projection stay in place); outputs are dense in the input's order
-// (rope_output_like). Rows, strides or R/2 not
-// aligned to 16 bytes take the same kernel one pair (or element) a unit. The backward is the
-// transposed rotation.
+// (heads_layout_like). Rows, strides or R/2 not aligned to 16 bytes take the same kernel one pair
+// (or element) a unit. The backward is the transposed rotation.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/library.h>
@@ -16,6 +15,7 @@
 #include <limits>
 
 #include "elementwise.cuh"
+#include "ops/layout.h"
 #include "ops/rope.h"
 
 namespace customops {
@@ -130,7 +130,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 std::tuple<at::Tensor, at::Tensor> rope_apply(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& cos_in,
                                               const at::Tensor& sin_in, bool interleaved, bool inverse) {
   c10::cuda::CUDAGuard guard(q_in.device());
-  at::Tensor q_out = rope_output_like(q_in), k_out = rope_output_like(k_in);
+  at::Tensor q_out = heads_layout_like(q_in), k_out = heads_layout_like(k_in);
   if (q_in.numel() + k_in.numel() == 0) return {q_out, k_out};
   const at::Tensor q = unit_last_stride(q_in), k = unit_last_stride(k_in);
   const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();

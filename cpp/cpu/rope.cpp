@@ -2,9 +2,9 @@
 // k together, each row in float32 (float64 for float64). q and k are read through their strides
 // (views of a fused qkv projection stay in place), in their memory order: heads innermost when a
 // head's stride is the smaller (a [B, S, H, D] layout), positions innermost otherwise, so reads
-// stream either way; outputs are dense in the input's order (rope_output_like). Rotate-half pairs (i, i + R/2) are two contiguous
-// runs, so they go in vectors; GPT-J pairs (2i, 2i + 1) are interleaved and go element by element
-// (a loop compilers vectorize). The backward is the same loop with the transposed rotation.
+// stream either way; outputs are dense in the input's order (heads_layout_like). Rotate-half
+// pairs (i, i + R/2) are two contiguous runs, so they go in vectors; GPT-J pairs (2i, 2i + 1) are
+// interleaved and go element by element (a loop compilers vectorize). The backward is the same loop with the transposed rotation.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -13,6 +13,7 @@
 
 #include "cpu/dispatch.h"
 #include "cpu/rows.h"
+#include "ops/layout.h"
 #include "ops/rope.h"
 
 namespace customops {
@@ -121,7 +122,7 @@ at::Tensor unit_last_stride(const at::Tensor& t) { return t.size(-1) <= 1 || t.s
 
 std::tuple<at::Tensor, at::Tensor> rope_apply(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                               const at::Tensor& sin, bool interleaved, bool inverse) {
-  at::Tensor q_out = rope_output_like(q), k_out = rope_output_like(k);
+  at::Tensor q_out = heads_layout_like(q), k_out = heads_layout_like(k);
   if (q.numel() + k.numel() == 0) return {q_out, k_out};
   CUSTOMOPS_CPU_DISPATCH(rope_kernel, unit_last_stride(q), unit_last_stride(k), cos.contiguous(), sin.contiguous(), q_out,
                          k_out, interleaved, inverse);

@@ -12,6 +12,7 @@
 #include "ops/autocast.h"
 #include "ops/autograd.h"
 #include "ops/batching.h"
+#include "ops/layout.h"
 #include "ops/rope.h"
 
 namespace customops {
@@ -43,13 +44,13 @@ namespace {
 // ---- Meta -------------------------------------------------------------------------------------
 Pair rope_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin, bool) {
   check_rope("customops::rope", q, k, cos, sin);
-  return {rope_output_like(q), rope_output_like(k)};
+  return {heads_layout_like(q), heads_layout_like(k)};
 }
 
 Pair rope_backward_meta(const at::Tensor& grad_q, const at::Tensor& grad_k, const at::Tensor& cos,
                         const at::Tensor& sin, bool) {
   check_rope_backward(grad_q, grad_k, cos, sin);
-  return {rope_output_like(grad_q), rope_output_like(grad_k)};
+  return {heads_layout_like(grad_q), heads_layout_like(grad_k)};
 }
 
 // ---- Autograd ---------------------------------------------------------------------------------

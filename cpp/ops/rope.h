@@ -1,7 +1,7 @@
 // Internal: argument checks of rope and _rope_backward, shared by the Meta, CPU and CUDA kernels.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include "ops/checks.h"
 
@@ -42,20 +42,6 @@ inline void check_rope(const char* op, const at::Tensor& q, const at::Tensor& k,
 inline void check_rope_backward(const at::Tensor& grad_q, const at::Tensor& grad_k, const at::Tensor& cos,
                                 const at::Tensor& sin) {
   check_rope("customops::_rope_backward", grad_q, grad_k, cos, sin, "grad_q", "grad_k");
-}
-
-// An output of rope (or of its backward) for input t [B, H, S, D], dense in t's memory order:
-// [B, S, H, D] when t's heads are inside its positions (t.stride(1) < t.stride(2), as for
-// q_proj(x).view(B, S, H, D).transpose(1, 2)), else [B, H, S, D]. Attention kernels allocate their
-// output in q's order, so q in [B, S, H, D] order gives an output whose transpose(1, 2) is
-// contiguous, and the [B, S, H * D] input of o_proj is a view of it rather than a copy. Meta and
-// device kernels share this rule.
-inline at::Tensor rope_output_like(const at::Tensor& t) {
-  const auto s = t.sym_sizes();
-  if (t.sym_stride(1) < t.sym_stride(2)) {
-    return at::empty_symint({s[0], s[2], s[1], s[3]}, t.options()).transpose(1, 2);
-  }
-  return at::empty_symint(s, t.options());
 }
 
 }  // namespace customops

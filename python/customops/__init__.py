@@ -31,8 +31,8 @@ _check_torch_version()
 from . import _C  # noqa: E402  (loads libcustomops.so and registers the ops)
 from . import export  # noqa: E402
 from .hf import optimize  # noqa: E402
-from ._ops import (add_rms_norm, cross_entropy, linear_cross_entropy, mul, muladd, rms_norm, rope,  # noqa: E402
-                   scale_clamp, silu, silu_mul, swiglu)
+from ._ops import (add_rms_norm, attention, cross_entropy, linear_cross_entropy, merge_attention, mul,  # noqa: E402
+                   muladd, rms_norm, rope, scale_clamp, silu, silu_mul, swiglu)
 
 __version__ = _build_info.version
 
@@ -99,6 +99,8 @@ __all__ = [
     "rope",
     "cross_entropy",
     "linear_cross_entropy",
+    "attention",
+    "merge_attention",
     "explain",
     "optimize",
     "library_path", "build_info", "runner_path", "export", "cmake_prefix_path", "__version__"]

@@ -17,10 +17,11 @@ _rms_norm, _silu, _silu_mul, _swiglu, _scale_clamp = (
     _ops.rms_norm.default, _ops.silu.default, _ops.silu_mul.default, _ops.swiglu.default, _ops.scale_clamp.default)
 _add_rms_norm, _rope, _cross_entropy, _linear_cross_entropy = (
     _ops.add_rms_norm.default, _ops.rope.default, _ops.cross_entropy.default, _ops.linear_cross_entropy.default)
+_attention, _merge_attention = _ops.attention.default, _ops.merge_attention.default
 _muladd_c, _mul_c, _rms_norm_c, _silu_c, _silu_mul_c, _swiglu_c, _scale_clamp_c = (
     o._op for o in (_muladd, _mul, _rms_norm, _silu, _silu_mul, _swiglu, _scale_clamp))
-_add_rms_norm_c, _rope_c, _cross_entropy_c, _linear_cross_entropy_c = (
-    o._op for o in (_add_rms_norm, _rope, _cross_entropy, _linear_cross_entropy))
+_add_rms_norm_c, _rope_c, _cross_entropy_c, _linear_cross_entropy_c, _attention_c, _merge_attention_c = (
+    o._op for o in (_add_rms_norm, _rope, _cross_entropy, _linear_cross_entropy, _attention, _merge_attention))
 
 
 def muladd(a: Tensor, b: Tensor, c: float, *, out: Tensor | None = None) -> Tensor:
@@ -173,11 +174,61 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = 
             True rotates pairs ``(2i, 2i + 1)`` (GPT-J).
 
     Returns:
-        ``(q_rotated, k_rotated)``, new contiguous tensors shaped like q and k, computed in float32
-        (float64 for float64). Differentiable in q and k (cos and sin are not: they come from
-        positions; passing ones that require grad raises); double backward raises.
+        ``(q_rotated, k_rotated)``, new tensors shaped like q and k and dense in their memory order
+        (``[B, S, H, D]`` order for Hugging Face's transposed views), computed in float32 (float64
+        for float64). Differentiable in q and k, to any order (the op is linear in them); cos and
+        sin are not differentiable (they come from positions; passing ones that require grad
+        raises).
     """
     return tuple(_rope(q, k, cos, sin, interleaved) if is_compiling() else _rope_c(q, k, cos, sin, interleaved))
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
+              return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """Scaled dot-product attention ``softmax(q @ k.T * scale) @ v`` that can return its
+    log-sum-exp.
+
+    Args:
+        q: ``[B, Hq, Sq, D]``; float32, float64, float16 or bfloat16, the layout of
+            ``F.scaled_dot_product_attention``. Any strides with a contiguous last dim
+            (``[B, S, H, D]`` tensors passed as ``.transpose(1, 2)`` views are read in place).
+        k, v: ``[B, Hkv, Sk, D]`` with q's B, D, dtype and device; Hq a multiple of Hkv
+            (grouped-query attention: each kv head serves Hq / Hkv query heads, never repeated).
+        causal: Hide key j from query i when ``j > i + Sk - Sq`` (aligned to the bottom right:
+            ``is_causal`` of SDPA when Sq == Sk, and what decoding with a cache needs).
+        scale: Defaults to ``1 / sqrt(D)``.
+        return_lse: Also return ``lse``, the rows' log-sum-exp ``logsumexp(q @ k.T * scale, -1)``
+            (natural log; ``[B, Hq, Sq]``, float32, float64 for float64).
+
+    Returns:
+        ``out`` (``[B, Hq, Sq, D]`` of q's dtype, in q's memory order), or ``(out, lse)``. A row
+        that sees no key gives out 0 and lse -inf, never NaN. Differentiable in q, k and v
+        through out and lse (the backward reuses lse; ``d lse_i / d s_ij = p_ij``); double
+        backward raises. :func:`merge_attention` combines attentions over disjoint key sets.
+    """
+    out, lse = (_attention(q, k, v, causal, scale) if is_compiling() else _attention_c(q, k, v, causal, scale))
+    return (out, lse) if return_lse else out
+
+
+def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """The attention over the union of two disjoint key sets, from the attention over each.
+
+    ``lse = logaddexp(lse_a, lse_b)`` and ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``:
+    exact, so attending to keys in parts (ring or context-parallel attention, split-KV decoding,
+    a cached prefix plus new tokens) and merging gives the attention over all of them.
+
+    Args:
+        out_a, out_b: ``[..., D]`` of one shape, dtype and device (as :func:`attention` returns).
+        lse_a, lse_b: ``out_a.shape[:-1]``, the log-sum-exps :func:`attention` returns with
+            ``return_lse=True``.
+
+    Returns:
+        ``(out, lse)`` in out_a's and lse_a's dtypes; rows empty on both sides (lse -inf) give out
+        0 and lse -inf. Differentiable, to any order.
+    """
+    out, lse = (_merge_attention(out_a, lse_a, out_b, lse_b) if is_compiling()
+                else _merge_attention_c(out_a, lse_a, out_b, lse_b))
+    return out, lse
 
 
 def _reduce(loss: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:

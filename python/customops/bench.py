@@ -204,6 +204,29 @@ def _linear_ce_bytes(dims, itemsize):
     return (n * h + v * h) * itemsize, 2 * (n * h + v * h) * itemsize
 
 
+def _attention_bytes(dims, itemsize):
+    # q, k, v in and out (forward); plus out's gradient in and three gradients out (backward).
+    # Attention is bound by its matmuls: % of copy says little; compare the speed-ups over SDPA.
+    n = math.prod(dims) * itemsize
+    return 4 * n, 8 * n
+
+
+def _attention_bench(causal: bool) -> "Bench":
+    return Bench(
+        name="attention" + (" causal" if causal else ""),
+        op="attention",
+        inputs=lambda d, dev, dt: tuple(_randn(d, dev, dt) for _ in range(3)),
+        customops=lambda: (lambda q, k, v: customops.attention(q, k, v, causal=causal)),
+        # "eager" is F.scaled_dot_product_attention (flash or cuDNN on CUDA, its flash kernel on CPU)
+        eager=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+        bytes=_attention_bytes,
+        shapes=(Shape((2, 8, 1024, 64), "cpu", (_F32, _BF16)), Shape((4, 16, 4096, 128), "cuda", (_BF16,))),
+        quick_dims=(1, 2, 128, 32),
+        targets=(Target("cpu", "eager", 1.0), Target("cpu", "eager", 1.0, "fwd+bwd"), Target("cuda", "eager", 0.5),
+                 Target("cuda", "eager", 0.5, "fwd+bwd")),
+    )
+
+
 def _linear_ce_matmuls():
     # The three matmuls a fused linear cross-entropy cannot avoid: logits, grad_hidden, grad_weight.
     def run(hidden, weight, target):
@@ -291,6 +314,8 @@ BENCHES: list[Bench] = [
         targets=(Target("cpu", "compile", 1.0), Target("cuda", "liger", 1.0, "fwd+bwd"),
                  Target("cuda", "liger_memory", 1.0, "fwd+bwd")),
     ),
+    _attention_bench(causal=False),
+    _attention_bench(causal=True),
     Bench(
         name="muladd",
         op="muladd",

@@ -438,6 +438,103 @@ def _linear_cross_entropy_bad_inputs(device):
     ]
 
 
+def _attention_ref(q, k, v, causal=False, scale=None):
+    """softmax(q k^T * scale) v over every key (k and v repeated per group), and lse; a row that
+    sees no key gives out 0 and lse -inf."""
+    g = q.shape[1] // max(k.shape[1], 1)
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    scale = scale if scale is not None else (q.shape[-1] ** -0.5 if q.shape[-1] else 1.0)
+    s = q @ k.transpose(-2, -1) * scale
+    if causal:
+        sq, sk = q.shape[2], k.shape[2]
+        hidden = torch.arange(sk, device=q.device)[None, :] > torch.arange(sq, device=q.device)[:, None] + sk - sq
+        s = s.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), float("inf")).unsqueeze(-1))
+    return p @ v, lse
+
+
+def _attention_samples(device, dtype, requires_grad):
+    def qkv(b, hq, hkv, sq, sk, d, layout="contiguous"):
+        def make(h, s):
+            if layout == "transposed":  # [B, S, H, D] memory read as [B, H, S, D]
+                return _rand((b, s, h, d), device, dtype).transpose(1, 2).detach().requires_grad_(requires_grad)
+            return _rand((b, h, s, d), device, dtype, requires_grad, layout=layout)
+        return make(hq, sq), make(hkv, sk), make(hkv, sk)
+
+    out = []
+    for (b, hq, hkv, sq, sk, d), layout, causal, scale in [
+        ((1, 2, 1, 3, 5, 4), "contiguous", False, None),  # small ones first: gradcheck takes three
+        ((2, 2, 2, 4, 4, 3), "contiguous", True, 0.5),
+        ((1, 4, 2, 3, 6, 2), "transposed", True, None),
+        ((2, 4, 2, 9, 13, 8), "contiguous", False, None),
+        ((1, 3, 1, 1, 7, 16), "contiguous", True, None),  # decoding one query over a cache
+        ((2, 2, 1, 6, 5, 8), "strided", False, 0.3),
+        ((1, 2, 2, 130, 520, 4), "contiguous", True, None),  # several blocks of rows and keys
+        ((2, 2, 1, 0, 5, 8), "contiguous", True, None),
+    ]:
+        q, k, v = qkv(b, hq, hkv, sq, sk, d, layout)
+        out.append(Sample((q, k, v, causal, scale), {}, f"{layout} q {[b, hq, sq, d]} k {[b, hkv, sk, d]}"
+                          + (" causal" if causal else "") + (f" scale {scale}" if scale else "")))
+    return out
+
+
+def _attention_batch(device, dtype, n):
+    return Sample((torch.randn(n, 2, 5, 8, device=device, dtype=dtype), torch.randn(n, 1, 7, 8, device=device, dtype=dtype),
+                   torch.randn(n, 1, 7, 8, device=device, dtype=dtype), True, None), {}, f"batch {n}")
+
+
+def _attention_bad_inputs(device):
+    op = "customops::attention"
+    q, k = torch.randn(1, 4, 5, 8, device=device), torch.randn(1, 2, 6, 8, device=device)
+    return [
+        (Sample((q, k.double(), k)), rf"{op}: expected k to have the dtype of q"),
+        (Sample((q.long(), k.long(), k.long())), rf"{op}: q has dtype Long"),
+        (Sample((q[0], k, k)), rf"{op}: expected q of shape \[B, Hq, Sq, D\]"),
+        (Sample((q[:, :3], k, k)), rf"{op}: q's heads \(3\) must be a multiple of k's \(2\)"),
+        (Sample((q, k[..., :4], k[..., :4])), rf"{op}: expected k of shape \[B, Hkv, Sk, D\] with B and D of q"),
+        (Sample((q, k, k[:, :, :5])), rf"{op}: expected v to have the shape of k"),
+        (Sample((q, k[:, :0], k[:, :0])), rf"{op}: k must have at least one head"),
+        (Sample((q, k.to("meta"), k)), rf"{op}: expected k to be on the device of q"),
+    ]
+
+
+def _merge_attention_ref(out_a, lse_a, out_b, lse_b):
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1)
+    return out_a * (lse_a.unsqueeze(-1) - safe).exp() + out_b * (lse_b.unsqueeze(-1) - safe).exp(), lse
+
+
+def _merge_attention_samples(device, dtype, requires_grad):
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    out = []
+    for shape, layout in [((2, 3, 5, 8), "contiguous"), ((7, 16), "contiguous"), ((4, 6), "transposed"),
+                          ((3, 2, 10), "strided"), ((0, 4), "contiguous")]:
+        oa, ob = (_rand(shape, device, dtype, requires_grad, layout=layout) for _ in range(2))
+        la, lb = (_rand(shape[:-1], device, lse_dtype, requires_grad) * 3 for _ in range(2))
+        out.append(Sample((oa, la.detach().requires_grad_(requires_grad), ob, lb.detach().requires_grad_(requires_grad)),
+                          {}, f"{layout} {list(shape)}"))
+    return out
+
+
+def _merge_attention_batch(device, dtype, n):
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return Sample((torch.randn(n, 2, 4, 8, device=device, dtype=dtype), torch.randn(n, 2, 4, device=device, dtype=lse_dtype),
+                   torch.randn(n, 2, 4, 8, device=device, dtype=dtype), torch.randn(n, 2, 4, device=device, dtype=lse_dtype)),
+                  {}, f"batch {n}")
+
+
+def _merge_attention_bad_inputs(device):
+    op = "customops::merge_attention"
+    o, l = torch.randn(2, 4, 8, device=device), torch.randn(2, 4, device=device)
+    return [
+        (Sample((o, l, o[:, :3], l)), rf"{op}: expected out_b to have the shape of out_a"),
+        (Sample((o, l[:, :3], o, l[:, :3])), rf"{op}: expected lse_a of shape out_a.shape\[:-1\]"),
+        (Sample((o, l, o, l.double())), rf"{op}: expected lse_b to have the dtype of lse_a"),
+        (Sample((o.long(), l, o.long(), l)), rf"{op}: out_a has dtype Long"),
+    ]
+
+
 def _halves_samples(device, dtype, requires_grad):
     """silu_mul samples, plus gate and up as the two halves of one gate-up tensor."""
     out = _elementwise_samples(2)(device, dtype, requires_grad)
@@ -633,6 +730,29 @@ def _fuzz_linear_cross_entropy(src, device, dtype):
                   error)
 
 
+def _fuzz_attention(src, device, dtype):
+    b, hkv, g = src.size(3), src.size(4), max(src.size(4), 1)
+    sq, sk, d = src.size(300), src.size(300), src.size(64)
+    causal = src.choice([False, True]) and not (src.gradients and sq > sk)  # no key-less rows to differentiate
+    scale = src.choice([None, 0.5])
+    # normal values: scores of huge inputs overflow float32 where the float64 reference does not
+    q = src.tensor((b, hkv * g, sq, d), dtype, device, values="normal")
+    k, v = (src.tensor((b, hkv, sk, d), dtype, device, values="normal") for _ in range(2))
+    error = r"customops::attention: k must have at least one head" if hkv == 0 else None
+    return Sample((q, k, v, causal, scale), {}, f"q {list(q.shape)} k {list(k.shape)}"
+                  + (" causal" if causal else "") + (f" scale {scale}" if scale else ""), error)
+
+
+def _fuzz_merge_attention(src, device, dtype):
+    shape = src.shape(min_rank=1, max_rank=4)
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    oa, ob = (src.tensor(shape, dtype, device) for _ in range(2))
+    la, lb = (src.tensor(shape[:-1], lse_dtype, device, values="normal") * 3 for _ in range(2))
+    if src.choice([False, True]):  # one side attended to no key
+        lb = torch.full_like(lb, float("-inf"))
+    return Sample((oa, la, ob, lb), {}, f"{list(shape)}")
+
+
 # ---- the table ---------------------------------------------------------------------------------
 
 OPS: list[OpInfo] = [
@@ -731,6 +851,32 @@ OPS: list[OpInfo] = [
         autocast="lower",
         cancels=True,
         fuzz=_fuzz_linear_cross_entropy,
+    ),
+    OpInfo(
+        name="attention",
+        samples=_attention_samples,
+        ref=_attention_ref,
+        batch=_attention_batch,
+        bad_inputs=_attention_bad_inputs,
+        # sums over keys before the final rounding
+        tolerances={**ROUNDED_ONCE, torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3),
+                    torch.bfloat16: (2e-2, 1.6e-2)},
+        double_backward=False,
+        diff_outputs=(0, 1),
+        grad_args=(0, 1, 2),
+        autocast="lower",
+        fuzz=_fuzz_attention,
+    ),
+    OpInfo(
+        name="merge_attention",
+        samples=_merge_attention_samples,
+        ref=_merge_attention_ref,
+        batch=_merge_attention_batch,
+        bad_inputs=_merge_attention_bad_inputs,
+        tolerances={**ROUNDED_ONCE, torch.float32: (2e-5, 2e-5)},
+        diff_outputs=(0, 1),
+        cancels=True,
+        fuzz=_fuzz_merge_attention,
     ),
     OpInfo(
         name="silu",
@@ -1198,8 +1344,8 @@ def check_autocast(info: OpInfo, device) -> int:
             cases = [({ti[0]: low}, torch.float32), ({ti[0]: low, ti[1]: low}, low), ({i: low for i in ti}, low)]
         elif info.autocast == "float32":  # computes in float32 whatever it is given, returns float32
             cases = [({}, torch.float32), ({i: low for i in ti}, torch.float32)]
-        elif info.autocast == "lower":
-            cases = [({}, torch.float32), ({ti[0]: low}, torch.float32), ({i: low for i in ti}, torch.float32)]
+        elif info.autocast == "lower":  # output dtype: the op's on the cast inputs (checked below)
+            cases = [({}, None), ({ti[0]: low}, None), ({i: low for i in ti}, None)]
         elif info.autocast == "first":
             cases = [({ti[0]: low}, low), ({i: low for i in ti[1:]}, torch.float32), ({i: low for i in ti}, low)]
         else:
@@ -1211,6 +1357,8 @@ def check_autocast(info: OpInfo, device) -> int:
             with torch.autocast(dev.type, dtype=low):
                 outs = _outputs(fn(*a))
             y = outs[0]
+            if want_dtype is None:
+                want_dtype = _outputs(fn(*_autocast_policy(info.autocast, a, ti, low)))[0].dtype
             assert y.dtype == want_dtype, (f"{info.qualname} under autocast({low}) with {casts}: output dtype "
                                            f"{y.dtype}, policy {info.autocast!r} says {want_dtype}")
             # Values: the op outside autocast on the inputs cast as the policy casts them.

@@ -33,6 +33,8 @@ const std::vector<std::pair<std::string, std::string>> kOps = {
     {"customops::scale_clamp", ""},
     {"customops::_scale_clamp_backward", ""},
     {"customops::add_rms_norm", ""},
+    {"customops::attention", ""},
+    {"customops::_attention_backward", ""},
     {"customops::_add_rms_norm_backward", ""},
     {"customops::rope", ""},
     {"customops::_rope_backward", ""},
@@ -127,6 +129,22 @@ TEST(LlmOps, ForwardMatchesAtenOnEveryDevice) {
     EXPECT_TRUE(at::allclose(customops::silu_mul(halves[0], halves[1]), at::silu(halves[0]) * halves[1], 1e-5, 1e-5));
     EXPECT_TRUE(at::allclose(customops::swiglu(gu), at::silu(halves[0]) * halves[1], 1e-5, 1e-5));
     EXPECT_TRUE(at::allclose(customops::scale_clamp(x, 2.0, -1.0, 1.0), at::clamp(x * 2.0, -1.0, 1.0)));
+  }
+}
+
+TEST(LlmOps, AttentionFromCppMergesSplitKeys) {
+  for (auto device : devices()) {
+    auto opts = at::TensorOptions().device(device).dtype(at::kDouble);
+    at::Tensor q = at::randn({2, 4, 5, 8}, opts), k = at::randn({2, 2, 9, 8}, opts), v = at::randn({2, 2, 9, 8}, opts);
+    auto [out, lse] = customops::attention(q, k, v);
+    at::Tensor kk = k.repeat_interleave(2, 1), vv = v.repeat_interleave(2, 1);
+    at::Tensor ref = at::softmax(at::matmul(q, kk.transpose(-2, -1)) / std::sqrt(8.0), -1).matmul(vv);
+    EXPECT_TRUE(at::allclose(out, ref, 1e-10, 1e-10)) << device;
+    auto a = customops::attention(q, k.narrow(2, 0, 4), v.narrow(2, 0, 4));
+    auto b = customops::attention(q, k.narrow(2, 4, 5), v.narrow(2, 4, 5));
+    auto [m_out, m_lse] = customops::merge_attention(std::get<0>(a), std::get<1>(a), std::get<0>(b), std::get<1>(b));
+    EXPECT_TRUE(at::allclose(m_out, out, 1e-10, 1e-10)) << device;
+    EXPECT_TRUE(at::allclose(m_lse, lse, 1e-10, 1e-10)) << device;
   }
 }
 

@@ -27,7 +27,6 @@ CUSTOMOPS_API at::Tensor rms_norm(const at::Tensor& x, const std::optional<at::T
 CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> rms_norm_with_rstd(const at::Tensor& x,
                                                                     const std::optional<at::Tensor>& weight,
                                                                     double eps = 1e-6);
-// x * sigmoid(x).
 // sum = x + residual, y = rms_norm(sum, weight, eps): returns (y, sum, rstd).
 CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x,
                                                                           const at::Tensor& residual,
@@ -37,6 +36,19 @@ CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const 
 // returns (q rotated, k rotated); rotate-half pairs, or GPT-J pairs when interleaved.
 CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                                                       const at::Tensor& sin, bool interleaved = false);
+// softmax(q k^T * scale) v of q [B, Hq, Sq, D] over k, v [B, Hkv, Sk, D], Hq a multiple of Hkv
+// (grouped-query attention, k and v never repeated); scale defaults to 1/sqrt(D); causal hides key
+// j from query i when j > i + Sk - Sq. Returns (out [B, Hq, Sq, D], lse [B, Hq, Sq]): lse, the
+// rows' log-sum-exp (float32; float64 for float64), is differentiable and merges partial
+// attentions (merge_attention). A row that sees no key gives out 0 and lse -inf.
+CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k,
+                                                           const at::Tensor& v, bool causal = false,
+                                                           std::optional<double> scale = std::nullopt);
+// The attention over the union of two disjoint key sets, from the (out, lse) of each: exact and
+// differentiable. out [..., D], lse out.shape[:-1].
+CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> merge_attention(const at::Tensor& out_a, const at::Tensor& lse_a,
+                                                                 const at::Tensor& out_b, const at::Tensor& lse_b);
+// x * sigmoid(x).
 CUSTOMOPS_API at::Tensor silu(const at::Tensor& x);
 // silu(gate) * up (SwiGLU); gate and up may be the two halves of one tensor's last dim.
 CUSTOMOPS_API at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);

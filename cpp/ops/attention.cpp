@@ -1,0 +1,475 @@
+// attention, _attention_backward and merge_attention: typed C++ API, the CPU and CUDA kernels,
+// Meta, Autograd, vmap and autocast kernels.
+//
+// attention returns the rows' log-sum-exp as an output (background 000's running example): the
+// backward reuses it instead of recomputing softmax statistics, and it is differentiable
+// (d lse_i / d s_ij = p_ij), which merging partial attentions needs.
+//
+// The kernels here are blocked ("flash") attention written with ATen ops on blocks: scores of a
+// block of query rows against a block of keys (at::matmul, so MKL/OpenBLAS on the CPU and cuBLAS
+// tensor cores on CUDA), an online softmax across key blocks, and no [Sq, Sk] matrix ever: extra
+// memory is one block of scores. Grouped-query attention reads k and v once per group of query
+// heads (the group's rows are stacked, k is never repeated). On the CPU the blocks run in
+// parallel over (batch, kv head, query block) in the forward and (batch, kv head) in the backward,
+// each block's scores in cache; on CUDA each step covers every batch entry and head at once, over
+// query chunks sized to keep the scores under 256 MiB. A fused tensor-core CUDA kernel (scores
+// kept in registers) is the next step; these kernels are its reference.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+
+#include "customops/customops.h"
+#include "ops/attention.h"
+#include "ops/autocast.h"
+#include "ops/autograd.h"
+#include "ops/batching.h"
+#include "ops/layout.h"
+#include "ops/llm.h"
+
+namespace customops {
+namespace {
+
+using torch::autograd::variable_list;
+using Pair = std::tuple<at::Tensor, at::Tensor>;
+using Triple = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using AttentionSig = Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, std::optional<double>);
+using AttentionBackwardSig = Triple(const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                    const at::Tensor&, bool, std::optional<double>);
+
+const auto& attention_op() {
+  static auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("customops::attention", "").typed<AttentionSig>();
+  return op;
+}
+
+const auto& attention_backward_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("customops::_attention_backward", "")
+                       .typed<AttentionBackwardSig>();
+  return op;
+}
+
+const auto& merge_attention_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("customops::merge_attention", "")
+                       .typed<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
+  return op;
+}
+
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// 1/sqrt(D) unless given; 1 for D = 0 (every score is 0 then).
+double resolve_scale(std::optional<double> scale, int64_t d) {
+  return scale.has_value() ? *scale : (d > 0 ? 1.0 / std::sqrt(static_cast<double>(d)) : 1.0);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             bool causal, std::optional<double> scale) {
+  return attention_op().call(q, k, v, causal, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor> merge_attention(const at::Tensor& out_a, const at::Tensor& lse_a,
+                                                   const at::Tensor& out_b, const at::Tensor& lse_b) {
+  return merge_attention_op().call(out_a, lse_a, out_b, lse_b);
+}
+
+namespace {
+
+// ---- the blocked kernels ------------------------------------------------------------------------
+// Tensors come grouped: q, out and their gradients as [B', Hkv', G, M, D] (G query heads per kv
+// head, M query rows starting at row i0 of Sq), k and v as [B', Hkv', Sk, D], lse-shaped ones as
+// [B', Hkv', G, M]. Query row i sees key j when j <= i + Sk - Sq (causal; bottom-right aligned).
+struct Blocks {
+  int64_t i0, sq, sk;
+  bool causal;
+  double scale;
+  int64_t block_k;
+
+  int64_t shift() const { return sk - sq; }
+  // Keys [0, end) are seen by some row of the block.
+  int64_t key_end(int64_t m) const { return causal ? std::clamp<int64_t>(i0 + m + shift(), 0, sk) : sk; }
+  // s ([B', Hkv', G * M, N], keys from j0) with the keys a row must not see at -inf.
+  void mask(at::Tensor& s, int64_t m, int64_t j0) const {
+    const int64_t n = s.size(-1);
+    if (!causal || j0 + n - 1 <= i0 + shift()) return;  // every row sees every key of the block
+    const auto opts = at::TensorOptions().device(s.device()).dtype(at::kLong);
+    const at::Tensor rows = at::arange(i0 + shift(), i0 + shift() + m, opts).unsqueeze(-1);
+    const at::Tensor hidden = at::arange(j0, j0 + n, opts).unsqueeze(0) > rows;  // [M, N]
+    s.view({s.size(0), s.size(1), -1, m, n}).masked_fill_(hidden, -kInf);
+  }
+};
+
+at::ScalarType acc_dtype(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+// Forward over one block of query rows: writes out ([B', Hkv', G, M, D], q's dtype) and lse.
+void forward_rows(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v, const Blocks& blk,
+                  const at::Tensor& out, const at::Tensor& lse) {
+  const at::ScalarType acc = acc_dtype(qg);
+  const int64_t m = qg.size(3), d = qg.size(4);
+  const at::Tensor qs = (qg.to(acc) * blk.scale).flatten(2, 3);  // [B', Hkv', G*M, D]
+  const auto rows = qs.sizes().slice(0, 3);
+  at::Tensor mx = at::full(rows, -kInf, qs.options()), l = at::zeros(rows, qs.options());
+  at::Tensor o = at::zeros({rows[0], rows[1], rows[2], d}, qs.options());
+  const int64_t end = blk.key_end(m);
+  for (int64_t j0 = 0; j0 < end; j0 += blk.block_k) {
+    const int64_t n = std::min(blk.block_k, end - j0);
+    const at::Tensor kb = k.narrow(2, j0, n).to(acc), vb = v.narrow(2, j0, n).to(acc);
+    at::Tensor s = at::matmul(qs, kb.transpose(-2, -1));  // [B', Hkv', G*M, N]
+    blk.mask(s, m, j0);
+    const at::Tensor mx_new = at::maximum(mx, s.amax(-1));
+    const at::Tensor mx_safe = mx_new.masked_fill(mx_new == -kInf, 0);  // rows that saw no key yet
+    s.sub_(mx_safe.unsqueeze(-1)).exp_();                              // p, 0 where masked
+    const at::Tensor corr = (mx - mx_safe).exp_();                      // 0 for a row's first keys
+    l.mul_(corr).add_(s.sum(-1));
+    o.mul_(corr.unsqueeze(-1)).add_(at::matmul(s, vb));
+    mx = mx_new;
+  }
+  // A row that saw no key: out 0, lse -inf.
+  const at::Tensor seen = l > 0;
+  out.copy_(at::where(seen.unsqueeze(-1), o / l.masked_fill(~seen, 1).unsqueeze(-1), 0).view(out.sizes()));
+  lse.copy_((mx.masked_fill(~seen, 0) + l.log()).view(lse.sizes()));
+}
+
+// Backward over one block of query rows: writes dq and adds the block's share to dk (before its
+// scale) and dv (float accumulators [B', Hkv', Sk, D]). dterm = rowsum(grad_out * out) - grad_lse.
+void backward_rows(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v, const at::Tensor& gog,
+                   const at::Tensor& dterm, const at::Tensor& lse, const Blocks& blk, const at::Tensor& dq,
+                   const at::Tensor& dk_acc, const at::Tensor& dv_acc) {
+  const at::ScalarType acc = acc_dtype(qg);
+  const int64_t m = qg.size(3);
+  const at::Tensor qa = qg.to(acc).flatten(2, 3), go = gog.to(acc).flatten(2, 3);  // [B', Hkv', G*M, D]
+  const at::Tensor lse_r = lse.flatten(2, 3).masked_fill(lse.flatten(2, 3) == -kInf, kInf).unsqueeze(-1);
+  const at::Tensor dt = dterm.flatten(2, 3).unsqueeze(-1);
+  at::Tensor dqa = at::zeros_like(qa);
+  const int64_t end = blk.key_end(m);
+  for (int64_t j0 = 0; j0 < end; j0 += blk.block_k) {
+    const int64_t n = std::min(blk.block_k, end - j0);
+    const at::Tensor kb = k.narrow(2, j0, n).to(acc), vb = v.narrow(2, j0, n).to(acc);
+    at::Tensor p = at::matmul(qa, kb.transpose(-2, -1)).mul_(blk.scale);
+    blk.mask(p, m, j0);
+    p.sub_(lse_r).exp_();  // 0 where masked and in rows that saw no key (lse -inf)
+    at::Tensor ds = at::matmul(go, vb.transpose(-2, -1)).sub_(dt).mul_(p);
+    dqa.add_(at::matmul(ds, kb));
+    dk_acc.narrow(2, j0, n).add_(at::matmul(ds.transpose(-2, -1), qa));  // sums the group's rows
+    dv_acc.narrow(2, j0, n).add_(at::matmul(p.transpose(-2, -1), go));
+  }
+  dq.copy_(dqa.mul_(blk.scale).view(dq.sizes()));
+}
+
+// Rows per query block and keys per key block. CPU: a block's scores (G * 128 x 512 floats) stay in
+// cache. CUDA: every batch entry and head at once, query chunks keeping the scores under 256 MiB.
+struct Tiling {
+  int64_t rows, keys;
+};
+Tiling tiling(const at::Tensor& q, int64_t sk) {
+  if (q.is_cpu()) return {128, 512};
+  const int64_t keys = std::max<int64_t>(1, std::min<int64_t>(sk, 4096));
+  const int64_t per_row = std::max<int64_t>(1, q.size(0) * q.size(1) * keys * 4);
+  return {std::clamp<int64_t>((int64_t{256} << 20) / per_row, 1, std::max<int64_t>(q.size(2), 1)), keys};
+}
+
+// Runs fn(b, h, i0, rows) over (batch, kv head, query block) tasks: in parallel on the CPU when
+// there are enough tasks (each task's ATen calls then run on one thread), else over whole
+// batches and heads at once (b = h = -1) and ATen's own parallelism.
+template <typename Fn>
+void for_blocks(const at::Tensor& q, int64_t hkv, int64_t sq, const Tiling& t, bool split_rows, Fn&& fn) {
+  const int64_t b = q.size(0), chunks = split_rows ? (sq + t.rows - 1) / t.rows : 1;
+  const int64_t tasks = b * hkv * chunks;
+  if (q.is_cpu() && tasks >= at::get_num_threads() && tasks > 1) {
+    // The ATen calls of a task must dispatch as this thread's do (below autograd): worker threads
+    // take this thread's dispatch-key and grad-mode state.
+    const at::ThreadLocalState state;
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      at::ThreadLocalStateGuard tls(state);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t c = task % chunks, h = (task / chunks) % hkv, bi = task / (chunks * hkv);
+        const int64_t i0 = split_rows ? c * t.rows : 0;
+        fn(bi, h, i0, split_rows ? std::min(t.rows, sq - i0) : sq);
+      }
+    });
+    return;
+  }
+  if (split_rows || !q.is_cpu()) {
+    for (int64_t i0 = 0; i0 < sq; i0 += t.rows) fn(-1, -1, i0, std::min(t.rows, sq - i0));
+  } else {
+    fn(-1, -1, 0, sq);
+  }
+}
+
+// t's slice for task (b, h) along dims 0 and 1 (the whole of them when b = -1).
+at::Tensor task_slice(const at::Tensor& t, int64_t b, int64_t h) {
+  return b < 0 ? t : t.narrow(0, b, 1).narrow(1, h, 1);
+}
+
+Pair attention_device(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in, bool causal,
+                      std::optional<double> scale_opt) {
+  check_attention("customops::attention", q, k_in, v_in);
+  const int64_t hq = q.size(1), sq = q.size(2), d = q.size(3), hkv = k_in.size(1), sk = k_in.size(2);
+  at::Tensor out = heads_layout_like(q);
+  at::Tensor lse = at::empty({q.size(0), hq, sq}, q.options().dtype(attention_lse_dtype(q.scalar_type())));
+  if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
+  const at::Tensor k = k_in.contiguous(), v = v_in.contiguous();
+  const at::Tensor qg = q.unflatten(1, {hkv, hq / hkv}), outg = out.unflatten(1, {hkv, hq / hkv});
+  const at::Tensor lseg = lse.unflatten(1, {hkv, hq / hkv});
+  const Tiling t = tiling(q, sk);
+  const double scale = resolve_scale(scale_opt, d);
+  for_blocks(q, hkv, sq, t, /*split_rows=*/true, [&](int64_t b, int64_t h, int64_t i0, int64_t m) {
+    const Blocks blk{i0, sq, sk, causal, scale, t.keys};
+    forward_rows(task_slice(qg, b, h).narrow(3, i0, m), task_slice(k, b, h), task_slice(v, b, h), blk,
+                 task_slice(outg, b, h).narrow(3, i0, m), task_slice(lseg, b, h).narrow(3, i0, m));
+  });
+  return {out, lse};
+}
+
+Triple attention_backward_device(const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse,
+                                 const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
+                                 const at::Tensor& out, const at::Tensor& lse, bool causal,
+                                 std::optional<double> scale_opt) {
+  check_attention_backward(grad_out, grad_lse, q, k_in, v_in, out, lse);
+  const double scale = resolve_scale(scale_opt, q.size(3));
+  const int64_t hq = q.size(1), sq = q.size(2), hkv = k_in.size(1), sk = k_in.size(2), g = hq / hkv;
+  at::Tensor dq = heads_layout_like(q), dk = heads_layout_like(k_in), dv = heads_layout_like(v_in);
+  const at::ScalarType acc = acc_dtype(q);
+  const bool has_go = grad_out.has_value() && grad_out->defined();
+  const at::Tensor go = has_go ? *grad_out : at::zeros_like(q);
+  // dterm = rowsum(grad_out * out) - grad_lse, per query row.
+  at::Tensor dterm = has_go ? (go.to(acc) * out.to(acc)).sum(-1) : at::zeros(lse.sizes(), lse.options());
+  if (grad_lse.has_value() && grad_lse->defined()) dterm = dterm - *grad_lse;
+  at::Tensor dk_acc = at::zeros(dk.sizes(), dk.options().dtype(acc)), dv_acc = at::zeros_like(dk_acc);
+  if (q.numel() > 0 && k_in.numel() > 0) {
+    const at::Tensor k = k_in.contiguous(), v = v_in.contiguous();
+    auto grouped = [&](const at::Tensor& t) { return t.unflatten(1, {hkv, g}); };
+    const at::Tensor qg = grouped(q), gog = grouped(go), dtg = grouped(dterm), lseg = grouped(lse), dqg = grouped(dq);
+    const Tiling t = tiling(q, sk);
+    const double s = scale;
+    // dk and dv gather every query row of their kv head: a CPU task owns a whole (batch, kv head).
+    for_blocks(q, hkv, sq, t, /*split_rows=*/false, [&](int64_t b, int64_t h, int64_t i0, int64_t m) {
+      for (int64_t r = i0; r < i0 + m; r += t.rows) {
+        const int64_t mr = std::min(t.rows, i0 + m - r);
+        const Blocks blk{r, sq, sk, causal, s, t.keys};
+        auto rows = [&](const at::Tensor& x) { return task_slice(x, b, h).narrow(3, r, mr); };
+        backward_rows(rows(qg), task_slice(k, b, h), task_slice(v, b, h), rows(gog), rows(dtg), rows(lseg), blk,
+                      rows(dqg), task_slice(dk_acc, b, h), task_slice(dv_acc, b, h));
+      }
+    });
+  } else {
+    dq.zero_();
+  }
+  dk.copy_(dk_acc.mul_(scale));
+  dv.copy_(dv_acc);
+  return {dq, dk, dv};
+}
+
+// ---- Meta -------------------------------------------------------------------------------------
+Pair attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool, std::optional<double>) {
+  check_attention("customops::attention", q, k, v);
+  return {heads_layout_like(q),
+          at::empty_symint(q.sym_sizes().slice(0, 3), q.options().dtype(attention_lse_dtype(q.scalar_type())))};
+}
+
+Triple attention_backward_meta(const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse,
+                               const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                               const at::Tensor& lse, bool, std::optional<double>) {
+  check_attention_backward(grad_out, grad_lse, q, k, v, out, lse);
+  return {heads_layout_like(q), heads_layout_like(k), heads_layout_like(v)};
+}
+
+// ---- Autograd ---------------------------------------------------------------------------------
+// Differentiable inputs q, k, v; outputs out and lse. Saved: q, k, v, out, lse; attrs: causal,
+// whether scale was given, scale. (The default scale is left to the kernels: reading D here would
+// specialize symbolic sizes under torch.compile.)
+constexpr char kAttention[] = "attention";
+using autograd::BackwardArgs;
+using autograd::Recorder;
+
+variable_list attention_grad(const BackwardArgs& a) {
+  const at::Tensor &go = a.grads[0], &gl = a.grads[1];
+  if (!a.needs_any() || (!go.defined() && !gl.defined())) return {at::Tensor(), at::Tensor(), at::Tensor()};
+  const std::optional<double> scale = a.attrs[1] != 0 ? std::optional<double>(a.attrs[2]) : std::nullopt;
+  auto [dq, dk, dv] = attention_backward_op().call(optional_defined(go), optional_defined(gl), a.saved[0], a.saved[1],
+                                                   a.saved[2], a.saved[3], a.saved[4], a.attrs[0] != 0, scale);
+  return {a.needs[0] ? dq : at::Tensor(), a.needs[1] ? dk : at::Tensor(), a.needs[2] ? dv : at::Tensor()};
+}
+
+// Tangents (ATen ops; the [Sq, Sk] probabilities are built, as forward-mode AD is for checks and
+// small problems): with s' = scale * (q' k^T + q k'^T), lse' = sum_j p_ij s'_ij and
+// out' = (p * (s' - lse')) v + p v'.
+Pair attention_tangents(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lse,
+                        const at::Tensor& tq, const at::Tensor& tk, const at::Tensor& tv, bool causal,
+                        std::optional<double> scale_opt) {
+  const at::ScalarType acc = lse.scalar_type();
+  const double scale = resolve_scale(scale_opt, q.size(3));
+  const int64_t g = q.size(1) / k.size(1), sq = q.size(2), sk = k.size(2);
+  auto heads = [&](const at::Tensor& t) { return t.to(acc).repeat_interleave(g, 1); };
+  const at::Tensor qa = q.to(acc), ka = heads(k), va = heads(v);
+  at::Tensor s = at::matmul(qa, ka.transpose(-2, -1)).mul_(scale);
+  if (causal) {
+    const auto opts = at::TensorOptions().device(q.device()).dtype(at::kLong);
+    s.masked_fill_(at::arange(sk, opts).unsqueeze(0) > at::arange(sk - sq, sk, opts).unsqueeze(-1), -kInf);
+  }
+  const at::Tensor p = (s - lse.masked_fill(lse == -kInf, kInf).unsqueeze(-1)).exp();
+  at::Tensor ts = at::zeros_like(s);
+  if (tq.defined()) ts = ts + at::matmul(tq.to(acc), ka.transpose(-2, -1));
+  if (tk.defined()) ts = ts + at::matmul(qa, heads(tk).transpose(-2, -1));
+  ts = ts * scale;
+  const at::Tensor tlse = (p * ts).sum(-1);
+  at::Tensor tout = at::matmul(p * (ts - tlse.unsqueeze(-1)), va);
+  if (tv.defined()) tout = tout + at::matmul(p, heads(tv));
+  return {tout.to(q.scalar_type()), tlse};
+}
+
+Pair attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                        std::optional<double> scale_opt) {
+  Recorder rec(q, k, v);
+  if (!rec) return call_below_autograd(attention_op(), q, k, v, causal, scale_opt);
+  auto [out, lse] = call_below_autograd(attention_op(), q, k, v, causal, scale_opt);
+  rec.record<attention_grad>("AttentionBackward", {out, lse},
+                             {Recorder::input(q), Recorder::input(k), Recorder::input(v), Recorder::output(out),
+                              Recorder::output(lse)},
+                             {causal ? 1.0 : 0.0, scale_opt.has_value() ? 1.0 : 0.0, scale_opt.value_or(0.0)});
+  if (rec.needs_tangent()) {
+    auto [tout, tlse] = attention_tangents(rec.primal(0), rec.primal(1), rec.primal(2), lse.detach(), rec.tangent(0),
+                                           rec.tangent(1), rec.tangent(2), causal, scale_opt);
+    rec.set_tangent(out, [&, &tout = tout] { return tout; });
+    rec.set_tangent(lse, [&, &tlse = tlse] { return tlse; });
+  }
+  return {out, lse};
+}
+
+Triple attention_backward_autograd(const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse,
+                                   const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& out, const at::Tensor& lse, bool causal,
+                                   std::optional<double> scale) {
+  Recorder rec(grad_out, grad_lse, q, k, v, out, lse);
+  if (!rec) return call_below_autograd(attention_backward_op(), grad_out, grad_lse, q, k, v, out, lse, causal, scale);
+  return rec.backward_op<kAttention>(attention_backward_op(), grad_out, grad_lse, q, k, v, out, lse, causal, scale);
+}
+
+// ---- vmap: the vmap dim folds into the batch dim B ---------------------------------------------
+at::Tensor fold(const batching::Level& level, const at::Tensor& t, const c10::SymInt& e) {
+  return t.defined() ? level.front(t, e).flatten(0, 1) : t;
+}
+at::Tensor unfold(const batching::Level& level, const at::Tensor& t, const c10::SymInt& e) {
+  return level.wrap(t.unflatten_symint(0, {e, t.sym_size(0) / e}));
+}
+
+Pair attention_batched(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                       std::optional<double> scale) {
+  batching::Level level({q, k, v});
+  auto batch = level.batch_size({q, k, v});
+  if (!batch) return attention_op().call(q, k, v, causal, scale);
+  auto [out, lse] = attention_op().call(fold(level, q, *batch), fold(level, k, *batch), fold(level, v, *batch),
+                                        causal, scale);
+  return {unfold(level, out, *batch), unfold(level, lse, *batch)};
+}
+
+Triple attention_backward_batched(const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse,
+                                  const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                  const at::Tensor& lse, bool causal, std::optional<double> scale) {
+  const at::Tensor go = grad_out.value_or(at::Tensor()), gl = grad_lse.value_or(at::Tensor());
+  batching::Level level({go, gl, q, k, v, out, lse});
+  auto batch = level.batch_size({go, gl, q, k, v, out, lse});
+  if (!batch) return attention_backward_op().call(grad_out, grad_lse, q, k, v, out, lse, causal, scale);
+  const c10::SymInt& e = *batch;
+  auto [dq, dk, dv] = attention_backward_op().call(
+      optional_defined(fold(level, go, e)), optional_defined(fold(level, gl, e)), fold(level, q, e),
+      fold(level, k, e), fold(level, v, e), fold(level, out, e), fold(level, lse, e), causal, scale);
+  return {unfold(level, dq, e), unfold(level, dk, e), unfold(level, dv, e)};
+}
+
+// ---- Autocast: as scaled_dot_product_attention, float32 q, k and v run in the autocast dtype ---
+Pair attention_autocast(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                        std::optional<double> scale) {
+  const at::ScalarType low = at::autocast::get_autocast_dtype(q.device().type());
+  auto cast = [&](const at::Tensor& t) { return t.defined() && t.scalar_type() == at::kFloat ? t.to(low) : t; };
+  autocast::Below below;
+  return attention_op().call(cast(q), cast(k), cast(v), causal, scale);
+}
+
+// ---- merge_attention: ATen ops (CompositeImplicitAutograd), so autograd, vmap, autocast, Meta and
+// compile take it apart --------------------------------------------------------------------------
+// With m = max(lse_a, lse_b): lse = m + log(e^(lse_a - m) + e^(lse_b - m)) and
+// out = out_a * e^(lse_a - lse) + out_b * e^(lse_b - lse); rows where both are empty (lse -inf)
+// give out 0 and lse -inf, with zero gradients rather than NaN.
+Pair merge_attention_impl(const at::Tensor& out_a, const at::Tensor& lse_a, const at::Tensor& out_b,
+                          const at::Tensor& lse_b) {
+  constexpr const char* op = "customops::merge_attention";
+  checks::float_dtype(op, "out_a", out_a);
+  checks::float_dtype(op, "lse_a", lse_a);
+  checks::defined(op, "out_b", out_b);
+  checks::defined(op, "lse_b", lse_b);
+  checks::same_shape(op, "out_b", out_b, "out_a", out_a);
+  checks::same_dtype(op, "out_b", out_b, "out_a", out_a);
+  checks::same_device(op, "out_b", out_b, "out_a", out_a);
+  checks::same_shape(op, "lse_b", lse_b, "lse_a", lse_a);
+  checks::same_dtype(op, "lse_b", lse_b, "lse_a", lse_a);
+  checks::same_device(op, "lse_a", lse_a, "out_a", out_a);
+  checks::same_device(op, "lse_b", lse_b, "out_a", out_a);
+  TORCH_CHECK(out_a.dim() >= 1, op, ": out_a must have at least one dimension (the head dim)");
+  TORCH_CHECK(lse_a.sym_sizes().equals(out_a.sym_sizes().slice(0, out_a.dim() - 1)), op,
+                  ": expected lse_a of shape out_a.shape[:-1] = ", out_a.sym_sizes().slice(0, out_a.dim() - 1),
+                  ", but got ", lse_a.sym_sizes());
+  const at::ScalarType acc = at::promote_types(lse_a.scalar_type(), at::kFloat);
+  const at::Tensor la = lse_a.to(acc), lb = lse_b.to(acc);
+  const at::Tensor mx = at::maximum(la, lb);
+  const at::Tensor m = at::where(at::isfinite(mx), mx, at::zeros_like(mx));
+  const at::Tensor ea = (la - m).exp(), eb = (lb - m).exp(), sum = ea + eb;
+  const at::Tensor empty = sum == 0, safe = at::where(empty, at::ones_like(sum), sum);
+  const at::Tensor lse = at::where(empty, at::full_like(sum, -kInf), m + safe.log());
+  const at::Tensor wa = (ea / safe).unsqueeze(-1), wb = (eb / safe).unsqueeze(-1);
+  const at::Tensor out = out_a.to(at::promote_types(out_a.scalar_type(), acc)) * wa +
+                         out_b.to(at::promote_types(out_b.scalar_type(), acc)) * wb;
+  return {out.to(out_a.scalar_type()), lse.to(lse_a.scalar_type())};
+}
+
+}  // namespace
+
+// Meta kernels of attention.
+TORCH_LIBRARY_IMPL(customops, Meta, m) {
+  m.impl("attention", &attention_meta);
+  m.impl("_attention_backward", &attention_backward_meta);
+}
+
+// CPU and CUDA kernels of attention.
+TORCH_LIBRARY_IMPL(customops, CPU, m) {
+  m.impl("attention", &attention_device);
+  m.impl("_attention_backward", &attention_backward_device);
+}
+
+#ifdef CUSTOMOPS_WITH_CUDA
+TORCH_LIBRARY_IMPL(customops, CUDA, m) {
+  m.impl("attention", &attention_device);
+  m.impl("_attention_backward", &attention_backward_device);
+}
+#endif
+
+// Autograd kernels of attention.
+TORCH_LIBRARY_IMPL(customops, Autograd, m) {
+  m.impl("attention", &attention_autograd);
+  m.impl("_attention_backward", &attention_backward_autograd);
+}
+
+// vmap batching rules of attention; merge_attention's is its composite (functorch's vmap fallback
+// would otherwise take it: functorch decomposes ATen's composites the same way).
+TORCH_LIBRARY_IMPL(customops, FuncTorchBatched, m) {
+  m.impl("attention", &attention_batched);
+  m.impl("_attention_backward", &attention_backward_batched);
+  m.impl("merge_attention", &merge_attention_impl);
+}
+
+// Autocast kernel of attention.
+CUSTOMOPS_AUTOCAST_IMPL(m) { m.impl("attention", &attention_autocast); }
+
+// merge_attention: one composite kernel for every key.
+TORCH_LIBRARY_IMPL(customops, CompositeImplicitAutograd, m) { m.impl("merge_attention", &merge_attention_impl); }
+
+}  // namespace customops

@@ -1,0 +1,62 @@
+// Internal: argument checks of attention and _attention_backward, shared by the Meta and device
+// kernels.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "ops/checks.h"
+
+namespace customops {
+
+// lse's dtype: float32, float64 for float64 inputs.
+inline at::ScalarType attention_lse_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+inline void check_attention(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  checks::float_dtype(op, "q", q);
+  checks::defined(op, "k", k);
+  checks::defined(op, "v", v);
+  checks::same_dtype(op, "k", k, "q", q);
+  checks::same_dtype(op, "v", v, "q", q);
+  checks::same_device(op, "k", k, "q", q);
+  checks::same_device(op, "v", v, "q", q);
+  TORCH_CHECK(q.dim() == 4, op, ": expected q of shape [B, Hq, Sq, D], but got ", q.sym_sizes());
+  TORCH_CHECK(k.dim() == 4, op, ": expected k of shape [B, Hkv, Sk, D], but got ", k.sym_sizes());
+  checks::same_shape(op, "v", v, "k", k);
+  TORCH_SYM_CHECK(k.sym_size(0).sym_eq(q.sym_size(0)).sym_and(k.sym_size(3).sym_eq(q.sym_size(3))), op,
+                  ": expected k of shape [B, Hkv, Sk, D] with B and D of q ", q.sym_sizes(), ", but got ",
+                  k.sym_sizes());
+  TORCH_SYM_CHECK(k.sym_size(1).sym_ge(1), op, ": k must have at least one head, but got ", k.sym_sizes());
+  TORCH_SYM_CHECK((q.sym_size(1) % k.sym_size(1)).sym_eq(0), op, ": q's heads (", q.sym_size(1),
+                  ") must be a multiple of k's (", k.sym_size(1), ") for grouped-query attention");
+}
+
+inline void check_attention_backward(const std::optional<at::Tensor>& grad_out,
+                                     const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+                                     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                                     const at::Tensor& lse) {
+  constexpr const char* op = "customops::_attention_backward";
+  check_attention(op, q, k, v);
+  checks::defined(op, "out", out);
+  checks::same_shape(op, "out", out, "q", q);
+  checks::same_dtype(op, "out", out, "q", q);
+  checks::defined(op, "lse", lse);
+  TORCH_CHECK(lse.scalar_type() == attention_lse_dtype(q.scalar_type()), op, ": expected lse of dtype ",
+              attention_lse_dtype(q.scalar_type()), ", but got ", lse.scalar_type());
+  TORCH_CHECK(lse.dim() == 3, op, ": expected lse of shape [B, Hq, Sq], but got ", lse.sym_sizes());
+  for (int64_t d = 0; d < 3; ++d) {
+    TORCH_SYM_CHECK(lse.sym_size(d).sym_eq(q.sym_size(d)), op, ": expected lse of shape [B, Hq, Sq] = ",
+                    q.sym_sizes().slice(0, 3), ", but got ", lse.sym_sizes());
+  }
+  if (grad_out.has_value() && grad_out->defined()) {
+    checks::same_shape(op, "grad_out", *grad_out, "q", q);
+    checks::same_dtype(op, "grad_out", *grad_out, "q", q);
+    checks::same_device(op, "grad_out", *grad_out, "q", q);
+  }
+  if (grad_lse.has_value() && grad_lse->defined()) {
+    checks::same_shape(op, "grad_lse", *grad_lse, "lse", lse);
+    checks::same_dtype(op, "grad_lse", *grad_lse, "lse", lse);
+    checks::same_device(op, "grad_lse", *grad_lse, "q", q);
+  }
+}
+
+}  // namespace customops

@@ -1,0 +1,72 @@
+"""attention and merge_attention beyond the op table: merging attentions over split keys equals
+attention over all of them (values and gradients), rows that see no key, and lse's gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import customops
+from customops import testing as T
+from conftest import DEVICES
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_merging_split_keys_equals_attention_over_all(device, dtype):
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 9, 16, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 2, 21, 16, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(2, 2, 21, 16, device=device, dtype=dtype, requires_grad=True)
+    out, lse = customops.attention(q, k, v, return_lse=True)
+    a = customops.attention(q, k[:, :, :8], v[:, :, :8], return_lse=True)
+    b = customops.attention(q, k[:, :, 8:], v[:, :, 8:], return_lse=True)
+    m_out, m_lse = customops.merge_attention(*a, *b)
+    tol = dict(atol=1e-10, rtol=1e-10) if dtype == torch.float64 else dict(atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(m_out, out, **tol)
+    torch.testing.assert_close(m_lse, lse, **tol)
+    go, gl = torch.randn_like(out), torch.randn_like(lse)
+    want = torch.autograd.grad((out, lse), (q, k, v), (go, gl))
+    got = torch.autograd.grad((m_out, m_lse), (q, k, v), (go, gl))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_that_see_no_key_give_zero_and_minus_inf_never_nan(device):
+    # causal with Sq > Sk: query i sees keys j <= i + Sk - Sq, so the first Sq - Sk rows see none
+    q = torch.randn(1, 2, 7, 8, device=device, requires_grad=True)
+    k = torch.randn(1, 1, 4, 8, device=device, requires_grad=True)
+    v = torch.randn(1, 1, 4, 8, device=device, requires_grad=True)
+    out, lse = customops.attention(q, k, v, causal=True, return_lse=True)
+    assert torch.equal(out[:, :, :3], torch.zeros_like(out[:, :, :3]))
+    assert bool((lse[:, :, :3] == float("-inf")).all()) and bool(torch.isfinite(lse[:, :, 3:]).all())
+    want = T._attention_ref(*(t.detach().double() for t in (q, k, v)), True)
+    torch.testing.assert_close(out.double(), want[0], atol=1e-5, rtol=1e-5)
+    grads = torch.autograd.grad((out, lse.masked_fill(lse.isinf(), 0)), (q, k, v),
+                                (torch.randn_like(out), torch.randn_like(lse)))
+    assert all(bool(torch.isfinite(g).all()) for g in grads)
+    assert torch.equal(grads[0][:, :, :3], torch.zeros_like(grads[0][:, :, :3]))
+    # no key at all: every row empty
+    out, lse = customops.attention(q, k[:, :, :0], v[:, :, :0], return_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
+    # merging with an empty side changes nothing
+    full = customops.attention(q, k, v, return_lse=True)
+    merged = customops.merge_attention(*full, out, lse)
+    torch.testing.assert_close(merged[0], full[0])
+    torch.testing.assert_close(merged[1], full[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_sdpa_and_reads_transposed_views_in_place(device):
+    # [B, S, H, D] projections passed as .transpose(1, 2) views; GQA against SDPA with repeated kv
+    torch.manual_seed(1)
+    B, S, Hq, Hkv, D = 2, 33, 8, 2, 32
+    q = torch.randn(B, S, Hq, D, device=device).transpose(1, 2)
+    k, v = (torch.randn(B, S, Hkv, D, device=device).transpose(1, 2) for _ in range(2))
+    for causal in (False, True):
+        got = customops.attention(q, k, v, causal=causal)
+        want = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=causal)
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+        assert got.transpose(1, 2).is_contiguous()  # o_proj's [B, S, H * D] input is a view
