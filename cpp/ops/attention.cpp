@@ -11,7 +11,8 @@
 // memory is one block of scores. Grouped-query attention reads k and v once per group of query
 // heads (the group's rows are stacked, k is never repeated). On the CPU the blocks run in
 // parallel over (batch, kv head, query block) in the forward and (batch, kv head) in the backward,
-// each block's scores in cache; on CUDA each step covers every batch entry and head at once, over
+// each block's scores in cache, the softmax work between the matmuls in one vectorized pass
+// (cpp/cpu/attention.cpp); on CUDA each step covers every batch entry and head at once, over
 // query chunks sized to keep the scores under 256 MiB. A fused tensor-core CUDA kernel (scores
 // kept in registers) is the next step; these kernels are its reference.
 #include <ATen/ATen.h>
@@ -165,44 +166,118 @@ void backward_rows(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& 
   dq.copy_(dqa.mul_(blk.scale).view(dq.sizes()));
 }
 
-// Rows per query block and keys per key block. CPU: a block's scores (G * 128 x 512 floats) stay in
+// The CPU versions of forward_rows and backward_rows for float32 accumulation, on one (batch, kv
+// head) slice ([1, 1, ...] tensors): 2-D matmuls (one BLAS call each) and the work between them in
+// one cached pass each (attention_kernels_cpu). Scores and their gradients are float32 matmuls of
+// float32 copies; for bfloat16 inputs the matmuls that take probabilities or score gradients
+// (p v, ds k, ds^T q, p^T dout) run in bfloat16 with float32 accumulation of the blocks, as
+// FlashAttention rounds p and ds for its tensor-core matmuls (a bfloat16 matmul is 3.5x a float32
+// one on AVX512-BF16 CPUs).
+int64_t first_limit(const Blocks& blk, int64_t j0, int64_t n) {
+  return blk.causal ? blk.i0 + blk.shift() - j0 : n;
+}
+
+void forward_rows_cpu(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v, const Blocks& blk,
+                      const at::Tensor& out, const at::Tensor& lse) {
+  const auto& kern = attention_kernels_cpu();
+  const int64_t m = qg.size(3), d = qg.size(4), rows = qg.size(2) * m;
+  const bool low = qg.scalar_type() == at::kBFloat16;
+  const at::Tensor qa = qg.to(at::kFloat).reshape({rows, d});
+  const at::Tensor kk = k.reshape({k.size(2), d}), vv = v.reshape({v.size(2), d});
+  const auto fopts = qa.options();
+  at::Tensor mx = at::full({rows}, -kInf, fopts), l = at::zeros({rows}, fopts), corr = at::empty({rows}, fopts);
+  at::Tensor o;
+  const int64_t end = blk.key_end(m);
+  for (int64_t j0 = 0; j0 < end; j0 += blk.block_k) {
+    const int64_t n = std::min(blk.block_k, end - j0);
+    const at::Tensor kb = kk.narrow(0, j0, n).to(at::kFloat), vb = vv.narrow(0, j0, n);
+    at::Tensor s = at::mm(qa, kb.t());
+    kern.softmax_step(s.data_ptr<float>(), rows, n, n, m, first_limit(blk, j0, n), blk.scale, mx.data_ptr<float>(),
+                      l.data_ptr<float>(), corr.data_ptr<float>());
+    if (low) {
+      const at::Tensor ob = at::mm(s.to(at::kBFloat16), vb);
+      o = o.defined() ? o.mul_(corr.unsqueeze(1)).add_(ob) : ob.to(at::kFloat);
+    } else if (!o.defined()) {
+      o = at::mm(s, vb.to(at::kFloat));
+    } else {
+      o.mul_(corr.unsqueeze(1)).addmm_(s, vb.to(at::kFloat));
+    }
+  }
+  const at::Tensor seen = l > 0;
+  if (!o.defined()) o = at::zeros({rows, d}, fopts);
+  out.copy_(o.div_(l.masked_fill(~seen, 1).unsqueeze(1)).view(out.sizes()));
+  lse.copy_(at::where(seen, mx + l.log(), -kInf).view(lse.sizes()));
+}
+
+void backward_rows_cpu(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v, const at::Tensor& gog,
+                       const at::Tensor& dterm, const at::Tensor& lse, const Blocks& blk, const at::Tensor& dq,
+                       const at::Tensor& dk_acc, const at::Tensor& dv_acc) {
+  const auto& kern = attention_kernels_cpu();
+  const int64_t m = qg.size(3), d = qg.size(4), rows = qg.size(2) * m, sk = k.size(2);
+  const bool low = qg.scalar_type() == at::kBFloat16;
+  const at::Tensor qa = qg.to(at::kFloat).reshape({rows, d}), go = gog.to(at::kFloat).reshape({rows, d});
+  const at::Tensor q_low = low ? qg.reshape({rows, d}) : at::Tensor(), go_low = low ? gog.reshape({rows, d}) : at::Tensor();
+  const at::Tensor lse_r = lse.reshape({rows}).contiguous(), dt = dterm.reshape({rows}).contiguous();
+  const at::Tensor kk = k.reshape({sk, d}), vv = v.reshape({sk, d});
+  const at::Tensor dk2 = dk_acc.view({sk, d}), dv2 = dv_acc.view({sk, d});
+  at::Tensor dqa = at::zeros({rows, d}, qa.options());
+  const int64_t end = blk.key_end(m);
+  for (int64_t j0 = 0; j0 < end; j0 += blk.block_k) {
+    const int64_t n = std::min(blk.block_k, end - j0);
+    const at::Tensor kb = kk.narrow(0, j0, n).to(at::kFloat), vb = vv.narrow(0, j0, n).to(at::kFloat);
+    at::Tensor p = at::mm(qa, kb.t());
+    kern.probs(p.data_ptr<float>(), rows, n, n, m, first_limit(blk, j0, n), blk.scale, lse_r.data_ptr<float>());
+    at::Tensor ds = at::mm(go, vb.t());
+    kern.dscores(ds.data_ptr<float>(), p.data_ptr<float>(), rows, n, n, dt.data_ptr<float>());
+    if (low) {
+      const at::Tensor ds_low = ds.to(at::kBFloat16), p_low = p.to(at::kBFloat16);
+      const at::Tensor kb_low = kk.narrow(0, j0, n);
+      dqa.add_(at::mm(ds_low, kb_low));
+      dk2.narrow(0, j0, n).add_(at::mm(ds_low.t(), q_low));
+      dv2.narrow(0, j0, n).add_(at::mm(p_low.t(), go_low));
+    } else {
+      dqa.addmm_(ds, kb);
+      dk2.narrow(0, j0, n).addmm_(ds.t(), qa);
+      dv2.narrow(0, j0, n).addmm_(p.t(), go);
+    }
+  }
+  dq.copy_(dqa.mul_(blk.scale).view(dq.sizes()));
+}
+
+// Rows per query block and keys per key block. CPU: a block's scores (G * 256 x 512 floats) stay in
 // cache. CUDA: every batch entry and head at once, query chunks keeping the scores under 256 MiB.
 struct Tiling {
   int64_t rows, keys;
 };
 Tiling tiling(const at::Tensor& q, int64_t sk) {
-  if (q.is_cpu()) return {128, 512};
+  if (q.is_cpu()) return {256, 512};
   const int64_t keys = std::max<int64_t>(1, std::min<int64_t>(sk, 4096));
   const int64_t per_row = std::max<int64_t>(1, q.size(0) * q.size(1) * keys * 4);
   return {std::clamp<int64_t>((int64_t{256} << 20) / per_row, 1, std::max<int64_t>(q.size(2), 1)), keys};
 }
 
-// Runs fn(b, h, i0, rows) over (batch, kv head, query block) tasks: in parallel on the CPU when
-// there are enough tasks (each task's ATen calls then run on one thread), else over whole
-// batches and heads at once (b = h = -1) and ATen's own parallelism.
+// Runs fn(b, h, i0, rows) over (batch, kv head, query block) tasks: on the CPU in parallel, each
+// task's ATen calls on one thread; on CUDA over whole batches and heads at once (b = h = -1),
+// query block after query block. split_rows = false: a CPU task takes every row of its (batch,
+// kv head).
 template <typename Fn>
 void for_blocks(const at::Tensor& q, int64_t hkv, int64_t sq, const Tiling& t, bool split_rows, Fn&& fn) {
-  const int64_t b = q.size(0), chunks = split_rows ? (sq + t.rows - 1) / t.rows : 1;
-  const int64_t tasks = b * hkv * chunks;
-  if (q.is_cpu() && tasks >= at::get_num_threads() && tasks > 1) {
-    // The ATen calls of a task must dispatch as this thread's do (below autograd): worker threads
-    // take this thread's dispatch-key and grad-mode state.
-    const at::ThreadLocalState state;
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-      at::ThreadLocalStateGuard tls(state);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t c = task % chunks, h = (task / chunks) % hkv, bi = task / (chunks * hkv);
-        const int64_t i0 = split_rows ? c * t.rows : 0;
-        fn(bi, h, i0, split_rows ? std::min(t.rows, sq - i0) : sq);
-      }
-    });
+  if (!q.is_cpu()) {
+    for (int64_t i0 = 0; i0 < sq; i0 += t.rows) fn(-1, -1, i0, std::min(t.rows, sq - i0));
     return;
   }
-  if (split_rows || !q.is_cpu()) {
-    for (int64_t i0 = 0; i0 < sq; i0 += t.rows) fn(-1, -1, i0, std::min(t.rows, sq - i0));
-  } else {
-    fn(-1, -1, 0, sq);
-  }
+  const int64_t chunks = split_rows ? (sq + t.rows - 1) / t.rows : 1, tasks = q.size(0) * hkv * chunks;
+  // The ATen calls of a task must dispatch as this thread's do (below autograd): worker threads
+  // take this thread's dispatch-key and grad-mode state.
+  const at::ThreadLocalState state;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    at::ThreadLocalStateGuard tls(state);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t c = task % chunks, h = (task / chunks) % hkv, bi = task / (chunks * hkv);
+      const int64_t i0 = split_rows ? c * t.rows : 0;
+      fn(bi, h, i0, split_rows ? std::min(t.rows, sq - i0) : sq);
+    }
+  });
 }
 
 // t's slice for task (b, h) along dims 0 and 1 (the whole of them when b = -1).
@@ -222,10 +297,12 @@ Pair attention_device(const at::Tensor& q, const at::Tensor& k_in, const at::Ten
   const at::Tensor lseg = lse.unflatten(1, {hkv, hq / hkv});
   const Tiling t = tiling(q, sk);
   const double scale = resolve_scale(scale_opt, d);
+  const bool fast_cpu = q.is_cpu() && acc_dtype(q) == at::kFloat;
   for_blocks(q, hkv, sq, t, /*split_rows=*/true, [&](int64_t b, int64_t h, int64_t i0, int64_t m) {
     const Blocks blk{i0, sq, sk, causal, scale, t.keys};
-    forward_rows(task_slice(qg, b, h).narrow(3, i0, m), task_slice(k, b, h), task_slice(v, b, h), blk,
-                 task_slice(outg, b, h).narrow(3, i0, m), task_slice(lseg, b, h).narrow(3, i0, m));
+    (fast_cpu ? forward_rows_cpu : forward_rows)(task_slice(qg, b, h).narrow(3, i0, m), task_slice(k, b, h),
+                                                 task_slice(v, b, h), blk, task_slice(outg, b, h).narrow(3, i0, m),
+                                                 task_slice(lseg, b, h).narrow(3, i0, m));
   });
   return {out, lse};
 }
@@ -251,14 +328,16 @@ Triple attention_backward_device(const std::optional<at::Tensor>& grad_out, cons
     const at::Tensor qg = grouped(q), gog = grouped(go), dtg = grouped(dterm), lseg = grouped(lse), dqg = grouped(dq);
     const Tiling t = tiling(q, sk);
     const double s = scale;
+    const bool fast_cpu = q.is_cpu() && acc == at::kFloat;
     // dk and dv gather every query row of their kv head: a CPU task owns a whole (batch, kv head).
     for_blocks(q, hkv, sq, t, /*split_rows=*/false, [&](int64_t b, int64_t h, int64_t i0, int64_t m) {
       for (int64_t r = i0; r < i0 + m; r += t.rows) {
         const int64_t mr = std::min(t.rows, i0 + m - r);
         const Blocks blk{r, sq, sk, causal, s, t.keys};
         auto rows = [&](const at::Tensor& x) { return task_slice(x, b, h).narrow(3, r, mr); };
-        backward_rows(rows(qg), task_slice(k, b, h), task_slice(v, b, h), rows(gog), rows(dtg), rows(lseg), blk,
-                      rows(dqg), task_slice(dk_acc, b, h), task_slice(dv_acc, b, h));
+        (fast_cpu ? backward_rows_cpu : backward_rows)(rows(qg), task_slice(k, b, h), task_slice(v, b, h), rows(gog),
+                                                       rows(dtg), rows(lseg), blk, rows(dqg), task_slice(dk_acc, b, h),
+                                                       task_slice(dv_acc, b, h));
       }
     });
   } else {

@@ -59,4 +59,22 @@ inline void check_attention_backward(const std::optional<at::Tensor>& grad_out,
   }
 }
 
+// The CPU block kernels (cpp/cpu/attention.cpp), on float32 blocks of scores [rows, n] with row
+// stride ld. Row r of a block stacks a group's query rows (m of them, repeated per query head); it
+// sees the block's keys up to index first_limit + r % m (its causal limit; any n - 1 or more means
+// all of them).
+struct AttentionCpuKernels {
+  // Online-softmax step, in place: s <- exp(scale * s - m_new) over the visible keys, 0 past them;
+  // per row, mx (running max of scale * s) and l (running sum) updated, corr = exp(mx_old - m_new)
+  // (0 where the row saw no key before).
+  void (*softmax_step)(float* s, int64_t rows, int64_t n, int64_t ld, int64_t m, int64_t first_limit, double scale,
+                       float* mx, float* l, float* corr);
+  // s <- exp(scale * s - lse) over the visible keys, 0 past them and in rows with lse -inf.
+  void (*probs)(float* s, int64_t rows, int64_t n, int64_t ld, int64_t m, int64_t first_limit, double scale,
+                const float* lse);
+  // dp <- p * (dp - dt[r]), the scores' gradient (dt: rowsum(grad_out * out) - grad_lse).
+  void (*dscores)(float* dp, const float* p, int64_t rows, int64_t n, int64_t ld, const float* dt);
+};
+const AttentionCpuKernels& attention_kernels_cpu();
+
 }  // namespace customops

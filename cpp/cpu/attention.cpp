@@ -1,0 +1,128 @@
+// CPU block kernels of attention (attention_kernels_cpu): the elementwise and row work between a
+// block's matmuls (cpp/ops/attention.cpp), one pass each over a block of float32 scores that is in
+// cache: the online-softmax step of the forward, the probabilities and the score gradients of the
+// backward. Keys past a row's causal limit are never read: their probabilities are written as 0.
+// exp is ATen's exp_u20 (the one its own flash attention uses on the CPU: about 1e-6 relative
+// error, below the inputs' float32 rounding once summed).
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "cpu/dispatch.h"
+#include "ops/attention.h"
+
+namespace customops {
+namespace CPU_CAPABILITY {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Keys of the block row r sees: all n, or up to its causal limit (first_limit + r % m, the last
+// visible key's index within the block).
+inline int64_t visible(int64_t r, int64_t n, int64_t m, int64_t first_limit) {
+  return std::clamp<int64_t>(first_limit + r % m + 1, 0, n);
+}
+
+inline float row_max(const float* s, int64_t c) {
+  Vec vm(kNegInf);
+  int64_t j = 0;
+  for (; j + Vec::size() <= c; j += Vec::size()) vm = at::vec::maximum(vm, Vec::loadu(s + j));
+  float mx = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vm);
+  for (; j < c; ++j) mx = std::max(mx, s[j]);
+  return mx;
+}
+
+inline float row_max_negated(const float* s, int64_t c) {  // max of -s: -min(s)
+  float mx = kNegInf;
+  for (int64_t j = 0; j < c; ++j) mx = std::max(mx, -s[j]);
+  return mx;
+}
+
+// s[0, c) <- exp(a * s - b), s[c, n) <- 0; returns the sum.
+inline float exp_row(float* s, int64_t c, int64_t n, float a, float b) {
+  const Vec va(a), vb(b);
+  Vec acc(0.f);
+  int64_t j = 0;
+  for (; j + Vec::size() <= c; j += Vec::size()) {
+    const Vec p = (Vec::loadu(s + j) * va - vb).exp_u20();
+    p.store(s + j);
+    acc = acc + p;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; j < c; ++j) {
+    s[j] = std::exp(s[j] * a - b);
+    sum += s[j];
+  }
+  std::fill(s + c, s + n, 0.f);
+  return sum;
+}
+
+void softmax_step(float* s, int64_t rows, int64_t n, int64_t ld, int64_t m, int64_t first_limit, double scale,
+                  float* mx, float* l, float* corr) {
+  const float sc = static_cast<float>(scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = s + r * ld;
+    const int64_t c = visible(r, n, m, first_limit);
+    // max of scale * s over the visible keys (scale may be negative)
+    float blk = kNegInf;
+    if (c > 0) blk = sc >= 0 ? sc * row_max(row, c) : sc * -row_max_negated(row, c);
+    const float m_new = std::max(mx[r], blk);
+    const float m_safe = m_new == kNegInf ? 0.f : m_new;
+    corr[r] = std::exp(mx[r] - m_safe);
+    l[r] = l[r] * corr[r] + exp_row(row, c, n, sc, m_safe);
+    mx[r] = m_new;
+  }
+}
+
+void probs(float* s, int64_t rows, int64_t n, int64_t ld, int64_t m, int64_t first_limit, double scale,
+           const float* lse) {
+  const float sc = static_cast<float>(scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t c = lse[r] == kNegInf ? 0 : visible(r, n, m, first_limit);  // a row with no key: 0
+    exp_row(s + r * ld, c, n, sc, lse[r]);
+  }
+}
+
+void dscores(float* dp, const float* p, int64_t rows, int64_t n, int64_t ld, const float* dt) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* d = dp + r * ld;
+    const float* pr = p + r * ld;
+    const Vec t(dt[r]);
+    int64_t j = 0;
+    for (; j + Vec::size() <= n; j += Vec::size()) ((Vec::loadu(d + j) - t) * Vec::loadu(pr + j)).store(d + j);
+    for (; j < n; ++j) d[j] = (d[j] - dt[r]) * pr[j];
+  }
+}
+
+}  // namespace CPU_CAPABILITY
+
+#ifdef CPU_CAPABILITY_DEFAULT
+CUSTOMOPS_CPU_KERNEL(void, softmax_step, float*, int64_t, int64_t, int64_t, int64_t, int64_t, double, float*, float*,
+                     float*)
+CUSTOMOPS_CPU_KERNEL(void, probs, float*, int64_t, int64_t, int64_t, int64_t, int64_t, double, const float*)
+CUSTOMOPS_CPU_KERNEL(void, dscores, float*, const float*, int64_t, int64_t, int64_t, const float*)
+
+namespace {
+void softmax_step_cpu(float* s, int64_t rows, int64_t n, int64_t ld, int64_t m, int64_t first_limit, double scale,
+                      float* mx, float* l, float* corr) {
+  CUSTOMOPS_CPU_DISPATCH(softmax_step, s, rows, n, ld, m, first_limit, scale, mx, l, corr);
+}
+void probs_cpu(float* s, int64_t rows, int64_t n, int64_t ld, int64_t m, int64_t first_limit, double scale,
+               const float* lse) {
+  CUSTOMOPS_CPU_DISPATCH(probs, s, rows, n, ld, m, first_limit, scale, lse);
+}
+void dscores_cpu(float* dp, const float* p, int64_t rows, int64_t n, int64_t ld, const float* dt) {
+  CUSTOMOPS_CPU_DISPATCH(dscores, dp, p, rows, n, ld, dt);
+}
+}  // namespace
+
+const AttentionCpuKernels& attention_kernels_cpu() {
+  static const AttentionCpuKernels k{&softmax_step_cpu, &probs_cpu, &dscores_cpu};
+  return k;
+}
+#endif  // CPU_CAPABILITY_DEFAULT
+
+}  // namespace customops
