@@ -104,6 +104,8 @@ def _down_of_silu_mul(down_proj, gate, up):
 
 def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                            use_cache=False, position_embeddings=None, **kwargs):
+    if kwargs.pop(_CAUSAL_ONLY, False):  # see _causal_lm_forward
+        attention_mask = None
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
@@ -129,6 +131,23 @@ def _rope_for(original):
     return apply_rotary_pos_emb
 
 
+# A keyword argument _causal_lm_forward passes down to the decoder layers (through the model's
+# **kwargs) when the mask is known to be the plain causal one.
+_CAUSAL_ONLY = "customops_causal_only"
+
+
+def _plain_causal(config, attention_mask, position_ids, past_key_values) -> bool:
+    """True when a training forward's attention is exactly causal: no padding mask, no cache, no
+    packed positions, SDPA, and no sliding window or other layer type. Hugging Face builds that
+    mask as an explicit tensor under torch.compile (on torch < 2.14 it cannot tell compiling from
+    exporting), which keeps SDPA off its flash and cuDNN kernels; the decoder layers then pass no
+    mask and SDPA's is_causal applies, the same attention."""
+    return (attention_mask is None and position_ids is None and past_key_values is None
+            and getattr(config, "_attn_implementation", None) == "sdpa"
+            and getattr(config, "sliding_window", None) is None
+            and all(t == "full_attention" for t in (getattr(config, "layer_types", None) or ())))
+
+
 def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
                        inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     # In training with labels, the loss comes from the last hidden state through
@@ -146,6 +165,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
 
     num_items = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", -100)
+    if _plain_causal(self.config, attention_mask, position_ids, past_key_values):
+        kwargs[_CAUSAL_ONLY] = True
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
                          **kwargs)

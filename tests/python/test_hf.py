@@ -133,6 +133,29 @@ def test_optimize_keeps_less_for_the_backward():
     assert_same_step(step(m, ids), want, torch.bfloat16)  # and the recomputation trains alike
 
 
+def test_optimize_gives_compiled_training_sdpa_is_causal_instead_of_a_mask():
+    # Under torch.compile Hugging Face builds the causal mask as a tensor, which keeps SDPA off its
+    # flash and cuDNN kernels; optimize's training forward passes none when the mask is the plain
+    # causal one (no padding, cache or packed positions), and trains alike.
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.extend((n.kwargs.get("attn_mask"), n.kwargs.get("is_causal")) for n in gm.graph.nodes
+                     if "scaled_dot_product_attention" in str(n.target))
+        return gm
+
+    ids = torch.randint(0, 256, (2, 16))
+    want = step(model().train(), ids)
+    m = customops.optimize(model().train())[0]
+    got = step(torch.compile(m, backend=backend, fullgraph=True), ids, params_of=m)
+    assert calls and all(mask is None and causal is True for mask, causal in calls), calls
+    assert_same_step(got, want, torch.float32)
+    calls.clear()  # a padding mask keeps the mask
+    torch._dynamo.reset()
+    torch.compile(m, backend=backend, fullgraph=True)(ids, attention_mask=torch.ones_like(ids), labels=ids)
+    assert calls and all(mask is not None for mask, _ in calls), calls
+
+
 def test_optimize_float32_model_under_autocast():
     m = model().train()
     ids = torch.randint(0, 256, (2, 16))
