@@ -94,10 +94,13 @@ struct Blocks {
   bool causal;
   double scale;
   int64_t block_k;
+  int64_t keys_from = 0, keys_to = std::numeric_limits<int64_t>::max();  // the keys to go over
 
   int64_t shift() const { return sk - sq; }
-  // Keys [0, end) are seen by some row of the block.
-  int64_t key_end(int64_t m) const { return causal ? std::clamp<int64_t>(i0 + m + shift(), 0, sk) : sk; }
+  // The keys [keys_from, end) that some row of the block sees.
+  int64_t key_end(int64_t m) const {
+    return std::min(causal ? std::clamp<int64_t>(i0 + m + shift(), 0, sk) : sk, keys_to);
+  }
   // s ([B', Hkv', G * M, N], keys from j0) with the keys a row must not see at -inf.
   void mask(at::Tensor& s, int64_t m, int64_t j0) const {
     const int64_t n = s.size(-1);
@@ -140,8 +143,9 @@ void forward_rows(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v
   lse.copy_((mx.masked_fill(~seen, 0) + l.log()).view(lse.sizes()));
 }
 
-// Backward over one block of query rows: writes dq and adds the block's share to dk (before its
-// scale) and dv (float accumulators [B', Hkv', Sk, D]). dterm = rowsum(grad_out * out) - grad_lse.
+// Backward over one block of query rows and the keys [blk.keys_from, key_end): writes dq and adds
+// the block's share to dk (before its scale) and dv (float accumulators [B', Hkv', Sk, D]); dq
+// undefined: only dk and dv; dk_acc undefined: only dq. dterm = rowsum(grad_out * out) - grad_lse.
 void backward_rows(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v, const at::Tensor& gog,
                    const at::Tensor& dterm, const at::Tensor& lse, const Blocks& blk, const at::Tensor& dq,
                    const at::Tensor& dk_acc, const at::Tensor& dv_acc) {
@@ -150,20 +154,23 @@ void backward_rows(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& 
   const at::Tensor qa = qg.to(acc).flatten(2, 3), go = gog.to(acc).flatten(2, 3);  // [B', Hkv', G*M, D]
   const at::Tensor lse_r = lse.flatten(2, 3).masked_fill(lse.flatten(2, 3) == -kInf, kInf).unsqueeze(-1);
   const at::Tensor dt = dterm.flatten(2, 3).unsqueeze(-1);
-  at::Tensor dqa = at::zeros_like(qa);
+  const bool want_dq = dq.defined(), want_dkv = dk_acc.defined();
+  at::Tensor dqa = want_dq ? at::zeros_like(qa) : at::Tensor();
   const int64_t end = blk.key_end(m);
-  for (int64_t j0 = 0; j0 < end; j0 += blk.block_k) {
+  for (int64_t j0 = blk.keys_from; j0 < end; j0 += blk.block_k) {
     const int64_t n = std::min(blk.block_k, end - j0);
     const at::Tensor kb = k.narrow(2, j0, n).to(acc), vb = v.narrow(2, j0, n).to(acc);
     at::Tensor p = at::matmul(qa, kb.transpose(-2, -1)).mul_(blk.scale);
     blk.mask(p, m, j0);
     p.sub_(lse_r).exp_();  // 0 where masked and in rows that saw no key (lse -inf)
     at::Tensor ds = at::matmul(go, vb.transpose(-2, -1)).sub_(dt).mul_(p);
-    dqa.add_(at::matmul(ds, kb));
-    dk_acc.narrow(2, j0, n).add_(at::matmul(ds.transpose(-2, -1), qa));  // sums the group's rows
-    dv_acc.narrow(2, j0, n).add_(at::matmul(p.transpose(-2, -1), go));
+    if (want_dq) dqa.add_(at::matmul(ds, kb));
+    if (want_dkv) {
+      dk_acc.narrow(2, j0, n).add_(at::matmul(ds.transpose(-2, -1), qa));  // sums the group's rows
+      dv_acc.narrow(2, j0, n).add_(at::matmul(p.transpose(-2, -1), go));
+    }
   }
-  dq.copy_(dqa.mul_(blk.scale).view(dq.sizes()));
+  if (want_dq) dq.copy_(dqa.mul_(blk.scale).view(dq.sizes()));
 }
 
 // The CPU versions of forward_rows and backward_rows for float32 accumulation, on one (batch, kv
@@ -219,10 +226,11 @@ void backward_rows_cpu(const at::Tensor& qg, const at::Tensor& k, const at::Tens
   const at::Tensor q_low = low ? qg.reshape({rows, d}) : at::Tensor(), go_low = low ? gog.reshape({rows, d}) : at::Tensor();
   const at::Tensor lse_r = lse.reshape({rows}).contiguous(), dt = dterm.reshape({rows}).contiguous();
   const at::Tensor kk = k.reshape({sk, d}), vv = v.reshape({sk, d});
-  const at::Tensor dk2 = dk_acc.view({sk, d}), dv2 = dv_acc.view({sk, d});
-  at::Tensor dqa = at::zeros({rows, d}, qa.options());
+  const bool want_dq = dq.defined(), want_dkv = dk_acc.defined();
+  const at::Tensor dk2 = want_dkv ? dk_acc.view({sk, d}) : at::Tensor(), dv2 = want_dkv ? dv_acc.view({sk, d}) : at::Tensor();
+  at::Tensor dqa = want_dq ? at::zeros({rows, d}, qa.options()) : at::Tensor();
   const int64_t end = blk.key_end(m);
-  for (int64_t j0 = 0; j0 < end; j0 += blk.block_k) {
+  for (int64_t j0 = blk.keys_from; j0 < end; j0 += blk.block_k) {
     const int64_t n = std::min(blk.block_k, end - j0);
     const at::Tensor kb = kk.narrow(0, j0, n).to(at::kFloat), vb = vv.narrow(0, j0, n).to(at::kFloat);
     at::Tensor p = at::mm(qa, kb.t());
@@ -230,18 +238,21 @@ void backward_rows_cpu(const at::Tensor& qg, const at::Tensor& k, const at::Tens
     at::Tensor ds = at::mm(go, vb.t());
     kern.dscores(ds.data_ptr<float>(), p.data_ptr<float>(), rows, n, n, dt.data_ptr<float>());
     if (low) {
-      const at::Tensor ds_low = ds.to(at::kBFloat16), p_low = p.to(at::kBFloat16);
-      const at::Tensor kb_low = kk.narrow(0, j0, n);
-      dqa.add_(at::mm(ds_low, kb_low));
-      dk2.narrow(0, j0, n).add_(at::mm(ds_low.t(), q_low));
-      dv2.narrow(0, j0, n).add_(at::mm(p_low.t(), go_low));
+      const at::Tensor ds_low = ds.to(at::kBFloat16);
+      if (want_dq) dqa.add_(at::mm(ds_low, kk.narrow(0, j0, n)));
+      if (want_dkv) {
+        dk2.narrow(0, j0, n).add_(at::mm(ds_low.t(), q_low));
+        dv2.narrow(0, j0, n).add_(at::mm(p.to(at::kBFloat16).t(), go_low));
+      }
     } else {
-      dqa.addmm_(ds, kb);
-      dk2.narrow(0, j0, n).addmm_(ds.t(), qa);
-      dv2.narrow(0, j0, n).addmm_(p.t(), go);
+      if (want_dq) dqa.addmm_(ds, kb);
+      if (want_dkv) {
+        dk2.narrow(0, j0, n).addmm_(ds.t(), qa);
+        dv2.narrow(0, j0, n).addmm_(p.t(), go);
+      }
     }
   }
-  dq.copy_(dqa.mul_(blk.scale).view(dq.sizes()));
+  if (want_dq) dq.copy_(dqa.mul_(blk.scale).view(dq.sizes()));
 }
 
 // Rows per query block and keys per key block. CPU: a block's scores (G * 256 x 512 floats) stay in
@@ -256,27 +267,31 @@ Tiling tiling(const at::Tensor& q, int64_t sk) {
   return {std::clamp<int64_t>((int64_t{256} << 20) / per_row, 1, std::max<int64_t>(q.size(2), 1)), keys};
 }
 
+// fn(task) for task in [0, n) in parallel on the CPU. The ATen calls of a task must dispatch as
+// this thread's do (below autograd): worker threads take this thread's dispatch-key and
+// grad-mode state.
+template <typename Fn>
+void parallel_tasks(int64_t n, Fn&& fn) {
+  const at::ThreadLocalState state;
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    at::ThreadLocalStateGuard tls(state);
+    for (int64_t task = begin; task < end; ++task) fn(task);
+  });
+}
+
 // Runs fn(b, h, i0, rows) over (batch, kv head, query block) tasks: on the CPU in parallel, each
 // task's ATen calls on one thread; on CUDA over whole batches and heads at once (b = h = -1),
-// query block after query block. split_rows = false: a CPU task takes every row of its (batch,
-// kv head).
+// query block after query block.
 template <typename Fn>
-void for_blocks(const at::Tensor& q, int64_t hkv, int64_t sq, const Tiling& t, bool split_rows, Fn&& fn) {
+void for_blocks(const at::Tensor& q, int64_t hkv, int64_t sq, const Tiling& t, Fn&& fn) {
   if (!q.is_cpu()) {
     for (int64_t i0 = 0; i0 < sq; i0 += t.rows) fn(-1, -1, i0, std::min(t.rows, sq - i0));
     return;
   }
-  const int64_t chunks = split_rows ? (sq + t.rows - 1) / t.rows : 1, tasks = q.size(0) * hkv * chunks;
-  // The ATen calls of a task must dispatch as this thread's do (below autograd): worker threads
-  // take this thread's dispatch-key and grad-mode state.
-  const at::ThreadLocalState state;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    at::ThreadLocalStateGuard tls(state);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t c = task % chunks, h = (task / chunks) % hkv, bi = task / (chunks * hkv);
-      const int64_t i0 = split_rows ? c * t.rows : 0;
-      fn(bi, h, i0, split_rows ? std::min(t.rows, sq - i0) : sq);
-    }
+  const int64_t chunks = (sq + t.rows - 1) / t.rows;
+  parallel_tasks(q.size(0) * hkv * chunks, [&](int64_t task) {
+    const int64_t c = task % chunks, h = (task / chunks) % hkv, b = task / (chunks * hkv);
+    fn(b, h, c * t.rows, std::min(t.rows, sq - c * t.rows));
   });
 }
 
@@ -298,7 +313,7 @@ Pair attention_device(const at::Tensor& q, const at::Tensor& k_in, const at::Ten
   const Tiling t = tiling(q, sk);
   const double scale = resolve_scale(scale_opt, d);
   const bool fast_cpu = q.is_cpu() && acc_dtype(q) == at::kFloat;
-  for_blocks(q, hkv, sq, t, /*split_rows=*/true, [&](int64_t b, int64_t h, int64_t i0, int64_t m) {
+  for_blocks(q, hkv, sq, t, [&](int64_t b, int64_t h, int64_t i0, int64_t m) {
     const Blocks blk{i0, sq, sk, causal, scale, t.keys};
     (fast_cpu ? forward_rows_cpu : forward_rows)(task_slice(qg, b, h).narrow(3, i0, m), task_slice(k, b, h),
                                                  task_slice(v, b, h), blk, task_slice(outg, b, h).narrow(3, i0, m),
@@ -329,17 +344,53 @@ Triple attention_backward_device(const std::optional<at::Tensor>& grad_out, cons
     const Tiling t = tiling(q, sk);
     const double s = scale;
     const bool fast_cpu = q.is_cpu() && acc == at::kFloat;
-    // dk and dv gather every query row of their kv head: a CPU task owns a whole (batch, kv head).
-    for_blocks(q, hkv, sq, t, /*split_rows=*/false, [&](int64_t b, int64_t h, int64_t i0, int64_t m) {
-      for (int64_t r = i0; r < i0 + m; r += t.rows) {
-        const int64_t mr = std::min(t.rows, i0 + m - r);
-        const Blocks blk{r, sq, sk, causal, s, t.keys};
-        auto rows = [&](const at::Tensor& x) { return task_slice(x, b, h).narrow(3, r, mr); };
-        (fast_cpu ? backward_rows_cpu : backward_rows)(rows(qg), task_slice(k, b, h), task_slice(v, b, h), rows(gog),
-                                                       rows(dtg), rows(lseg), blk, rows(dqg), task_slice(dk_acc, b, h),
-                                                       task_slice(dv_acc, b, h));
+    auto rows = [&](const at::Tensor& x, int64_t b, int64_t h, int64_t r, int64_t mr) {
+      return task_slice(x, b, h).narrow(3, r, mr);
+    };
+    // Every query row of a kv head adds to its dk and dv. On CUDA and on a CPU with at least as many
+    // (batch, kv head) pairs as threads, a task owns a pair and writes its dq, dk and dv in one pass
+    // over the blocks. With fewer pairs, two passes keep every thread busy: dk and dv per (pair,
+    // key block), then dq per (pair, query block), recomputing the probabilities (7 matmuls a block
+    // instead of 5).
+    const int64_t pairs = q.size(0) * hkv;
+    if (!q.is_cpu() || pairs >= at::get_num_threads()) {
+      auto one_pass = [&](int64_t b, int64_t h) {
+        for (int64_t r = 0; r < sq; r += t.rows) {
+          const int64_t mr = std::min(t.rows, sq - r);
+          const Blocks blk{r, sq, sk, causal, s, t.keys};
+          (fast_cpu ? backward_rows_cpu : backward_rows)(rows(qg, b, h, r, mr), task_slice(k, b, h), task_slice(v, b, h),
+                                                         rows(gog, b, h, r, mr), rows(dtg, b, h, r, mr),
+                                                         rows(lseg, b, h, r, mr), blk, rows(dqg, b, h, r, mr),
+                                                         task_slice(dk_acc, b, h), task_slice(dv_acc, b, h));
+        }
+      };
+      if (q.is_cpu()) {
+        parallel_tasks(pairs, [&](int64_t task) { one_pass(task / hkv, task % hkv); });
+      } else {
+        one_pass(-1, -1);
       }
-    });
+    } else {
+      auto pass = [&](int64_t b, int64_t h, int64_t r, int64_t mr, int64_t j0, int64_t j1, bool dkv) {
+        Blocks blk{r, sq, sk, causal, s, t.keys};
+        blk.keys_from = j0;
+        blk.keys_to = j1;
+        (fast_cpu ? backward_rows_cpu : backward_rows)(
+            rows(qg, b, h, r, mr), task_slice(k, b, h), task_slice(v, b, h), rows(gog, b, h, r, mr),
+            rows(dtg, b, h, r, mr), rows(lseg, b, h, r, mr), blk, dkv ? at::Tensor() : rows(dqg, b, h, r, mr),
+            dkv ? task_slice(dk_acc, b, h) : at::Tensor(), dkv ? task_slice(dv_acc, b, h) : at::Tensor());
+      };
+      const int64_t kblocks = (sk + t.keys - 1) / t.keys, qblocks = (sq + t.rows - 1) / t.rows;
+      parallel_tasks(pairs * kblocks, [&](int64_t task) {
+        const int64_t j0 = (task % kblocks) * t.keys, pair = task / kblocks;
+        for (int64_t r = 0; r < sq; r += t.rows) {
+          pass(pair / hkv, pair % hkv, r, std::min(t.rows, sq - r), j0, std::min(j0 + t.keys, sk), true);
+        }
+      });
+      parallel_tasks(pairs * qblocks, [&](int64_t task) {
+        const int64_t r = (task % qblocks) * t.rows, pair = task / qblocks;
+        pass(pair / hkv, pair % hkv, r, std::min(t.rows, sq - r), 0, sk, false);
+      });
+    }
   } else {
     dq.zero_();
   }
