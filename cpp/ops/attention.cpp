@@ -112,12 +112,10 @@ struct Blocks {
   }
 };
 
-at::ScalarType acc_dtype(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
-
 // Forward over one block of query rows: writes out ([B', Hkv', G, M, D], q's dtype) and lse.
 void forward_rows(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v, const Blocks& blk,
                   const at::Tensor& out, const at::Tensor& lse) {
-  const at::ScalarType acc = acc_dtype(qg);
+  const at::ScalarType acc = attention_lse_dtype(qg.scalar_type());
   const int64_t m = qg.size(3), d = qg.size(4);
   const at::Tensor qs = (qg.to(acc) * blk.scale).flatten(2, 3);  // [B', Hkv', G*M, D]
   const auto rows = qs.sizes().slice(0, 3);
@@ -149,7 +147,7 @@ void forward_rows(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v
 void backward_rows(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v, const at::Tensor& gog,
                    const at::Tensor& dterm, const at::Tensor& lse, const Blocks& blk, const at::Tensor& dq,
                    const at::Tensor& dk_acc, const at::Tensor& dv_acc) {
-  const at::ScalarType acc = acc_dtype(qg);
+  const at::ScalarType acc = attention_lse_dtype(qg.scalar_type());
   const int64_t m = qg.size(3);
   const at::Tensor qa = qg.to(acc).flatten(2, 3), go = gog.to(acc).flatten(2, 3);  // [B', Hkv', G*M, D]
   const at::Tensor lse_r = lse.flatten(2, 3).masked_fill(lse.flatten(2, 3) == -kInf, kInf).unsqueeze(-1);
@@ -312,7 +310,7 @@ Pair attention_device(const at::Tensor& q, const at::Tensor& k_in, const at::Ten
   const at::Tensor lseg = lse.unflatten(1, {hkv, hq / hkv});
   const Tiling t = tiling(q, sk);
   const double scale = resolve_scale(scale_opt, d);
-  const bool fast_cpu = q.is_cpu() && acc_dtype(q) == at::kFloat;
+  const bool fast_cpu = q.is_cpu() && attention_lse_dtype(q.scalar_type()) == at::kFloat;
   for_blocks(q, hkv, sq, t, [&](int64_t b, int64_t h, int64_t i0, int64_t m) {
     const Blocks blk{i0, sq, sk, causal, scale, t.keys};
     (fast_cpu ? forward_rows_cpu : forward_rows)(task_slice(qg, b, h).narrow(3, i0, m), task_slice(k, b, h),
@@ -330,7 +328,7 @@ Triple attention_backward_device(const std::optional<at::Tensor>& grad_out, cons
   const double scale = resolve_scale(scale_opt, q.size(3));
   const int64_t hq = q.size(1), sq = q.size(2), hkv = k_in.size(1), sk = k_in.size(2), g = hq / hkv;
   at::Tensor dq = heads_layout_like(q), dk = heads_layout_like(k_in), dv = heads_layout_like(v_in);
-  const at::ScalarType acc = acc_dtype(q);
+  const at::ScalarType acc = attention_lse_dtype(q.scalar_type());
   const bool has_go = grad_out.has_value() && grad_out->defined();
   const at::Tensor go = has_go ? *grad_out : at::zeros_like(q);
   // dterm = rowsum(grad_out * out) - grad_lse, per query row.

@@ -8,7 +8,7 @@
 
 namespace customops {
 
-// lse's dtype: float32, float64 for float64 inputs.
+// lse's dtype, and the kernels' accumulation dtype: float32, float64 for float64 inputs.
 inline at::ScalarType attention_lse_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 inline void check_attention(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
