@@ -13,8 +13,9 @@
 // parallel over (batch, kv head, query block) in the forward and (batch, kv head) in the backward,
 // each block's scores in cache, the softmax work between the matmuls in one vectorized pass
 // (cpp/cpu/attention.cpp); on CUDA each step covers every batch entry and head at once, over
-// query chunks sized to keep the scores under 256 MiB. A fused tensor-core CUDA kernel (scores
-// kept in registers) is the next step; these kernels are its reference.
+// query chunks sized to keep the scores under 256 MiB. On CUDA, float16 and bfloat16 with head dims
+// 64 and 128 go to the fused tensor-core kernels instead (cuda/attention.cu, scores kept in
+// registers); these kernels are their reference and take every other input.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -305,11 +306,17 @@ Pair attention_device(const at::Tensor& q, const at::Tensor& k_in, const at::Ten
   at::Tensor out = heads_layout_like(q);
   at::Tensor lse = at::empty({q.size(0), hq, sq}, q.options().dtype(attention_lse_dtype(q.scalar_type())));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
+  const double scale = resolve_scale(scale_opt, d);
+#ifdef CUSTOMOPS_WITH_CUDA
+  if (q.is_cuda() && attention_cuda_fused(q, scale)) {
+    attention_fwd_cuda(q, k_in, v_in, causal, scale, out, lse);
+    return {out, lse};
+  }
+#endif
   const at::Tensor k = k_in.contiguous(), v = v_in.contiguous();
   const at::Tensor qg = q.unflatten(1, {hkv, hq / hkv}), outg = out.unflatten(1, {hkv, hq / hkv});
   const at::Tensor lseg = lse.unflatten(1, {hkv, hq / hkv});
   const Tiling t = tiling(q, sk);
-  const double scale = resolve_scale(scale_opt, d);
   const bool fast_cpu = q.is_cpu() && attention_lse_dtype(q.scalar_type()) == at::kFloat;
   for_blocks(q, hkv, sq, t, [&](int64_t b, int64_t h, int64_t i0, int64_t m) {
     const Blocks blk{i0, sq, sk, causal, scale, t.keys};
@@ -331,6 +338,12 @@ Triple attention_backward_device(const std::optional<at::Tensor>& grad_out, cons
   const at::ScalarType acc = attention_lse_dtype(q.scalar_type());
   const bool has_go = grad_out.has_value() && grad_out->defined();
   const at::Tensor go = has_go ? *grad_out : at::zeros_like(q);
+#ifdef CUSTOMOPS_WITH_CUDA
+  if (q.is_cuda() && attention_cuda_fused(q, scale)) {
+    attention_bwd_cuda(go, grad_lse, q, k_in, v_in, out, lse, causal, scale, dq, dk, dv);
+    return {dq, dk, dv};
+  }
+#endif
   // dterm = rowsum(grad_out * out) - grad_lse, per query row.
   at::Tensor dterm = has_go ? (go.to(acc) * out.to(acc)).sum(-1) : at::zeros(lse.sizes(), lse.options());
   if (grad_lse.has_value() && grad_lse->defined()) dterm = dterm - *grad_lse;

@@ -77,4 +77,18 @@ struct AttentionCpuKernels {
 };
 const AttentionCpuKernels& attention_kernels_cpu();
 
+#ifdef CUSTOMOPS_WITH_CUDA
+// The fused CUDA kernels (cuda/attention.cu): float16 and bfloat16, head dims 64 and 128, a
+// positive scale, sm_80 or newer. attention_cuda_fused says whether they take q (k and v match it
+// after check_attention); the others go through the blocked ATen kernels.
+bool attention_cuda_fused(const at::Tensor& q, double scale);
+// Writes out (q's sizes, unit last stride) and lse (contiguous float32 [B, Hq, Sq]).
+void attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
+                        const at::Tensor& out, const at::Tensor& lse);
+// Writes dq, dk and dv (their inputs' sizes, unit last stride, 16-byte aligned rows).
+void attention_bwd_cuda(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+                        const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                        bool causal, double scale, const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv);
+#endif
+
 }  // namespace customops

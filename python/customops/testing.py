@@ -472,6 +472,9 @@ def _attention_samples(device, dtype, requires_grad):
         ((2, 2, 2, 4, 4, 3), "contiguous", True, 0.5),
         ((1, 4, 2, 3, 6, 2), "transposed", True, None),
         ((2, 4, 2, 9, 13, 8), "contiguous", False, None),
+        # head dims of the fused CUDA kernel (float16 and bfloat16): several blocks, partial ones
+        ((1, 4, 2, 70, 130, 64), "transposed", True, None),
+        ((2, 2, 1, 67, 40, 128), "contiguous", False, 0.3),
         ((1, 3, 1, 1, 7, 16), "contiguous", True, None),  # decoding one query over a cache
         ((2, 2, 1, 6, 5, 8), "strided", False, 0.3),
         ((1, 2, 2, 130, 520, 4), "contiguous", True, None),  # several blocks of rows and keys

@@ -70,3 +70,44 @@ def test_matches_sdpa_and_reads_transposed_views_in_place(device):
         want = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=causal)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
         assert got.transpose(1, 2).is_contiguous()  # o_proj's [B, S, H * D] input is a view
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal):
+    # The tensor-core kernel's shapes: grouped heads, lengths off the block sizes, Sq < Sk and
+    # Sq > Sk (causal: rows that see no key), one query; q as a [B, S, H, D] view; lse's gradient.
+    torch.manual_seed(0)
+    for b, hq, hkv, sq, sk in [(2, 4, 2, 256, 256), (1, 3, 1, 100, 300), (1, 2, 2, 300, 100), (2, 2, 1, 1, 77)]:
+        q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+        k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+        out, lse = customops.attention(q, k, v, causal=causal, return_lse=True)
+        go, gl = torch.randn_like(out), torch.randn_like(lse).masked_fill(lse.isinf(), 0)
+        got = (out, lse, *torch.autograd.grad((out, lse), (q, k, v), (go, gl)))
+        q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+        want_out, want_lse = T._attention_ref(q32, k32, v32, causal)
+        want = (want_out, want_lse,
+                *torch.autograd.grad((want_out, want_lse.masked_fill(want_lse.isinf(), 0)), (q32, k32, v32), (go.float(), gl)))
+        tol = 3e-2 if dtype == torch.bfloat16 else 5e-3
+        for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+            scale = max(1.0, w.abs().masked_fill(w.isinf(), 0).max().item())
+            torch.testing.assert_close(g.float(), w, atol=tol * scale, rtol=tol,
+                                       msg=lambda m: f"{name} of {[b, hq, hkv, sq, sk]}: {m}")
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
+def test_cuda_shapes_off_the_fused_kernel_take_the_blocked_one():
+    # head dim 32, a misaligned view and float32 go through the blocked ATen kernels or a copy
+    torch.manual_seed(0)
+    for d, dtype in ((32, torch.bfloat16), (64, torch.float32)):
+        q, k, v = (torch.randn(1, 2, 50, d, device="cuda", dtype=dtype) for _ in range(3))
+        want = T._attention_ref(q.double(), k.double(), v.double(), True)
+        got = customops.attention(q, k, v, causal=True, return_lse=True)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.double(), w, atol=3e-2, rtol=3e-2)
+    base = torch.randn(1, 2, 50, 65, device="cuda", dtype=torch.bfloat16)
+    q = base[..., 1:]  # last dim 64, rows 16-byte misaligned
+    want = T._attention_ref(q.double(), q.double(), q.double())
+    torch.testing.assert_close(customops.attention(q, q, q).double(), want[0], atol=3e-2, rtol=3e-2)
