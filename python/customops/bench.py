@@ -81,6 +81,8 @@ class Bench:
     # fwd+bwd only: -> fn(*inputs) timed beside the others as impl "matmuls" (the matmuls an op is
     # built on, so its table shows their share)
     matmuls: Callable[[], Callable] | None = None
+    # dims -> (forward, backward) FLOPs of an op bound by its matmuls: its rows show TFLOP/s too
+    flops: Callable[[tuple], tuple[float, float]] | None = None
 
 
 def _randn(dims, device, dtype):
@@ -211,6 +213,17 @@ def _attention_bytes(dims, itemsize):
     return 4 * n, 8 * n
 
 
+def _attention_flops(causal: bool):
+    # Two matmuls of [S, D] x [D, S] a head forward (half of them under the causal mask), five
+    # backward (the scores again, dP, dV, dK, dQ): the usual count, which FlashAttention reports.
+    def count(dims):
+        b, h, s, d = dims
+        fwd = 4 * b * h * s * s * d / (2 if causal else 1)
+        return fwd, 2.5 * fwd
+
+    return count
+
+
 def _attention_bench(causal: bool) -> "Bench":
     return Bench(
         name="attention" + (" causal" if causal else ""),
@@ -220,6 +233,7 @@ def _attention_bench(causal: bool) -> "Bench":
         # "eager" is F.scaled_dot_product_attention (flash or cuDNN on CUDA, its flash kernel on CPU)
         eager=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
         bytes=_attention_bytes,
+        flops=_attention_flops(causal),
         shapes=(Shape((2, 8, 1024, 64), "cpu", (_F32, _BF16)), Shape((4, 16, 4096, 128), "cuda", (_BF16,))),
         quick_dims=(1, 2, 128, 32),
         targets=(Target("cpu", "eager", 1.0), Target("cpu", "eager", 1.0, "fwd+bwd"), Target("cuda", "eager", 0.5),
@@ -627,6 +641,7 @@ def _run_case(bench: Bench, dims: tuple, dtype: torch.dtype, device: str, budget
     with torch.no_grad():
         ref = bench.eager(*args)
     fwd_bytes, bwd_bytes = bench.bytes(dims, torch.empty((), dtype=dtype).element_size())
+    fwd_flops, bwd_flops = bench.flops(dims) if bench.flops is not None else (0, 0)
     timer, sync = _timer(device), _sync(device)
     rows = []
     for pass_ in PASSES:
@@ -670,6 +685,9 @@ def _run_case(bench: Bench, dims: tuple, dtype: torch.dtype, device: str, budget
             row = {"op": bench.name, "shape": list(dims), "dtype": str(dtype).removeprefix("torch."), "pass": pass_,
                    "impl": impl, **t, "bytes": nbytes, "gbps": gbps, "pct_of_copy": 100 * gbps / copy_gbps,
                    "copy_gbps": copy_gbps, "peak_mib": peaks[impl]}
+            if fwd_flops:
+                nflops = fwd_flops if pass_ == "fwd" else fwd_flops + bwd_flops
+                row["tflops"] = nflops / t["median_ms"] / 1e9
             if impl == "compile":
                 row["first_call_s"] = compile_s[impl]
             if impl == "customops":
@@ -873,6 +891,14 @@ AGAINST_LABEL = {"eager": "eager", "compile": "torch.compile", "liger": "Liger-K
                  "liger_memory": "Liger-Kernel's peak memory over customops'"}
 
 
+def _flops_column(report: dict) -> tuple:
+    return (("TFLOP/s", "right"),) if any("tflops" in r for r in report["rows"]) else ()
+
+
+def _tflops_cell(r: dict) -> str:
+    return f"{r['tflops']:.3g}" if "tflops" in r else ""
+
+
 def _peak_cell(r: dict) -> str:
     return "" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
 
@@ -917,7 +943,7 @@ def print_report(report: dict) -> None:
     t = Table(title=_header(report), title_justify="left")
     for col, just in (("op", "left"), ("shape", "left"), ("dtype", "left"), ("pass", "left"), ("impl", "left"),
                       ("median", "right"), ("GB/s", "right"), ("% of copy", "right"),
-                      ("customops speed-up", "right"), ("peak MiB", "right")):
+                      ("customops speed-up", "right"), ("peak MiB", "right")) + _flops_column(report):
         t.add_column(col, justify=just)
     for _, g in _groups(report["rows"]):
         for i, r in enumerate(g):
@@ -928,6 +954,7 @@ def print_report(report: dict) -> None:
             t.add_row(r["op"] if first else "", _shape(r) if first else "", r["dtype"] if first else "",
                       r["pass"] if first else "", IMPL_LABEL[r["impl"]], _fmt_ms(r["median_ms"]),
                       f"{r['gbps']:.1f}", f"{r['pct_of_copy']:.0f}%", sp, _peak_cell(r),
+                      *([_tflops_cell(r)] if _flops_column(report) else []),
                       style="bold" if r["impl"] == "customops" else None, end_section=i == len(g) - 1)
     console.print(t)
     console.print(f"copy roofline: dst.copy_(src), {c['bytes'] / 2**20:.0f} MiB moved: {c['gbps']:.1f} GB/s (median of "
@@ -1003,14 +1030,16 @@ def markdown(report: dict, image: str | None = None) -> str:
         f"**{c['gbps']:.1f} GB/s** (median; {c['gbps_range'][0]:.1f} to {c['gbps_range'][1]:.1f}). Each row's "
         "% of copy is against the copy timed alongside it.",
         "",
-        "| op | shape | dtype | pass | impl | median | GB/s | % of copy | customops speed-up | peak MiB |",
-        "|---|---|---|---|---|--:|--:|--:|--:|--:|",
+        "| op | shape | dtype | pass | impl | median | GB/s | % of copy | customops speed-up | peak MiB |"
+        + (" TFLOP/s |" if _flops_column(report) else ""),
+        "|---|---|---|---|---|--:|--:|--:|--:|--:|" + ("--:|" if _flops_column(report) else ""),
     ]
     for _, g in _groups(report["rows"]):
         for r in g:
             name = f"**{IMPL_LABEL[r['impl']]}**" if r["impl"] == "customops" else IMPL_LABEL[r["impl"]]
             lines.append(f"| {r['op']} | {_shape(r)} | {r['dtype']} | {r['pass']} | {name} | {_fmt_ms(r['median_ms'])} "
-                         f"| {r['gbps']:.1f} | {r['pct_of_copy']:.0f}% | {_speedup_cell(g, r)} | {_peak_cell(r)} |")
+                         f"| {r['gbps']:.1f} | {r['pct_of_copy']:.0f}% | {_speedup_cell(g, r)} | {_peak_cell(r)} |"
+                         + (f" {_tflops_cell(r)} |" if _flops_column(report) else ""))
     if image:
         lines += ["", f"![effective bandwidth, {m['device_name']}]({image})"]
     if report["overhead"]:
