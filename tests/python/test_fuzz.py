@@ -199,7 +199,9 @@ def check_sample(info: T.OpInfo, s: T.Sample, dtype) -> None:
         assert g.shape == w.shape, f"{where}: shape {list(g.shape)}, the reference's {list(w.shape)}"
         assert (m.shape, m.dtype) == (g.shape, g.dtype), f"{where}: Meta gives {list(m.shape)} {m.dtype}"
         if g.numel() > 1:
-            assert m.stride() == g.stride(), f"{where}: Meta strides {m.stride()}, the kernel's {g.stride()}"
+            # strides of size-1 dims address nothing (PyTorch's own stride checks skip them too)
+            sig = lambda t: [st for st, n in zip(t.stride(), t.shape) if n > 1]  # noqa: E731
+            assert sig(m) == sig(g), f"{where}: Meta strides {m.stride()}, the kernel's {g.stride()}"
         ok = _agrees(g, w, a, atol, rtol)
         if not bool(ok.all()):
             bad = (~ok).nonzero()[:5].tolist()
