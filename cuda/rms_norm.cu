@@ -5,8 +5,9 @@
 // - Forward: one block per row (about 256 threads), each thread holding K vectors of the row in
 //   registers, so the row is read once; the hardware keeps several rows per SM in flight while
 //   others reduce. Rows longer than 1024 threads x 8 vectors take a loop kernel that reads them twice.
-// - Backward: half an SM's worth of blocks, grid-stride over rows, dy and x of a row cached in
-//   registers (kCache vectors per thread) between the reduction and the write. Each thread owns
+// - Backward: one wave of blocks, grid-stride over rows, dy and x (and add_rms_norm's gradient of
+//   sum) of a row cached in registers (kCache vectors per thread) between the reduction and the
+//   write. Each thread owns
 //   fixed columns in every row, so it accumulates their weight gradient in shared memory without
 //   atomics (element j of vector i at [j * nv + i]: no bank conflicts); a column-tiled kernel sums
 //   the per-block partials. Rows whose accumulators do not fit in shared memory use ATen for dw.
@@ -125,91 +126,97 @@ __device__ __forceinline__ void store(T* p, const Pack<T, V>& v) {
   *reinterpret_cast<Pack<T, V>*>(p) = v;
 }
 
-constexpr int kCache = 4;  // backward: vectors of dy and of x per thread kept in registers
+
+constexpr int kCache = 4;  // backward: vectors of each row tensor per thread kept in registers
 
 // Backward, one block per row at a time (grid-stride over rows).
 // dx = rstd * (w*dy) - x * rstd^3 / n * sum(w*dy*x); dw_partial[block] += dy * x * rstd.
-// The row's dy and x stay in registers (up to kCache vectors per thread) between the reduction
-// and the write. dw accumulators: shared memory, element j of vector i at [j * nv + i], so a
-// warp's 32 threads touch 32 consecutive words (no bank conflicts); each thread owns its columns
-// in every row the block visits, so no atomics.
-// dadd (add_rms_norm's gradient of sum, or nullptr) is added to dx.
-template <typename T, typename W, int V>
+// The row's dy and x (and add_rms_norm's gradient of sum, dadd, added to dx) stay in registers
+// (up to kCache vectors per thread) between the reduction and the write: every load of that part
+// of the row is issued before the reduction, so the write waits on none. dw accumulators: shared
+// memory, element j of vector i at [j * nv + i], so a warp's 32 threads touch 32 consecutive words
+// (no bank conflicts); each thread owns its columns in every row the block visits, so no atomics.
+// In-row indices are 32-bit (a row fits in shared memory or in 512 threads' registers).
+template <typename T, typename W, int V, int kCache>
 __global__ void __launch_bounds__(512) rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ w,
                                     const at::opmath_type<T>* __restrict__ rstd, const T* __restrict__ dadd,
                                     T* __restrict__ dx, at::opmath_type<T>* __restrict__ dw_partial, int64_t rows,
                                     int64_t n) {
   using A = at::opmath_type<T>;
+  using P = Pack<T, V>;
+  using PW = Pack<W, V>;
   extern __shared__ unsigned char smem_raw[];
   A* red = reinterpret_cast<A*>(smem_raw);
   A* dw_acc = red + 32;  // n accumulators when dw_partial != nullptr
-  const int64_t nv = n / V;
+  const int nv = static_cast<int>(n / V);
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const PW* wp = reinterpret_cast<const PW*>(w);
+  const bool with_dx = dx != nullptr, with_add = dadd != nullptr && dx != nullptr;
   if (dw_partial != nullptr) {
-    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) dw_acc[c] = 0;
+    for (int c = tid; c < nv * V; c += nt) dw_acc[c] = 0;
     __syncthreads();  // zeroed in a different thread-to-column mapping than they are accumulated
   }
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-    const T* dyr = dy + r * n;
-    const T* xr = x + r * n;
+    const P* dyr = reinterpret_cast<const P*>(dy + r * n);
+    const P* xr = reinterpret_cast<const P*>(x + r * n);
+    const P* ar = with_add ? reinterpret_cast<const P*>(dadd + r * n) : nullptr;
     const A rs = rstd[r];
-    Pack<T, V> gc[kCache], xc[kCache];
+    P gc[kCache], xc[kCache], ac[kCache];
 #pragma unroll
     for (int k = 0; k < kCache; ++k) {
-      const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+      const int i = tid + k * nt;
       if (i < nv) {
-        gc[k] = load<T, V>(dyr + i * V);
-        xc[k] = load<T, V>(xr + i * V);
+        gc[k] = dyr[i];
+        xc[k] = xr[i];
+        if (with_add) ac[k] = ar[i];
       }
     }
     A coef = 0;
-    if (dx != nullptr) {
+    if (with_dx) {
       A s = 0;
-      auto dot = [&](int64_t i, const Pack<T, V>& g, const Pack<T, V>& xv) {
-        Pack<W, V> wv;
-        if (w != nullptr) wv = load<W, V>(w + i * V);
+      auto dot = [&](int i, const P& g, const P& xv) {
+        PW wv;
+        if (wp != nullptr) wv = wp[i];
 #pragma unroll
-        for (int j = 0; j < V; ++j) s += A(g.v[j]) * (w != nullptr ? A(wv.v[j]) : A(1)) * A(xv.v[j]);
+        for (int j = 0; j < V; ++j) s += A(g.v[j]) * (wp != nullptr ? A(wv.v[j]) : A(1)) * A(xv.v[j]);
       };
 #pragma unroll
       for (int k = 0; k < kCache; ++k) {
-        const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
+        const int i = tid + k * nt;
         if (i < nv) dot(i, gc[k], xc[k]);
       }
-      for (int64_t i = threadIdx.x + static_cast<int64_t>(kCache) * blockDim.x; i < nv; i += blockDim.x) {
-        dot(i, load<T, V>(dyr + i * V), load<T, V>(xr + i * V));
-      }
+      for (int i = tid + kCache * nt; i < nv; i += nt) dot(i, dyr[i], xr[i]);
       coef = block_sum(s, red) * rs * rs * rs / A(n);
     }
-    auto emit = [&](int64_t i, const Pack<T, V>& g, const Pack<T, V>& xv) {
-      if (dx != nullptr) {
-        Pack<W, V> wv;
-        Pack<T, V> out, da;
-        if (w != nullptr) wv = load<W, V>(w + i * V);
-        if (dadd != nullptr) da = load<T, V>(dadd + r * n + i * V);
+    P* dxr = with_dx ? reinterpret_cast<P*>(dx + r * n) : nullptr;
+    auto emit = [&](int i, const P& g, const P& xv, const P& da) {
+      if (with_dx) {
+        PW wv;
+        P out;
+        if (wp != nullptr) wv = wp[i];
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          const A gw = A(g.v[j]) * (w != nullptr ? A(wv.v[j]) : A(1));
-          out.v[j] = static_cast<T>(gw * rs - A(xv.v[j]) * coef + (dadd != nullptr ? A(da.v[j]) : A(0)));
+          const A gw = A(g.v[j]) * (wp != nullptr ? A(wv.v[j]) : A(1));
+          out.v[j] = static_cast<T>(gw * rs - A(xv.v[j]) * coef + (with_add ? A(da.v[j]) : A(0)));
         }
-        store<T, V>(dx + r * n + i * V, out);
+        dxr[i] = out;
       }
       if (dw_partial != nullptr) {
+        A* acc = dw_acc + i;
 #pragma unroll
-        for (int j = 0; j < V; ++j) dw_acc[j * nv + i] += A(g.v[j]) * A(xv.v[j]) * rs;
+        for (int j = 0; j < V; ++j) acc[j * nv] += A(g.v[j]) * A(xv.v[j]) * rs;
       }
     };
 #pragma unroll
     for (int k = 0; k < kCache; ++k) {
-      const int64_t i = threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-      if (i < nv) emit(i, gc[k], xc[k]);
+      const int i = tid + k * nt;
+      if (i < nv) emit(i, gc[k], xc[k], ac[k]);
     }
-    for (int64_t i = threadIdx.x + static_cast<int64_t>(kCache) * blockDim.x; i < nv; i += blockDim.x) {
-      emit(i, load<T, V>(dyr + i * V), load<T, V>(xr + i * V));
-    }
+    for (int i = tid + kCache * nt; i < nv; i += nt) emit(i, dyr[i], xr[i], with_add ? ar[i] : P{});
   }
   if (dw_partial != nullptr) {
     __syncthreads();
-    for (int64_t c = threadIdx.x; c < n; c += blockDim.x) dw_partial[blockIdx.x * n + c] = dw_acc[(c % V) * nv + c / V];
+    for (int c = tid; c < nv * V; c += nt) dw_partial[blockIdx.x * n + c] = dw_acc[(c % V) * nv + c / V];
   }
 }
 
@@ -412,17 +419,23 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_common(const at::Tensor& gr
     const size_t smem = (32 + (want_dw ? n : 0)) * sizeof(A);
     const bool dw_in_kernel = want_dw && smem <= prop->sharedMemPerBlockOptin;
     const size_t launch_smem = dw_in_kernel ? smem : 32 * sizeof(A);
-    // Half the SM's threads: enough loads in flight, and half as many dw partials to write and sum
-    // as full occupancy would give.
-    const int64_t resident = int64_t{prop->multiProcessorCount} * (prop->maxThreadsPerMultiProcessor / threads);
-    const int64_t blocks = std::min<int64_t>(rows, std::max<int64_t>(1, resident / 2));
-    at::Tensor partial = dw_in_kernel ? at::empty({blocks, n}, x.options().dtype(rstd.scalar_type())) : at::Tensor();
     auto stream = at::cuda::getCurrentCUDAStream();
+    at::Tensor partial;
+    int64_t blocks = 0;
     auto launch = [&](auto kernel) {
       if (launch_smem > 48 * 1024) {
         C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(launch_smem)));
       }
+      // One wave: as many blocks as the SMs hold at once (registers and shared memory permitting),
+      // each looping over rows. Measured on an H100 (add_rms_norm, bf16, 32768x4096 and 4096x8192):
+      // 3-8% faster than the former count (blocks for half the SM's thread slots, which at 128
+      // registers a thread do not all fit: two waves), 32-35% faster than half a wave (fewer
+      // weight-gradient partials to sum do not pay for the idle warps).
+      int per_sm = 0;
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, launch_smem));
+      blocks = std::min<int64_t>(rows, int64_t{prop->multiProcessorCount} * std::max(per_sm, 1));
+      partial = dw_in_kernel ? at::empty({blocks, n}, x.options().dtype(rstd.scalar_type())) : at::Tensor();
       kernel<<<static_cast<unsigned>(blocks), threads, launch_smem, stream>>>(dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), wp,
                                                         rstd.const_data_ptr<A>(), dap, dxp,
                                                         dw_in_kernel ? partial.mutable_data_ptr<A>() : nullptr, rows, n);
@@ -431,9 +444,9 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_common(const at::Tensor& gr
     constexpr int kVec = 16 / sizeof(scalar_t);
     if (dxp != nullptr || dw_in_kernel) {
       if (v == kVec) {
-        launch(rms_norm_bwd_kernel<scalar_t, W, kVec>);
+        launch(rms_norm_bwd_kernel<scalar_t, W, kVec, kCache>);
       } else {
-        launch(rms_norm_bwd_kernel<scalar_t, W, 1>);
+        launch(rms_norm_bwd_kernel<scalar_t, W, 1, kCache>);
       }
     }
     if (dw_in_kernel) {

@@ -1,12 +1,13 @@
 // CUDA kernels of rope and _rope_backward: one launch for q and k together. A thread owns one unit
-// of a position (b, s) in kHeads heads of q or of k (grid y: head chunks, q's first; grid x:
-// positions x units), so each cos/sin load serves kHeads rows and every x load of those rows is in
-// flight before any math. A rotating unit is two 16-byte packs, at i and i + R/2: rotate-half pairs
-// (j, j + R/2) span them, GPT-J pairs (2j, 2j + 1) lie inside each; dims past R go through one pack
-// a unit. Consecutive threads read consecutive packs. q and k are read through their strides (views
-// of a fused qkv projection stay in place); outputs are dense in the input's order
-// (heads_layout_like). Rows, strides or R/2 not aligned to 16 bytes take the same kernel one pair
-// (or element) a unit. The backward is the transposed rotation.
+// of a position (b, s) in kHeads heads of q or of k, so each cos/sin load serves kHeads rows and
+// every x load of those rows is in flight before any math. Blocks in launch order take a tile of
+// positions x units in each head chunk (q's first), then the next tile. A rotating unit is two
+// 16-byte packs, at i and i + R/2: rotate-half pairs (j, j + R/2) span them, GPT-J pairs
+// (2j, 2j + 1) lie inside each; dims past R go through one pack a unit. Consecutive threads read
+// consecutive packs. q and k are read through their strides (views of a fused qkv projection stay
+// in place); outputs are dense in the input's order (heads_layout_like). Rows, strides or R/2 not
+// aligned to 16 bytes take the same kernel one pair (or element) a unit. The backward is the
+// transposed rotation.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/library.h>
@@ -24,7 +25,9 @@ namespace {
 using cuda::Pack;
 
 constexpr int kThreads = 256;
-constexpr int kHeads = 4;  // heads per thread
+// Heads per thread. Measured on an H100 (bf16, B 4, Hq 32, Hkv 8, S 2048, D 128): 4 heads 64.3 us a
+// pass, 2 heads 68.3, 8 heads 65.5 (224 registers); 8-byte packs instead of 16: no faster.
+constexpr int kHeads = 4;
 
 template <typename T>
 struct RopeArgs {
@@ -61,12 +64,16 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(RopeArgs<T> a) {
   using P = Pack<T, V>;
   constexpr bool kAdjacent = kInterleaved && V > 1;  // each pack holds whole pairs
   const int64_t h = a.r / 2, total = a.positions * a.units;
-  for (int64_t chunk = blockIdx.y; chunk < a.chunks; chunk += gridDim.y) {
-    const int w = chunk < a.q_chunks ? 0 : 1;
-    const int64_t h0 = (w == 0 ? chunk : chunk - a.q_chunks) * kHeads;
-    const int nh = static_cast<int>(std::min<int64_t>(kHeads, a.heads[w] - h0));
-    const int64_t x_hstride = a.stride[w][1], y_hstride = a.out_stride[w][1];
-    for (int64_t g = blockIdx.x * int64_t{kThreads} + threadIdx.x; g < total; g += int64_t{gridDim.x} * kThreads) {
+  const int64_t tiles = (total + kThreads - 1) / kThreads;
+  // Blocks in launch order take every head chunk of a tile of positions before the next tile, so
+  // the blocks running at once stream through q and k in memory order ([B, S, H, D] views too).
+  for (int64_t bid = blockIdx.x; bid < tiles * a.chunks; bid += gridDim.x) {
+    const int64_t chunk = bid % a.chunks, g = (bid / a.chunks) * kThreads + threadIdx.x;
+    if (g < total) {
+      const int w = chunk < a.q_chunks ? 0 : 1;
+      const int64_t h0 = (w == 0 ? chunk : chunk - a.q_chunks) * kHeads;
+      const int nh = static_cast<int>(std::min<int64_t>(kHeads, a.heads[w] - h0));
+      const int64_t x_hstride = a.stride[w][1], y_hstride = a.out_stride[w][1];
       const int64_t p = g / a.units, u = g % a.units, bi = p / a.s, si = p % a.s;
       const T* x = a.x[w] + bi * a.stride[w][0] + h0 * x_hstride + si * a.stride[w][2];
       T* y = a.out[w] + bi * a.out_stride[w][0] + h0 * y_hstride + si * a.out_stride[w][2];
@@ -167,12 +174,10 @@ std::tuple<at::Tensor, at::Tensor> rope_apply(const at::Tensor& q_in, const at::
     auto launch = [&](auto kernel, int v) {
       a.rot_units = a.r / 2 / v;
       a.units = a.rot_units + (a.d - a.r) / v;
-      const int64_t blocks_x = std::min<int64_t>((a.positions * a.units + kThreads - 1) / kThreads,
-                                                 std::numeric_limits<int32_t>::max());
-      const int64_t blocks_y = std::min<int64_t>(a.chunks, 65535);
-      if (blocks_x == 0 || blocks_y == 0) return;
-      const dim3 grid(static_cast<unsigned>(blocks_x), static_cast<unsigned>(blocks_y));
-      kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a);
+      const int64_t blocks = std::min<int64_t>((a.positions * a.units + kThreads - 1) / kThreads * a.chunks,
+                                               std::numeric_limits<int32_t>::max());
+      if (blocks == 0) return;
+      kernel<<<static_cast<unsigned>(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     auto with_flags = [&](auto vc) {

@@ -1,9 +1,9 @@
 // CPU kernels of rms_norm, add_rms_norm and their backward ops: rows in parallel
 // (at::parallel_for), each row in float32 (float64 for float64) vectors. add_rms_norm writes the
-// row's sum x + residual (rounded to x's dtype) first and normalizes it while it is in L1; its
-// backward adds the gradient that reached sum directly in the same write as dx. The weight gradient, a reduction over rows, is
-// accumulated per block of rows (one block per thread) in float and summed once at the end, so
-// tall and wide shapes both run at memory speed.
+// row's sum x + residual (rounded to x's dtype) and its squares in one loop, then normalizes it
+// while it is in L1; its backward adds the gradient that reached sum directly in the same write as
+// dx. The weight gradient, a reduction over rows, is accumulated per block of rows (one block per
+// thread) in float and summed once at the end, so tall and wide shapes both run at memory speed.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -53,16 +53,27 @@ acc_t<T> dot(const T* a, const T* b, int64_t n) {
   return s;
 }
 
-// out = a + b (rounded to T) over n elements.
+// out = a + b (rounded to T) over n elements; returns the sum of the squares of out as stored
+// (read back from L1, so half types square their rounded values), in acc_t<T>.
 template <typename T>
-void add_row(const T* a, const T* b, T* out, int64_t n) {
+acc_t<T> add_row_sumsq(const T* a, const T* b, T* out, int64_t n) {
+  using A = acc_t<T>;
+  AccVec<T> v0(A(0)), v1(A(0));
   int64_t c = 0;
   for (; c + kStep<T> <= n; c += kStep<T>) {
     auto [a0, a1] = load2(a + c);
     auto [b0, b1] = load2(b + c);
     store2(out + c, a0 + b0, a1 + b1);
+    auto [s0, s1] = load2(out + c);
+    v0 = at::vec::fmadd(s0, s0, v0);
+    v1 = at::vec::fmadd(s1, s1, v1);
   }
-  for (; c < n; ++c) out[c] = static_cast<T>(acc_t<T>(a[c]) + acc_t<T>(b[c]));
+  A s = hsum(v0 + v1);
+  for (; c < n; ++c) {
+    out[c] = static_cast<T>(A(a[c]) + A(b[c]));
+    s += A(out[c]) * A(out[c]);
+  }
+  return s;
 }
 
 }  // namespace
@@ -77,12 +88,15 @@ void rms_norm_fwd(const T* x, const T* res, const W* w, T* y, T* sum, acc_t<T>* 
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)), [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const T* xr = x + r * n;
+      A ss;
       if (res != nullptr) {
-        add_row(xr, res + r * n, sum + r * n, n);
+        ss = add_row_sumsq(xr, res + r * n, sum + r * n, n);
         xr = sum + r * n;
+      } else {
+        ss = dot<T>(xr, nullptr, n);
       }
       T* yr = y + r * n;
-      const A rs = A(1) / std::sqrt(dot<T>(xr, nullptr, n) / A(n) + A(eps));
+      const A rs = A(1) / std::sqrt(ss / A(n) + A(eps));
       rstd[r] = rs;
       const AccVec<T> vrs(rs);
       int64_t c = 0;

@@ -1,5 +1,5 @@
 // linear_cross_entropy: the loss of hidden @ weight.T + bias against target without the [N, V]
-// logits. The rows go in chunks; each chunk's logits ([chunk, V], hidden's dtype) come from one
+// logits. It goes in tiles of rows x classes; each tile's logits (hidden's dtype) come from one
 // ATen matmul (cuBLAS on CUDA) and the device's cross-entropy kernels. When a gradient is
 // needed the forward computes it for a unit loss gradient (grad_hidden, grad_weight, grad_bias are
 // outputs of the private _linear_cross_entropy_with_grads, so the backward only scales them, and
@@ -54,27 +54,44 @@ const auto& lce_backward_op() {
 
 constexpr const char* kOpName = "customops::linear_cross_entropy";
 
-// Rows per chunk: enough for each chunk's matmuls to run at full speed (a multiple of 128, at
-// least 256), few enough that the chunk's logits [rows, V] take about 256 MiB. Measured on an
-// H100 (N 8192, H 2048, V 128256, bf16) before this layout: vocabulary chunks took 4 matmuls
-// (the logits twice) and 30.4 ms; rows in chunks take the 3 matmuls a plain linear + cross-entropy
-// takes. CUSTOMOPS_LINEAR_CE_CHUNK overrides it (benchmarking).
-int64_t chunk_rows(int64_t n, int64_t v, int64_t itemsize) {
-  static const int64_t forced = [] {
-    const char* e = std::getenv("CUSTOMOPS_LINEAR_CE_CHUNK");
+// A tile of the logits: rows x classes. Rows: 1024 (CUSTOMOPS_LINEAR_CE_CHUNK overrides), enough
+// for every matmul to run at full speed and for grad_weight to be read and written only once per
+// 1024 rows. Classes: the whole vocabulary when the tile then fits in hidden's own size (N x H
+// elements, or 4M for small inputs), else as many as fit (a multiple of 128;
+// CUSTOMOPS_LINEAR_CE_CLASSES overrides): the extra memory is at most hidden's, where
+// Liger-Kernel's row chunks take 1 to 2 times hidden's. Measured on an H100 (N 8192, H 2048,
+// V 128256, bf16), tiles of the whole vocabulary: 1024 rows 22.8 ms and 784 MiB above the inputs,
+// 256 rows 34.7 ms and 596 MiB (grad_weight read and written 32 times); docs/benchmarks.md has
+// the tiles this picks.
+struct Tile {
+  int64_t rows, classes;
+};
+
+Tile tile_of(int64_t n, int64_t h, int64_t v) {
+  auto env = [](const char* name) {
+    const char* e = std::getenv(name);
     return e != nullptr ? std::atoll(e) : int64_t{0};
-  }();
-  const int64_t budget = int64_t{256} << 20;
-  const int64_t r = forced > 0 ? forced : std::max<int64_t>(256, budget / std::max<int64_t>(1, v * itemsize) / 128 * 128);
-  return std::max<int64_t>(1, std::min(r, n));
+  };
+  static const int64_t forced_rows = env("CUSTOMOPS_LINEAR_CE_CHUNK"), forced_classes = env("CUSTOMOPS_LINEAR_CE_CLASSES");
+  const int64_t rows = std::max<int64_t>(1, std::min(n, forced_rows > 0 ? forced_rows : 1024));
+  const int64_t budget = std::max<int64_t>(n * h, int64_t{1} << 22);
+  int64_t classes = rows * v <= budget ? v : std::max<int64_t>(128, budget / rows / 128 * 128);
+  if (forced_classes > 0) classes = forced_classes;
+  return {rows, std::min(classes, v)};
 }
 
-// The rows go in chunks [r0, r0 + r): logits_r = hidden[r0:r0+r] @ weight.T (one matmul into one
-// buffer reused by every chunk), the device's cross-entropy kernel gives each row's loss and lse,
-// and, when a gradient is needed, turns logits_r into its gradient in place; then
-// grad_hidden[r0:r0+r] = logits_r @ weight and grad_weight += logits_r.T @ hidden[r0:r0+r]. Three
-// matmuls in all, as a plain linear + cross-entropy; grad_weight is read and written once per
-// chunk (in the matmul's epilogue), which the chunk size keeps to a few passes.
+// The rows go in chunks [r0, r0 + r) of the tile's rows, each in pieces of classes [v0, v0 + c);
+// logits tiles are hidden[r0:r0+r] @ weight[v0:v0+c].T (+ bias), each written into one buffer
+// that every tile reuses.
+// - One piece (the whole vocabulary): the device's cross-entropy kernel gives each row's loss and
+//   lse and, when a gradient is needed, turns the logits into their gradient in place; then
+//   grad_hidden[rows] = logits @ weight and grad_weight += logits.T @ hidden[rows]. Three matmuls
+//   in all, as a plain linear + cross-entropy.
+// - Several pieces: pass 1 merges each piece's log-sum-exp into the rows' (with the target's
+//   logit and, for label smoothing, the logits' sum); pass 2, when a gradient is needed,
+//   recomputes each tile, turns it into its gradient and adds its products to grad_hidden[rows]
+//   and grad_weight[classes]. Four matmuls (the logits twice) for memory O(rows x classes).
+// grad_weight is read and written once per chunk of rows (in the matmul's epilogue).
 Grads run(const CrossEntropyKernels& ce, const at::Tensor& hidden, const at::Tensor& weight,
           const at::Tensor& target_in, const std::optional<at::Tensor>& bias_in, int64_t ignore_index,
           double label_smoothing, c10::string_view reduction, std::array<bool, 3> mask) {
@@ -87,8 +104,14 @@ Grads run(const CrossEntropyKernels& ce, const at::Tensor& hidden, const at::Ten
   mask[2] = mask[2] && bias.defined();
   const bool grads = mask[0] || mask[1] || mask[2];
   const at::Tensor none = at::empty({0}, hidden.options());
-  const int64_t chunk = chunk_rows(n, v, hidden.element_size());
-  at::Tensor buffer = at::empty({std::min(chunk, n) * v}, hidden.options());
+  const Tile tile = tile_of(n, hidden.size(1), v);
+  const bool pieces = tile.classes < v;
+  at::Tensor buffer = at::empty({std::min(tile.rows, n) * tile.classes}, hidden.options());
+  auto logits_of = [&](const at::Tensor& h, int64_t v0, int64_t c) {
+    at::Tensor out = buffer.narrow(0, 0, h.size(0) * c).view({h.size(0), c});
+    const at::Tensor w = weight.narrow(0, v0, c);
+    return bias.defined() ? at::addmm_out(out, bias.narrow(0, v0, c), h, w.t()) : at::mm_out(out, h, w.t());
+  };
 
   const at::Tensor counted = mean ? (target != ignore_index).sum() : at::Tensor();
   // Each counted row's loss gradient: 1 / (rows counted) for "mean", 1 for "sum" (a device
@@ -96,35 +119,69 @@ Grads run(const CrossEntropyKernels& ce, const at::Tensor& hidden, const at::Ten
   const at::Tensor row_grad = (mean ? counted.to(acc).reciprocal() : at::ones({}, acc_opts)).expand({n});
   at::Tensor loss_rows = at::empty({n}, acc_opts), lse = at::empty({n}, acc_opts);
   at::Tensor dh = mask[0] ? at::empty(hidden.sizes(), hidden.options()) : none;
-  // The first chunk writes grad_weight, the others add to it (zeros only when there is no row).
+  // The first chunk of rows writes grad_weight, the others add to it (zeros when there is no row).
   at::Tensor dw = mask[1] ? (n == 0 ? at::zeros(weight.sizes(), weight.options()) : at::empty(weight.sizes(), weight.options()))
                           : none;
   at::Tensor db = mask[2] ? at::zeros({v}, acc_opts) : none;
-  for (int64_t r0 = 0; r0 < n; r0 += chunk) {
-    const int64_t r = std::min(chunk, n - r0);
-    const at::Tensor h = hidden.narrow(0, r0, r), t = target.narrow(0, r0, r);
-    at::Tensor logits = buffer.narrow(0, 0, r * v).view({r, v});
-    if (bias.defined()) {
-      at::addmm_out(logits, bias, h, weight.t());
-    } else {
-      at::mm_out(logits, h, weight.t());
-    }
-    const at::Tensor lse_r = lse.narrow(0, r0, r);
-    ce.forward(logits, t, ignore_index, label_smoothing, loss_rows.narrow(0, r0, r), lse_r);
-    if (!grads) continue;
-    ce.backward(row_grad.narrow(0, r0, r), at::Tensor(), logits, t, lse_r, ignore_index, label_smoothing, 0, v, logits);
+  // The gradient of the tile in place of its logits, then its products.
+  auto backward = [&](at::Tensor& g, const at::Tensor& h, const at::Tensor& t, const at::Tensor& lse_r, int64_t r0,
+                      int64_t v0) {
+    ce.backward(row_grad.narrow(0, r0, h.size(0)), at::Tensor(), g, t, lse_r, ignore_index, label_smoothing, v0, v, g);
     if (mask[0]) {
-      at::Tensor rows = dh.narrow(0, r0, r);
-      at::mm_out(rows, logits, weight);
-    }
-    if (mask[1]) {
-      if (r0 == 0) {
-        at::mm_out(dw, logits.t(), h);
+      at::Tensor rows = dh.narrow(0, r0, h.size(0));
+      const at::Tensor w = weight.narrow(0, v0, g.size(1));
+      if (v0 == 0) {
+        at::mm_out(rows, g, w);
       } else {
-        dw.addmm_(logits.t(), h);
+        rows.addmm_(g, w);
       }
     }
-    if (mask[2]) db.add_(logits.sum(0, /*keepdim=*/false, acc));
+    if (mask[1]) {
+      at::Tensor classes = dw.narrow(0, v0, g.size(1));
+      if (r0 == 0) {
+        at::mm_out(classes, g.t(), h);
+      } else {
+        classes.addmm_(g.t(), h);
+      }
+    }
+    if (mask[2]) db.narrow(0, v0, g.size(1)).add_(g.sum(0, /*keepdim=*/false, acc));
+  };
+  for (int64_t r0 = 0; r0 < n; r0 += tile.rows) {
+    const int64_t r = std::min(tile.rows, n - r0);
+    const at::Tensor h = hidden.narrow(0, r0, r), t = target.narrow(0, r0, r);
+    const at::Tensor lse_r = lse.narrow(0, r0, r);
+    if (!pieces) {
+      at::Tensor logits = logits_of(h, 0, v);
+      ce.forward(logits, t, ignore_index, label_smoothing, loss_rows.narrow(0, r0, r), lse_r);
+      if (grads) backward(logits, h, t, lse_r, r0, 0);
+      continue;
+    }
+    // Pass 1: lse, the target's logit and (label smoothing) the logits' sum, piece by piece.
+    const at::Tensor no_target = at::full({r}, -1, target.options());  // every row "ignored": lse only
+    at::Tensor lse_j = at::empty({r}, acc_opts), unused = at::empty({r}, acc_opts);
+    at::Tensor picked = at::zeros({r}, acc_opts), sum_x = label_smoothing != 0.0 ? at::zeros({r}, acc_opts) : at::Tensor();
+    lse_r.fill_(-std::numeric_limits<double>::infinity());
+    for (int64_t v0 = 0; v0 < v; v0 += tile.classes) {
+      const int64_t c = std::min(tile.classes, v - v0);
+      const at::Tensor logits = logits_of(h, v0, c);
+      ce.forward(logits, no_target, -1, 0.0, unused, lse_j);
+      lse_r.copy_(at::logaddexp(lse_r, lse_j));
+      const at::Tensor local = t - v0, here = (local >= 0).logical_and_(local < c);
+      picked.add_(logits.gather(1, local.clamp(0, c - 1).unsqueeze(1)).squeeze(1).to(acc).masked_fill_(here.logical_not(), 0));
+      if (sum_x.defined()) sum_x.add_(logits.sum(1, /*keepdim=*/false, acc));
+    }
+    at::Tensor loss_r = lse_r - picked * (1.0 - label_smoothing);
+    if (sum_x.defined()) loss_r -= sum_x * (label_smoothing / static_cast<double>(v));
+    // A target outside [0, V) (CUDA only: CPU raised before) makes its row NaN, as the kernels do.
+    const at::Tensor ignored = t == ignore_index;
+    const at::Tensor bad = ignored.logical_not().logical_and_((t < 0).logical_or_(t >= v));
+    loss_rows.narrow(0, r0, r).copy_(loss_r.masked_fill_(ignored, 0).masked_fill_(bad, std::numeric_limits<double>::quiet_NaN()));
+    if (!grads) continue;
+    // Pass 2: each tile again, into its gradient.
+    for (int64_t v0 = 0; v0 < v; v0 += tile.classes) {
+      at::Tensor logits = logits_of(h, v0, std::min(tile.classes, v - v0));
+      backward(logits, h, t, lse_r, r0, v0);
+    }
   }
   at::Tensor loss = loss_rows.sum();
   if (mean) loss = loss / counted;  // NaN when no row counts, as F.cross_entropy

@@ -114,19 +114,26 @@ for red, ls, bias in (("mean", 0.0, False), ("sum", 0.1, True)):
     torch.testing.assert_close(got, want)
     ins = [x for x in (h, w, b) if x is not None]
     torch.testing.assert_close(torch.autograd.grad(got, ins), torch.autograd.grad(want, ins))
+    with torch.no_grad():
+        torch.testing.assert_close(customops.linear_cross_entropy(h, w, t, b, label_smoothing=ls, reduction=red), want)
+    if dev == "cuda":  # an out-of-range target is not checked on CUDA (no sync): the loss is NaN
+        t[0] = 7
+        assert customops.linear_cross_entropy(h, w, t, b, label_smoothing=ls, reduction=red).isnan()
 print("ok")
 """
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_linear_cross_entropy_in_many_row_chunks(device):
-    # Real inputs fit one chunk of rows; 3 rows per chunk runs the chunk loop (first chunk writes
-    # the weight's gradient, the others add to it, a short last chunk).
+@pytest.mark.parametrize("tile", [(3, 0), (3, 3), (0, 2)], ids=["rows", "rows-and-classes", "classes"])
+def test_linear_cross_entropy_in_many_tiles(device, tile):
+    # Real inputs fit one tile; 3 rows and/or 2-3 classes per tile run the loops: the first chunk of
+    # rows writes the weight's gradient and the others add to it, pieces of the vocabulary merge
+    # their log-sum-exps and add into the hidden gradient, short last tiles.
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ, CUSTOMOPS_LINEAR_CE_CHUNK="3")
+    env = dict(os.environ, CUSTOMOPS_LINEAR_CE_CHUNK=str(tile[0]), CUSTOMOPS_LINEAR_CE_CLASSES=str(tile[1]))
     r = subprocess.run([sys.executable, "-c", _CHUNKED, device], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
