@@ -272,10 +272,16 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
                          ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean") -> Tensor:
     """``cross_entropy(hidden @ weight.T + bias, target)`` without ever building the logits.
 
-    The language-model head and its loss in one op: rows are processed in chunks, each chunk's
-    logits ([chunk, V], in hidden's dtype) live only while its loss and gradients are computed,
-    so the extra memory is O(chunk x V) instead of the [N, V] logits and their float32 copy.
-    The matmuls run on ATen (cuBLAS on CUDA), the softmax and its gradient on customops kernels.
+    The language-model head and its loss in one op, in tiles of 1024 rows x as many classes as
+    keep a tile within hidden's own size (N x H elements, at least 4M): the extra memory is at
+    most hidden's, never the [N, V] logits or their float32 copy. When a tile holds the whole
+    vocabulary the op takes three matmuls, as a plain linear + cross-entropy; otherwise four (each
+    tile's logits twice: once for the rows' log-sum-exp, once into their gradient). The matmuls
+    run on ATen (cuBLAS on CUDA), the softmax and its gradient on customops kernels.
+    ``CUSTOMOPS_LINEAR_CE_CHUNK`` (rows) and ``CUSTOMOPS_LINEAR_CE_CLASSES`` (classes per tile),
+    read once per process, override the tile: at N 8192, H 2048, V 128256 on an H100 (bf16),
+    the default takes 32.5 ms and 566 MiB, ``CUSTOMOPS_LINEAR_CE_CLASSES=128256`` 22.3 ms and
+    785 MiB (Liger-Kernel: 34.5 ms, 597 MiB).
 
     Args:
         hidden: ``[..., H]`` (flattened to rows); float32, float64, float16 or bfloat16.
@@ -288,7 +294,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     Returns:
         The scalar loss (float32; float64 for float64 inputs). Differentiable in hidden, weight and
         bias: when a gradient is needed, the forward computes the gradients for a unit loss
-        gradient chunk by chunk (as Liger-Kernel does: no second pass of matmuls) and the
+        gradient tile by tile (as Liger-Kernel does: the backward runs no matmul) and the
         backward scales them. Double backward raises.
     """
     h = hidden.reshape(-1, hidden.shape[-1])
