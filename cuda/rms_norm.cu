@@ -7,10 +7,9 @@
 //   others reduce. Rows longer than 1024 threads x 8 vectors take a loop kernel that reads them twice.
 // - Backward: one wave of blocks, grid-stride over rows, dy and x (and add_rms_norm's gradient of
 //   sum) of a row cached in registers (kCache vectors per thread) between the reduction and the
-//   write. Each thread owns
-//   fixed columns in every row, so it accumulates their weight gradient in shared memory without
-//   atomics (element j of vector i at [j * nv + i]: no bank conflicts); a column-tiled kernel sums
-//   the per-block partials. Rows whose accumulators do not fit in shared memory use ATen for dw.
+//   write. Each thread owns fixed columns in every row, so it accumulates their weight gradient in
+//   shared memory without atomics (element j of vector i at [j * nv + i]: no bank conflicts); a
+//   column-tiled kernel sums the per-block partials. Rows whose accumulators do not fit in shared memory use ATen for dw.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/library.h>
@@ -126,7 +125,6 @@ __device__ __forceinline__ void store(T* p, const Pack<T, V>& v) {
   *reinterpret_cast<Pack<T, V>*>(p) = v;
 }
 
-
 constexpr int kCache = 4;  // backward: vectors of each row tensor per thread kept in registers
 
 // Backward, one block per row at a time (grid-stride over rows).
@@ -136,7 +134,7 @@ constexpr int kCache = 4;  // backward: vectors of each row tensor per thread ke
 // of the row is issued before the reduction, so the write waits on none. dw accumulators: shared
 // memory, element j of vector i at [j * nv + i], so a warp's 32 threads touch 32 consecutive words
 // (no bank conflicts); each thread owns its columns in every row the block visits, so no atomics.
-// In-row indices are 32-bit (a row fits in shared memory or in 512 threads' registers).
+// In-row indices are 32-bit (the launch checks that a row has fewer than 2^31 vectors).
 template <typename T, typename W, int V, int kCache>
 __global__ void __launch_bounds__(512) rms_norm_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ w,
                                     const at::opmath_type<T>* __restrict__ rstd, const T* __restrict__ dadd,
@@ -412,6 +410,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_common(const at::Tensor& gr
     const scalar_t* dap = dadd.defined() ? dadd.const_data_ptr<scalar_t>() : nullptr;
     const int v = weight_vec_width<scalar_t>(
         vec_width<scalar_t>(n, {x.const_data_ptr(), dy.const_data_ptr(), dxp, dap}), wp);
+    TORCH_CHECK(n / v < std::numeric_limits<int32_t>::max(), "customops::_rms_norm_backward: rows of ", n,
+                " elements are not supported (at most 2^31 - 1 vectors of ", v, ")");
     // At most 512 threads, so the kernel's registers fit any GPU (longer rows loop past the cache).
     const int threads = static_cast<int>(std::clamp<int64_t>(((n / v + kCache - 1) / kCache + 31) / 32 * 32, 32, 512));
     const auto* prop = at::cuda::getCurrentDeviceProperties();
