@@ -5,9 +5,11 @@
 // - Forward: one block per row (about 256 threads), each thread holding K vectors of the row in
 //   registers, so the row is read once; the hardware keeps several rows per SM in flight while
 //   others reduce. Rows longer than 1024 threads x 8 vectors take a loop kernel that reads them twice.
-// - Backward: one wave of blocks, grid-stride over rows, dy and x (and add_rms_norm's gradient of
-//   sum) of a row cached in registers (kCache vectors per thread) between the reduction and the
-//   write. Each thread owns fixed columns in every row, so it accumulates their weight gradient in
+// - Backward: one wave of blocks, grid-stride over rows. dy and x (and add_rms_norm's gradient of
+//   sum) of a row wait in a ring of rows in shared memory, filled by cp.async rows ahead, so
+//   loads never stop while a row reduces; rows whose ring does not fit (or unaligned rows) are
+//   cached in registers instead (kCache vectors per thread) between the reduction and the write.
+//   Each thread owns fixed columns in every row, so it accumulates their weight gradient in
 //   shared memory without atomics (element j of vector i at [j * nv + i]: no bank conflicts); a
 //   column-tiled kernel sums the per-block partials. Rows whose accumulators do not fit in shared memory use ATen for dw.
 #include <ATen/Dispatch.h>
@@ -19,6 +21,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "cp_async.cuh"
 #include "elementwise.cuh"
 #include "ops/llm.h"
 
@@ -218,22 +221,127 @@ __global__ void __launch_bounds__(512) rms_norm_bwd_kernel(const T* __restrict__
   }
 }
 
-// dw[c] = sum over b of partial[b, c]: 32 columns per block, 8 threads summing each.
-template <typename T>
+// Rows of the backward's ring in shared memory. Measured on an H100 (add_rms_norm, bf16, rows of
+// 1024 to 8192): two beat three by up to 5% (more blocks fit an SM, and there are enough of them
+// for the bytes in flight), and beat registers (rms_norm_bwd_kernel) by up to 25% at 16384x1024.
+constexpr int kStages = 2;
+
+// Backward through a ring of kStages rows in shared memory (16-byte vectors only): cp.async
+// fetches rows r + G ... r + (kStages - 1) * G (G = gridDim.x) while the block reduces and writes
+// row r, so HBM never waits for a reduction. Same math and dw accumulators as rms_norm_bwd_kernel.
+// Each thread copies and reads only its own vectors of a row, so its cp_async_wait makes them
+// visible to it; the row's rstd (copied by thread 0) is read after the reduction's barrier. The
+// copy into a stage is issued after that barrier in the next row, when every thread has read it.
+// Shared memory: [kStages][dy, x, dadd][nv] vectors, rstd[kStages], red[32], dw_acc[n].
+template <typename T, typename W>
+__global__ void __launch_bounds__(512) rms_norm_bwd_ring_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ w,
+                                    const at::opmath_type<T>* __restrict__ rstd, const T* __restrict__ dadd,
+                                    T* __restrict__ dx, at::opmath_type<T>* __restrict__ dw_partial, int64_t rows,
+                                    int64_t n) {
+  using A = at::opmath_type<T>;
+  constexpr int V = 16 / sizeof(T);
+  using P = Pack<T, V>;
+  using PW = Pack<W, V>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const bool with_dx = dx != nullptr, with_add = dadd != nullptr && dx != nullptr;
+  const int nv = static_cast<int>(n / V), tensors = with_add ? 3 : 2;
+  const int tid = threadIdx.x, nt = blockDim.x;
+  P* ring = reinterpret_cast<P*>(smem_raw);
+  A* rs_ring = reinterpret_cast<A*>(ring + kStages * tensors * nv);
+  A* red = rs_ring + kStages;
+  A* dw_acc = red + 32;  // n accumulators when dw_partial != nullptr
+  const PW* wp = reinterpret_cast<const PW*>(w);
+  if (dw_partial != nullptr) {
+    for (int c = tid; c < nv * V; c += nt) dw_acc[c] = 0;
+  }
+  const int64_t G = gridDim.x;
+  auto fetch = [&](int64_t r, int stage) {
+    if (r < rows) {
+      P* st = ring + stage * tensors * nv;
+      const P* gs = reinterpret_cast<const P*>(dy + r * n);
+      const P* xs = reinterpret_cast<const P*>(x + r * n);
+      const P* as = with_add ? reinterpret_cast<const P*>(dadd + r * n) : nullptr;
+      for (int i = tid; i < nv; i += nt) {
+        cuda::cp_async16(cuda::smem_addr(st + i), gs + i);
+        cuda::cp_async16(cuda::smem_addr(st + nv + i), xs + i);
+        if (with_add) cuda::cp_async16(cuda::smem_addr(st + 2 * nv + i), as + i);
+      }
+      if (tid == 0) cuda::cp_async_ca<sizeof(A)>(cuda::smem_addr(rs_ring + stage), rstd + r);
+    }
+    cuda::cp_async_commit();  // empty past the last row, so every iteration waits on the same count
+  };
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) fetch(blockIdx.x + s * G, s);
+  int stage = 0;
+  for (int64_t r = blockIdx.x; r < rows; r += G) {
+    cuda::cp_async_wait<kStages - 2>();  // row r's copies have landed
+    const P* gr = ring + stage * tensors * nv;
+    const P* xr = gr + nv;
+    const P* ar = gr + 2 * nv;
+    A s = 0;
+    if (with_dx) {
+      for (int i = tid; i < nv; i += nt) {
+        const P g = gr[i], xv = xr[i];
+        PW wv;
+        if (wp != nullptr) wv = wp[i];
+#pragma unroll
+        for (int j = 0; j < V; ++j) s += A(g.v[j]) * (wp != nullptr ? A(wv.v[j]) : A(1)) * A(xv.v[j]);
+      }
+      s = block_sum(s, red);  // its barriers also publish thread 0's rstd copy
+    } else {
+      __syncthreads();
+    }
+    // Every thread is past the previous row, so its stage takes the row kStages - 1 ahead.
+    fetch(r + (kStages - 1) * G, (stage + kStages - 1) % kStages);
+    const A rs = rs_ring[stage];
+    const A coef = s * rs * rs * rs / A(n);
+    P* dxr = with_dx ? reinterpret_cast<P*>(dx + r * n) : nullptr;
+    for (int i = tid; i < nv; i += nt) {
+      const P g = gr[i], xv = xr[i];
+      if (with_dx) {
+        PW wv;
+        P da, out;
+        if (wp != nullptr) wv = wp[i];
+        if (with_add) da = ar[i];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const A gw = A(g.v[j]) * (wp != nullptr ? A(wv.v[j]) : A(1));
+          out.v[j] = static_cast<T>(gw * rs - A(xv.v[j]) * coef + (with_add ? A(da.v[j]) : A(0)));
+        }
+        dxr[i] = out;
+      }
+      if (dw_partial != nullptr) {
+        A* acc = dw_acc + i;
+#pragma unroll
+        for (int j = 0; j < V; ++j) acc[j * nv] += A(g.v[j]) * A(xv.v[j]) * rs;
+      }
+    }
+    stage = (stage + 1) % kStages;
+  }
+  cuda::cp_async_wait<0>();
+  if (dw_partial != nullptr) {
+    __syncthreads();
+    for (int c = tid; c < nv * V; c += nt) dw_partial[blockIdx.x * n + c] = dw_acc[(c % V) * nv + c / V];
+  }
+}
+
+// dw[c] = sum over b of partial[b, c]: 32 columns per block, kY threads summing each.
+template <typename T, int kY>
 __global__ void sum_partials_kernel(const at::opmath_type<T>* __restrict__ partial, T* __restrict__ dw, int blocks,
                                     int64_t n) {
   using A = at::opmath_type<T>;
-  __shared__ A tile[8][33];
+  __shared__ A tile[kY][33];
   const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
   A s = 0;
   if (c < n) {
-    for (int b = threadIdx.y; b < blocks; b += 8) s += partial[b * n + c];
+#pragma unroll 4
+    for (int b = threadIdx.y; b < blocks; b += kY) s += partial[b * n + c];
   }
   tile[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y == 0 && c < n) {
 #pragma unroll
-    for (int k = 1; k < 8; ++k) s += tile[k][threadIdx.x];
+    for (int k = 1; k < kY; ++k) s += tile[k][threadIdx.x];
     dw[c] = static_cast<T>(s);
   }
 }
@@ -412,20 +520,15 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_common(const at::Tensor& gr
         vec_width<scalar_t>(n, {x.const_data_ptr(), dy.const_data_ptr(), dxp, dap}), wp);
     TORCH_CHECK(n / v < std::numeric_limits<int32_t>::max(), "customops::_rms_norm_backward: rows of ", n,
                 " elements are not supported (at most 2^31 - 1 vectors of ", v, ")");
-    // At most 512 threads, so the kernel's registers fit any GPU (longer rows loop past the cache).
-    const int threads = static_cast<int>(std::clamp<int64_t>(((n / v + kCache - 1) / kCache + 31) / 32 * 32, 32, 512));
+    auto stream = at::cuda::getCurrentCUDAStream();
     const auto* prop = at::cuda::getCurrentDeviceProperties();
     // Per-block dw accumulators live in shared memory; rows too long for it fall back to ATen.
-    const size_t smem = (32 + (want_dw ? n : 0)) * sizeof(A);
-    const bool dw_in_kernel = want_dw && smem <= prop->sharedMemPerBlockOptin;
-    const size_t launch_smem = dw_in_kernel ? smem : 32 * sizeof(A);
-    auto stream = at::cuda::getCurrentCUDAStream();
+    const bool dw_in_kernel = want_dw && (32 + n) * sizeof(A) <= prop->sharedMemPerBlockOptin;
     at::Tensor partial;
     int64_t blocks = 0;
-    auto launch = [&](auto kernel) {
-      if (launch_smem > 48 * 1024) {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(launch_smem)));
+    auto launch = [&](auto kernel, int threads, size_t smem) {
+      if (smem > 48 * 1024) {
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
       }
       // One wave: as many blocks as the SMs hold at once (registers and shared memory permitting),
       // each looping over rows. Measured on an H100 (add_rms_norm, bf16, 32768x4096 and 4096x8192):
@@ -433,24 +536,37 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_common(const at::Tensor& gr
       // registers a thread do not all fit: two waves), 32-35% faster than half a wave (fewer
       // weight-gradient partials to sum do not pay for the idle warps).
       int per_sm = 0;
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, launch_smem));
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
       blocks = std::min<int64_t>(rows, int64_t{prop->multiProcessorCount} * std::max(per_sm, 1));
       partial = dw_in_kernel ? at::empty({blocks, n}, x.options().dtype(rstd.scalar_type())) : at::Tensor();
-      kernel<<<static_cast<unsigned>(blocks), threads, launch_smem, stream>>>(dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), wp,
+      kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), wp,
                                                         rstd.const_data_ptr<A>(), dap, dxp,
                                                         dw_in_kernel ? partial.mutable_data_ptr<A>() : nullptr, rows, n);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
     constexpr int kVec = 16 / sizeof(scalar_t);
-    if (dxp != nullptr || dw_in_kernel) {
+    // The ring kernel wants 16-byte vectors and its rows in shared memory; a thread per vector up
+    // to 512 (measured: 3-20% faster than two vectors a thread at rows of 1024 to 4096).
+    const int64_t nv = n / v;
+    const size_t ring_smem = kStages * (dap != nullptr && dxp != nullptr ? 3 : 2) * n * sizeof(scalar_t) +
+                             (kStages + 32 + (dw_in_kernel ? n : 0)) * sizeof(A);
+    if (v == kVec && ring_smem <= prop->sharedMemPerBlockOptin && (dxp != nullptr || dw_in_kernel)) {
+      const int threads = static_cast<int>(std::clamp<int64_t>((nv + 31) / 32 * 32, 32, 512));
+      launch(rms_norm_bwd_ring_kernel<scalar_t, W>, threads, ring_smem);
+    } else if (dxp != nullptr || dw_in_kernel) {
+      // At most 512 threads, so the kernel's registers fit any GPU (longer rows loop past the cache).
+      const int threads = static_cast<int>(std::clamp<int64_t>(((nv + kCache - 1) / kCache + 31) / 32 * 32, 32, 512));
+      const size_t smem = (32 + (dw_in_kernel ? n : 0)) * sizeof(A);
       if (v == kVec) {
-        launch(rms_norm_bwd_kernel<scalar_t, W, kVec, kCache>);
+        launch(rms_norm_bwd_kernel<scalar_t, W, kVec, kCache>, threads, smem);
       } else {
-        launch(rms_norm_bwd_kernel<scalar_t, W, 1, kCache>);
+        launch(rms_norm_bwd_kernel<scalar_t, W, 1, kCache>, threads, smem);
       }
     }
     if (dw_in_kernel) {
-      sum_partials_kernel<W><<<static_cast<unsigned>((n + 31) / 32), dim3(32, 8), 0, stream>>>(
+      // 32 threads a column: 8 left the sum latency-bound where there are many partials (8-15 us
+      // of a 70 us backward at 8192x2048 and 16384x1024 on an H100; ATen's sum was no faster).
+      sum_partials_kernel<W, 32><<<static_cast<unsigned>((n + 31) / 32), dim3(32, 32), 0, stream>>>(
           partial.const_data_ptr<A>(), dw.mutable_data_ptr<W>(), static_cast<int>(blocks), n);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else if (want_dw) {
