@@ -42,13 +42,14 @@ TORCH_LIBRARY(customops, m) {
   // grad of logits for cross_entropy from the gradients of loss and lse (either may be None).
   m.def("_cross_entropy_backward(Tensor? grad_loss, Tensor? grad_lse, Tensor logits, Tensor target, Tensor lse, int ignore_index, float label_smoothing) -> Tensor");
   // cross-entropy of hidden @ weight.T + bias against target, reduced ("mean" over the rows whose
-  // target is not ignore_index, or "sum"), without materializing the [N, V] logits: rows go in
-  // chunks, each chunk's logits live only while its loss and gradients are computed.
-  m.def("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, int ignore_index=-100, float label_smoothing=0.0, str reduction=\"mean\") -> Tensor");
+  // target is not ignore_index, or "sum"), without materializing the [N, V] logits: it goes in
+  // tiles of tile_rows x tile_classes logits (by default 1024 rows x as many classes as fit in
+  // hidden's size), each living only while its loss and gradients are computed.
+  m.def("linear_cross_entropy(Tensor hidden, Tensor weight, Tensor target, Tensor? bias=None, int ignore_index=-100, float label_smoothing=0.0, str reduction=\"mean\", int? tile_rows=None, int? tile_classes=None) -> Tensor");
   // linear_cross_entropy's loss with the gradients of hidden, weight and bias for a unit
   // gradient of the loss, computed chunk by chunk in the forward (the backward scales them);
   // an output masked off by output_mask is an empty tensor.
-  m.def("_linear_cross_entropy_with_grads(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, float label_smoothing, str reduction, bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("_linear_cross_entropy_with_grads(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, float label_smoothing, str reduction, int? tile_rows, int? tile_classes, bool[3] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
   // (grad_hidden, grad_weight, grad_bias) * grad_loss: the backward of linear_cross_entropy from
   // the gradients its forward computed for a unit loss gradient.
   m.def("_linear_cross_entropy_backward(Tensor grad_loss, Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias) -> (Tensor, Tensor, Tensor)");

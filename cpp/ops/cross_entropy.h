@@ -61,7 +61,11 @@ inline void check_cross_entropy_backward(const std::optional<at::Tensor>& grad_l
 
 inline void check_linear_cross_entropy(const char* op, const at::Tensor& hidden, const at::Tensor& weight,
                                        const at::Tensor& target, const std::optional<at::Tensor>& bias,
-                                       double label_smoothing, std::string_view reduction) {
+                                       double label_smoothing, std::string_view reduction,
+                                       std::optional<int64_t> tile_rows, std::optional<int64_t> tile_classes) {
+  TORCH_CHECK(!tile_rows.has_value() || *tile_rows > 0, op, ": tile_rows must be positive, but got ", tile_rows.value_or(0));
+  TORCH_CHECK(!tile_classes.has_value() || *tile_classes > 0, op, ": tile_classes must be positive, but got ",
+              tile_classes.value_or(0));
   checks::float_dtype(op, "hidden", hidden);
   checks::float_dtype(op, "weight", weight);
   checks::same_dtype(op, "weight", weight, "hidden", hidden);
@@ -124,10 +128,11 @@ const CrossEntropyKernels& cross_entropy_kernels_cuda();
 // kernels are ce (cpp/ops/linear_cross_entropy.cpp; the matmuls go through ATen).
 at::Tensor linear_cross_entropy_impl(const CrossEntropyKernels& ce, const at::Tensor& hidden, const at::Tensor& weight,
                                      const at::Tensor& target, const std::optional<at::Tensor>& bias,
-                                     int64_t ignore_index, double label_smoothing, c10::string_view reduction);
+                                     int64_t ignore_index, double label_smoothing, c10::string_view reduction,
+                                     std::optional<int64_t> tile_rows, std::optional<int64_t> tile_classes);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> linear_cross_entropy_with_grads_impl(
     const CrossEntropyKernels& ce, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
     const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing, c10::string_view reduction,
-    std::array<bool, 3> output_mask);
+    std::optional<int64_t> tile_rows, std::optional<int64_t> tile_classes, std::array<bool, 3> output_mask);
 
 }  // namespace customops

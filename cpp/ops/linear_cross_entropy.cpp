@@ -12,7 +12,6 @@
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <limits>
 
 #include "customops/customops.h"
@@ -31,7 +30,8 @@ const auto& lce_op() {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("customops::linear_cross_entropy", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const std::optional<at::Tensor>&, int64_t, double, c10::string_view)>();
+                                         const std::optional<at::Tensor>&, int64_t, double, c10::string_view,
+                                         std::optional<int64_t>, std::optional<int64_t>)>();
   return op;
 }
 
@@ -40,7 +40,7 @@ const auto& lce_with_grads_op() {
                        .findSchemaOrThrow("customops::_linear_cross_entropy_with_grads", "")
                        .typed<Grads(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                     const std::optional<at::Tensor>&, int64_t, double, c10::string_view,
-                                    std::array<bool, 3>)>();
+                                    std::optional<int64_t>, std::optional<int64_t>, std::array<bool, 3>)>();
   return op;
 }
 
@@ -54,29 +54,23 @@ const auto& lce_backward_op() {
 
 constexpr const char* kOpName = "customops::linear_cross_entropy";
 
-// A tile of the logits: rows x classes. Rows: 1024 (CUSTOMOPS_LINEAR_CE_CHUNK overrides), enough
-// for every matmul to run at full speed and for grad_weight to be read and written only once per
-// 1024 rows. Classes: the whole vocabulary when the tile then fits in hidden's own size (N x H
-// elements, or 4M for small inputs), else as many as fit (a multiple of 128;
-// CUSTOMOPS_LINEAR_CE_CLASSES overrides): the extra memory is at most hidden's, where
-// Liger-Kernel's row chunks take 1 to 2 times hidden's. Measured on an H100 (N 8192, H 2048,
-// V 128256, bf16), tiles of the whole vocabulary: 1024 rows 22.8 ms and 784 MiB above the inputs,
-// 256 rows 34.7 ms and 596 MiB (grad_weight read and written 32 times); docs/benchmarks.md has
-// the tiles this picks.
+// A tile of the logits: rows x classes (tile_rows and tile_classes override either). Rows: 1024,
+// enough for every matmul to run at full speed and for grad_weight to be read and written only
+// once per 1024 rows. Classes: the whole vocabulary when the tile then fits in hidden's own size
+// (N x H elements, or 4M for small inputs), else as many as fit (a multiple of 128): the extra
+// memory is at most hidden's, where Liger-Kernel's row chunks take 1 to 2 times hidden's. Measured
+// on an H100 (N 8192, H 2048, V 128256, bf16), tiles of the whole vocabulary: 1024 rows 22.8 ms
+// and 784 MiB above the inputs (customops.optimize's choice: a model step has that memory to
+// spare), 256 rows 34.7 ms and 596 MiB (grad_weight read and written 32 times); docs/benchmarks.md
+// has the tiles this picks.
 struct Tile {
   int64_t rows, classes;
 };
 
-Tile tile_of(int64_t n, int64_t h, int64_t v) {
-  auto env = [](const char* name) {
-    const char* e = std::getenv(name);
-    return e != nullptr ? std::atoll(e) : int64_t{0};
-  };
-  static const int64_t forced_rows = env("CUSTOMOPS_LINEAR_CE_CHUNK"), forced_classes = env("CUSTOMOPS_LINEAR_CE_CLASSES");
-  const int64_t rows = std::max<int64_t>(1, std::min(n, forced_rows > 0 ? forced_rows : 1024));
+Tile tile_of(int64_t n, int64_t h, int64_t v, std::optional<int64_t> tile_rows, std::optional<int64_t> tile_classes) {
+  const int64_t rows = std::max<int64_t>(1, std::min(n, tile_rows.value_or(1024)));
   const int64_t budget = std::max<int64_t>(n * h, int64_t{1} << 22);
-  int64_t classes = rows * v <= budget ? v : std::max<int64_t>(128, budget / rows / 128 * 128);
-  if (forced_classes > 0) classes = forced_classes;
+  const int64_t classes = tile_classes.value_or(rows * v <= budget ? v : std::max<int64_t>(128, budget / rows / 128 * 128));
   return {rows, std::min(classes, v)};
 }
 
@@ -94,7 +88,8 @@ Tile tile_of(int64_t n, int64_t h, int64_t v) {
 // grad_weight is read and written once per chunk of rows (in the matmul's epilogue).
 Grads run(const CrossEntropyKernels& ce, const at::Tensor& hidden, const at::Tensor& weight,
           const at::Tensor& target_in, const std::optional<at::Tensor>& bias_in, int64_t ignore_index,
-          double label_smoothing, c10::string_view reduction, std::array<bool, 3> mask) {
+          double label_smoothing, c10::string_view reduction, std::optional<int64_t> tile_rows,
+          std::optional<int64_t> tile_classes, std::array<bool, 3> mask) {
   const at::Tensor target = target_in.contiguous();
   const at::Tensor bias = bias_in.value_or(at::Tensor());
   const int64_t n = hidden.size(0), v = weight.size(0);
@@ -104,7 +99,7 @@ Grads run(const CrossEntropyKernels& ce, const at::Tensor& hidden, const at::Ten
   mask[2] = mask[2] && bias.defined();
   const bool grads = mask[0] || mask[1] || mask[2];
   const at::Tensor none = at::empty({0}, hidden.options());
-  const Tile tile = tile_of(n, hidden.size(1), v);
+  const Tile tile = tile_of(n, hidden.size(1), v, tile_rows, tile_classes);
   const bool pieces = tile.classes < v;
   at::Tensor buffer = at::empty({std::min(tile.rows, n) * tile.classes}, hidden.options());
   auto logits_of = [&](const at::Tensor& h, int64_t v0, int64_t c) {
@@ -193,45 +188,46 @@ Grads run(const CrossEntropyKernels& ce, const at::Tensor& hidden, const at::Ten
 
 at::Tensor linear_cross_entropy_impl(const CrossEntropyKernels& ce, const at::Tensor& hidden, const at::Tensor& weight,
                                      const at::Tensor& target, const std::optional<at::Tensor>& bias,
-                                     int64_t ignore_index, double label_smoothing, c10::string_view reduction) {
-  check_linear_cross_entropy(kOpName, hidden, weight, target, bias, label_smoothing, reduction);
+                                     int64_t ignore_index, double label_smoothing, c10::string_view reduction, std::optional<int64_t> tile_rows, std::optional<int64_t> tile_classes) {
+  check_linear_cross_entropy(kOpName, hidden, weight, target, bias, label_smoothing, reduction, tile_rows, tile_classes);
   if (hidden.is_cpu()) check_target_range(kOpName, target, weight.size(0), ignore_index);
-  return std::get<0>(run(ce, hidden, weight, target, bias, ignore_index, label_smoothing, reduction,
-                         {false, false, false}));
+  return std::get<0>(run(ce, hidden, weight, target, bias, ignore_index, label_smoothing, reduction, tile_rows,
+                         tile_classes, {false, false, false}));
 }
 
 Grads linear_cross_entropy_with_grads_impl(const CrossEntropyKernels& ce, const at::Tensor& hidden,
                                            const at::Tensor& weight, const at::Tensor& target,
                                            const std::optional<at::Tensor>& bias, int64_t ignore_index,
-                                           double label_smoothing, c10::string_view reduction,
+                                           double label_smoothing, c10::string_view reduction, std::optional<int64_t> tile_rows, std::optional<int64_t> tile_classes,
                                            std::array<bool, 3> output_mask) {
   check_linear_cross_entropy("customops::_linear_cross_entropy_with_grads", hidden, weight, target, bias,
-                             label_smoothing, reduction);
+                             label_smoothing, reduction, tile_rows, tile_classes);
   if (hidden.is_cpu()) check_target_range(kOpName, target, weight.size(0), ignore_index);
-  return run(ce, hidden, weight, target, bias, ignore_index, label_smoothing, reduction, output_mask);
+  return run(ce, hidden, weight, target, bias, ignore_index, label_smoothing, reduction, tile_rows, tile_classes, output_mask);
 }
 
 at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
                                 const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
-                                std::string_view reduction) {
+                                std::string_view reduction, std::optional<int64_t> tile_rows,
+                                std::optional<int64_t> tile_classes) {
   return lce_op().call(hidden, weight, target, bias, ignore_index, label_smoothing,
-                       c10::string_view(reduction.data(), reduction.size()));
+                       c10::string_view(reduction.data(), reduction.size()), tile_rows, tile_classes);
 }
 
 namespace {
 
 // ---- Meta -------------------------------------------------------------------------------------
 at::Tensor lce_meta(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
-                    const std::optional<at::Tensor>& bias, int64_t, double label_smoothing, c10::string_view reduction) {
-  check_linear_cross_entropy(kOpName, hidden, weight, target, bias, label_smoothing, reduction);
+                    const std::optional<at::Tensor>& bias, int64_t, double label_smoothing, c10::string_view reduction, std::optional<int64_t> tile_rows, std::optional<int64_t> tile_classes) {
+  check_linear_cross_entropy(kOpName, hidden, weight, target, bias, label_smoothing, reduction, tile_rows, tile_classes);
   return at::empty({}, hidden.options().dtype(cross_entropy_acc_dtype(hidden.scalar_type())));
 }
 
 Grads lce_with_grads_meta(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
                           const std::optional<at::Tensor>& bias, int64_t, double label_smoothing,
-                          c10::string_view reduction, std::array<bool, 3> mask) {
+                          c10::string_view reduction, std::optional<int64_t> tile_rows, std::optional<int64_t> tile_classes, std::array<bool, 3> mask) {
   check_linear_cross_entropy("customops::_linear_cross_entropy_with_grads", hidden, weight, target, bias,
-                             label_smoothing, reduction);
+                             label_smoothing, reduction, tile_rows, tile_classes);
   const at::Tensor none = at::empty({0}, hidden.options());
   const bool has_b = bias.has_value() && bias->defined();
   return {at::empty({}, hidden.options().dtype(cross_entropy_acc_dtype(hidden.scalar_type()))),
@@ -293,13 +289,13 @@ variable_list lce_grad(const BackwardArgs& a) {
 
 at::Tensor lce_autograd(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
                         const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
-                        c10::string_view reduction) {
+                        c10::string_view reduction, std::optional<int64_t> tile_rows, std::optional<int64_t> tile_classes) {
   Recorder rec(hidden, weight, bias);
-  if (!rec) return call_below_autograd(lce_op(), hidden, weight, target, bias, ignore_index, label_smoothing, reduction);
+  if (!rec) return call_below_autograd(lce_op(), hidden, weight, target, bias, ignore_index, label_smoothing, reduction, tile_rows, tile_classes);
   const std::array<bool, 3> mask{needs_grad_or_tangent(hidden), needs_grad_or_tangent(weight),
                                  needs_grad_or_tangent(bias)};
   auto [loss, dh, dw, db] = call_below_autograd(lce_with_grads_op(), hidden, weight, target, bias, ignore_index,
-                                                label_smoothing, reduction, mask);
+                                                label_smoothing, reduction, tile_rows, tile_classes, mask);
   rec.record<lce_grad>("LinearCrossEntropyBackward", {loss},
                        {Recorder::input(dh), Recorder::input(dw), Recorder::input(db), Recorder::input(hidden),
                         Recorder::input(weight), Recorder::input(bias)});
@@ -317,14 +313,14 @@ at::Tensor lce_autograd(const at::Tensor& hidden, const at::Tensor& weight, cons
 
 Grads lce_with_grads_autograd(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
                               const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
-                              c10::string_view reduction, std::array<bool, 3> mask) {
+                              c10::string_view reduction, std::optional<int64_t> tile_rows, std::optional<int64_t> tile_classes, std::array<bool, 3> mask) {
   Recorder rec(hidden, weight, bias);
   if (!rec) {
     return call_below_autograd(lce_with_grads_op(), hidden, weight, target, bias, ignore_index, label_smoothing,
-                               reduction, mask);
+                               reduction, tile_rows, tile_classes, mask);
   }
   return rec.backward_op<kLinearCrossEntropy>(lce_with_grads_op(), hidden, weight, target, bias, ignore_index,
-                                              label_smoothing, reduction, mask);
+                                              label_smoothing, reduction, tile_rows, tile_classes, mask);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> lce_backward_autograd(const at::Tensor& grad_loss, const at::Tensor& dh,
@@ -369,26 +365,26 @@ auto per_entry(const Op& op, const at::Tensor& hidden, const at::Tensor& weight,
 
 at::Tensor lce_batched(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
                        const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
-                       c10::string_view reduction) {
-  return per_entry(lce_op(), hidden, weight, target, bias, ignore_index, label_smoothing, reduction);
+                       c10::string_view reduction, std::optional<int64_t> tile_rows, std::optional<int64_t> tile_classes) {
+  return per_entry(lce_op(), hidden, weight, target, bias, ignore_index, label_smoothing, reduction, tile_rows, tile_classes);
 }
 
 Grads lce_with_grads_batched(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
                              const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
-                             c10::string_view reduction, std::array<bool, 3> mask) {
-  return per_entry(lce_with_grads_op(), hidden, weight, target, bias, ignore_index, label_smoothing, reduction, mask);
+                             c10::string_view reduction, std::optional<int64_t> tile_rows, std::optional<int64_t> tile_classes, std::array<bool, 3> mask) {
+  return per_entry(lce_with_grads_op(), hidden, weight, target, bias, ignore_index, label_smoothing, reduction, tile_rows, tile_classes, mask);
 }
 
 // ---- Autocast: as a linear layer, float32 hidden, weight and bias run in the autocast dtype ---
 at::Tensor lce_autocast(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
                         const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
-                        c10::string_view reduction) {
+                        c10::string_view reduction, std::optional<int64_t> tile_rows, std::optional<int64_t> tile_classes) {
   const at::ScalarType low = at::autocast::get_autocast_dtype(hidden.device().type());
   auto cast = [&](const at::Tensor& t) { return t.defined() && t.scalar_type() == at::kFloat ? t.to(low) : t; };
   std::optional<at::Tensor> b = bias;
   if (b.has_value() && b->defined()) b = cast(*b);
   autocast::Below below;
-  return lce_op().call(cast(hidden), cast(weight), target, b, ignore_index, label_smoothing, reduction);
+  return lce_op().call(cast(hidden), cast(weight), target, b, ignore_index, label_smoothing, reduction, tile_rows, tile_classes);
 }
 
 }  // namespace
@@ -422,16 +418,16 @@ TORCH_LIBRARY_IMPL(customops, FuncTorchBatched, m) {
 template <const CrossEntropyKernels& (*Kernels)()>
 at::Tensor lce_device(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
                       const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
-                      c10::string_view reduction) {
-  return linear_cross_entropy_impl(Kernels(), hidden, weight, target, bias, ignore_index, label_smoothing, reduction);
+                      c10::string_view reduction, std::optional<int64_t> tile_rows, std::optional<int64_t> tile_classes) {
+  return linear_cross_entropy_impl(Kernels(), hidden, weight, target, bias, ignore_index, label_smoothing, reduction, tile_rows, tile_classes);
 }
 
 template <const CrossEntropyKernels& (*Kernels)()>
 Grads lce_with_grads_device(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& target,
                             const std::optional<at::Tensor>& bias, int64_t ignore_index, double label_smoothing,
-                            c10::string_view reduction, std::array<bool, 3> mask) {
+                            c10::string_view reduction, std::optional<int64_t> tile_rows, std::optional<int64_t> tile_classes, std::array<bool, 3> mask) {
   return linear_cross_entropy_with_grads_impl(Kernels(), hidden, weight, target, bias, ignore_index, label_smoothing,
-                                              reduction, mask);
+                                              reduction, tile_rows, tile_classes, mask);
 }
 
 TORCH_LIBRARY_IMPL(customops, CPU, m) {

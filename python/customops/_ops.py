@@ -269,7 +269,8 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, l
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None, *,
-                         ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean") -> Tensor:
+                         ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean",
+                         tile_rows: int | None = None, tile_classes: int | None = None) -> Tensor:
     """``cross_entropy(hidden @ weight.T + bias, target)`` without ever building the logits.
 
     The language-model head and its loss in one op, in tiles of 1024 rows x as many classes as
@@ -278,10 +279,11 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     vocabulary the op takes three matmuls, as a plain linear + cross-entropy; otherwise four (each
     tile's logits twice: once for the rows' log-sum-exp, once into their gradient). The matmuls
     run on ATen (cuBLAS on CUDA), the softmax and its gradient on customops kernels.
-    ``CUSTOMOPS_LINEAR_CE_CHUNK`` (rows) and ``CUSTOMOPS_LINEAR_CE_CLASSES`` (classes per tile),
-    read once per process, override the tile: at N 8192, H 2048, V 128256 on an H100 (bf16),
-    the default takes 32.5 ms and 566 MiB, ``CUSTOMOPS_LINEAR_CE_CLASSES=128256`` 22.3 ms and
-    785 MiB (Liger-Kernel: 34.5 ms, 597 MiB).
+    ``tile_rows`` and ``tile_classes`` override the tile: at N 8192, H 2048, V 128256 on an H100
+    (bf16, forward and backward), the default takes 32.5 ms and 566 MiB above the inputs,
+    ``tile_classes=V`` (three matmuls) 22.3 ms and 785 MiB (Liger-Kernel: 34.5 ms, 597 MiB).
+    :func:`customops.optimize` takes whole-vocabulary tiles: 1024 x V logits are little beside a
+    training step's activations.
 
     Args:
         hidden: ``[..., H]`` (flattened to rows); float32, float64, float16 or bfloat16.
@@ -290,6 +292,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
         bias: Optional ``[V]``.
         ignore_index, label_smoothing: As in :func:`cross_entropy`.
         reduction: "mean" (over non-ignored rows) or "sum".
+        tile_rows, tile_classes: The tile's rows (default 1024) and classes (default: as many as
+            keep the tile within hidden's size); positive.
 
     Returns:
         The scalar loss (float32; float64 for float64 inputs). Differentiable in hidden, weight and
@@ -299,5 +303,5 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     """
     h = hidden.reshape(-1, hidden.shape[-1])
     t = target.reshape(-1)
-    args = (h, weight, t, bias, ignore_index, label_smoothing, reduction)
+    args = (h, weight, t, bias, ignore_index, label_smoothing, reduction, tile_rows, tile_classes)
     return _linear_cross_entropy(*args) if is_compiling() else _linear_cross_entropy_c(*args)

@@ -347,7 +347,10 @@ def _linear_cross_entropy(match: Match, *_linear_args, t, weight, reduction, ii,
     inputs = [h, w, t] + ([b] if b is not None else [])
 
     def fn(h, w, t, b=None):
-        loss = cops.linear_cross_entropy.default(h.reshape(-1, h.shape[-1]), w, t.reshape(-1), b, ii, ls, red)
+        # Tiles of the whole vocabulary (three matmuls, not four): the graph held all the logits.
+        v = w.shape[0]
+        loss = cops.linear_cross_entropy.default(h.reshape(-1, h.shape[-1]), w, t.reshape(-1), b, ii, ls, red, None,
+                                                 v if isinstance(v, int) else None)
         return _cast_like(loss, out)
 
     _emit(match.graph, fn, inputs, [match.output_node()], "linear + cross_entropy -> customops.linear_cross_entropy")

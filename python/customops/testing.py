@@ -394,7 +394,7 @@ def _cross_entropy_bad_inputs(device):
 
 
 def _linear_cross_entropy_ref(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0,
-                              reduction="mean"):
+                              reduction="mean", tile_rows=None, tile_classes=None):
     import torch.nn.functional as F
 
     logits = hidden @ weight.T + (bias if bias is not None else 0)
@@ -404,20 +404,20 @@ def _linear_cross_entropy_ref(hidden, weight, target, bias=None, ignore_index=-1
 
 def _linear_cross_entropy_samples(device, dtype, requires_grad):
     out = []
-    for (n, h, v), layout, with_bias, ignore_index, smoothing, reduction in [
-        ((6, 8, 11), "contiguous", False, -100, 0.0, "mean"),
-        ((9, 16, 37), "contiguous", True, -100, 0.1, "sum"),
-        ((130, 8, 600), "contiguous", False, 3, 0.1, "mean"),  # several chunks of classes
-        ((5, 6, 7), "transposed", True, -100, 0.0, "mean"),
-        ((4, 6, 9), "strided", False, -100, 0.2, "sum"),
-        ((0, 6, 9), "contiguous", True, -100, 0.0, "sum"),
+    for (n, h, v), layout, with_bias, ignore_index, smoothing, reduction, tiles in [
+        ((6, 8, 11), "contiguous", False, -100, 0.0, "mean", ()),
+        ((9, 16, 37), "contiguous", True, -100, 0.1, "sum", (4, 16)),  # tiles of 4 rows x 16 classes
+        ((130, 8, 600), "contiguous", False, 3, 0.1, "mean", ()),
+        ((5, 6, 7), "transposed", True, -100, 0.0, "mean", ()),
+        ((4, 6, 9), "strided", False, -100, 0.2, "sum", (None, 4)),
+        ((0, 6, 9), "contiguous", True, -100, 0.0, "sum", ()),
     ]:
         hidden = _rand((n, h), device, dtype, requires_grad, layout=layout)
         weight = (_rand((v, h), device, dtype) * h ** -0.5).requires_grad_(requires_grad)
         bias = _rand((v,), device, dtype, requires_grad) if with_bias else None
         out.append(Sample((hidden, weight, _targets((n,), v, device, ignore_index), bias, ignore_index, smoothing,
-                           reduction), {}, f"{layout} N={n} H={h} V={v}" + (" bias" if with_bias else "")
-                          + f" {reduction}"))
+                           reduction, *tiles), {}, f"{layout} N={n} H={h} V={v}" + (" bias" if with_bias else "")
+                          + f" {reduction}" + (f" tiles {tiles}" if tiles else "")))
     return out
 
 
@@ -438,6 +438,7 @@ def _linear_cross_entropy_bad_inputs(device):
         (Sample((h[0], w, t)), rf"{op}: expected hidden of shape \[N, H\]"),
         (Sample((h, w, t, torch.randn(9, device=device))), rf"{op}: expected bias of shape \[V\] with V = 10"),
         (Sample((h, w, t, None, -100, 0.0, "none")), rf"{op}: reduction must be \"mean\" or \"sum\""),
+        (Sample((h, w, t, None, -100, 0.0, "mean", 0)), rf"{op}: tile_rows must be positive, but got 0"),
         (Sample((h, w, t, None, -100, -0.5)), rf"{op}: label_smoothing must be in \[0, 1\]"),
     ]
 

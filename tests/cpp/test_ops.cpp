@@ -148,6 +148,23 @@ TEST(LlmOps, AttentionFromCppMergesSplitKeys) {
   }
 }
 
+TEST(LlmOps, CrossEntropyFromCpp) {
+  for (auto device : devices()) {
+    auto opts = at::TensorOptions().device(device).dtype(at::kDouble);
+    at::Tensor h = at::randn({6, 4}, opts), w = at::randn({9, 4}, opts);
+    at::Tensor t = at::randint(0, 9, {6}, opts.dtype(at::kLong));
+    at::Tensor logits = at::mm(h, w.t());
+    auto [loss, lse] = customops::cross_entropy(logits, t);
+    EXPECT_TRUE(at::allclose(lse, at::logsumexp(logits, -1), 1e-10, 1e-10)) << device;
+    EXPECT_TRUE(at::allclose(loss, lse - logits.gather(1, t.unsqueeze(1)).squeeze(1), 1e-10, 1e-10)) << device;
+    // Default tiles, and tiles of 4 rows x 2 classes (two chunks of rows, five pieces of the vocabulary).
+    EXPECT_TRUE(at::allclose(customops::linear_cross_entropy(h, w, t), loss.mean(), 1e-10, 1e-10)) << device;
+    EXPECT_TRUE(at::allclose(customops::linear_cross_entropy(h, w, t, std::nullopt, -100, 0.0, "sum", 4, 2), loss.sum(),
+                             1e-10, 1e-10))
+        << device;
+  }
+}
+
 TEST(LlmOps, RmsNormBackwardFromCpp) {
   for (auto device : devices()) {
     auto opts = at::TensorOptions().device(device).dtype(at::kDouble);

@@ -8,6 +8,7 @@
 
 #include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
 
 #include "customops/macros.h"
@@ -48,6 +49,25 @@ CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, 
 // differentiable. out [..., D], lse out.shape[:-1].
 CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> merge_attention(const at::Tensor& out_a, const at::Tensor& lse_a,
                                                                  const at::Tensor& out_b, const at::Tensor& lse_b);
+// Cross-entropy of logits [N, V] (float32/64, float16, bfloat16; computed in float32) against
+// target [N] (int64; rows whose target is ignore_index give 0). Returns (loss [N], lse [N]), both
+// float32 (float64 for float64): lse, the rows' log-sum-exp, is differentiable (a z-loss needs no
+// second pass).
+CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> cross_entropy(const at::Tensor& logits, const at::Tensor& target,
+                                                               int64_t ignore_index = -100,
+                                                               double label_smoothing = 0.0);
+// cross_entropy(hidden @ weight.T + bias, target) reduced ("mean" over the counted rows, or "sum")
+// without building the [N, V] logits: hidden [N, H], weight [V, H], bias [V] or none. It goes in
+// tiles of tile_rows x tile_classes logits; the default (1024 rows, classes within hidden's size)
+// keeps the extra memory at most hidden's, whole-vocabulary tiles (tile_classes = V) take three
+// matmuls instead of four.
+CUSTOMOPS_API at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight,
+                                              const at::Tensor& target,
+                                              const std::optional<at::Tensor>& bias = std::nullopt,
+                                              int64_t ignore_index = -100, double label_smoothing = 0.0,
+                                              std::string_view reduction = "mean",
+                                              std::optional<int64_t> tile_rows = std::nullopt,
+                                              std::optional<int64_t> tile_classes = std::nullopt);
 // x * sigmoid(x).
 CUSTOMOPS_API at::Tensor silu(const at::Tensor& x);
 // silu(gate) * up (SwiGLU); gate and up may be the two halves of one tensor's last dim.
