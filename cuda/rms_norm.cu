@@ -9,9 +9,10 @@
 //   sum) of a row wait in a ring of rows in shared memory, filled by cp.async rows ahead, so
 //   loads never stop while a row reduces; rows whose ring does not fit (or unaligned rows) are
 //   cached in registers instead (kCache vectors per thread) between the reduction and the write.
-//   Each thread owns fixed columns in every row, so it accumulates their weight gradient in
-//   shared memory without atomics (element j of vector i at [j * nv + i]: no bank conflicts); a
-//   column-tiled kernel sums the per-block partials. Rows whose accumulators do not fit in shared memory use ATen for dw.
+//   Each thread owns fixed columns in every row, so it accumulates their weight gradient without
+//   atomics: in registers (ring kernel) or in shared memory (register kernel; element j of vector
+//   i at [j * nv + i]: no bank conflicts); a column-tiled kernel, launched to wait on the backward
+//   (sm_90+), sums the per-block partials. Rows whose accumulators fit neither use ATen for dw.
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <torch/library.h>
@@ -128,6 +129,24 @@ __device__ __forceinline__ void store(T* p, const Pack<T, V>& v) {
   *reinterpret_cast<Pack<T, V>*>(p) = v;
 }
 
+// ---- backward ----------------------------------------------------------------------------------
+
+// Programmatic dependent launch (sm_90+): a kernel launched with programmatic stream serialization
+// may start while the previous kernel in the stream still runs, once each of that kernel's blocks
+// has called grid_dependents_launch (or exited); grid_dependency_wait then waits for that kernel
+// to finish and its writes to be visible. Both are no-ops before sm_90.
+__device__ __forceinline__ void grid_dependents_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 constexpr int kCache = 4;  // backward: vectors of each row tensor per thread kept in registers
 
 // Backward, one block per row at a time (grid-stride over rows).
@@ -143,6 +162,7 @@ __global__ void __launch_bounds__(512) rms_norm_bwd_kernel(const T* __restrict__
                                     const at::opmath_type<T>* __restrict__ rstd, const T* __restrict__ dadd,
                                     T* __restrict__ dx, at::opmath_type<T>* __restrict__ dw_partial, int64_t rows,
                                     int64_t n) {
+  grid_dependents_launch();  // sum_partials_kernel may take the SMs this wave leaves idle
   using A = at::opmath_type<T>;
   using P = Pack<T, V>;
   using PW = Pack<W, V>;
@@ -221,38 +241,45 @@ __global__ void __launch_bounds__(512) rms_norm_bwd_kernel(const T* __restrict__
   }
 }
 
-// Rows of the backward's ring in shared memory. Measured on an H100 (add_rms_norm, bf16, rows of
-// 1024 to 8192): two beat three by up to 5% (more blocks fit an SM, and there are enough of them
-// for the bytes in flight), and beat registers (rms_norm_bwd_kernel) by up to 25% at 16384x1024.
+// Rows of the backward's ring in shared memory, and the most vectors of a row a thread of the ring
+// kernel takes. Measured on an H100 (add_rms_norm, bf16, rows of 1024 to 16384): two stages beat
+// three by up to 10% (more blocks fit an SM, and there are enough of them for the bytes in flight).
 constexpr int kStages = 2;
+constexpr int kRingVectors = 4;
 
 // Backward through a ring of kStages rows in shared memory (16-byte vectors only): cp.async
 // fetches rows r + G ... r + (kStages - 1) * G (G = gridDim.x) while the block reduces and writes
-// row r, so HBM never waits for a reduction. Same math and dw accumulators as rms_norm_bwd_kernel.
+// row r, so HBM never waits for a reduction. Same math as rms_norm_bwd_kernel. Thread tid owns
+// vectors tid + k * nt (k < K) of every row, so it keeps their dw in registers: measured against
+// accumulators in shared memory (H100, add_rms_norm, bf16), within 1% at 32768x4096 and 4096x8192,
+// 2-3% faster at 8192x2048 and 16384x1024, and 9% at 2048x16384, whose ring fits only without them.
 // Each thread copies and reads only its own vectors of a row, so its cp_async_wait makes them
 // visible to it; the row's rstd (copied by thread 0) is read after the reduction's barrier. The
 // copy into a stage is issued after that barrier in the next row, when every thread has read it.
-// Shared memory: [kStages][dy, x, dadd][nv] vectors, rstd[kStages], red[32], dw_acc[n].
-template <typename T, typename W>
+// Shared memory: [kStages][dy, x, dadd][nv] vectors, rstd[kStages], red[32].
+template <typename T, typename W, int K>
 __global__ void __launch_bounds__(512) rms_norm_bwd_ring_kernel(const T* __restrict__ dy, const T* __restrict__ x, const W* __restrict__ w,
                                     const at::opmath_type<T>* __restrict__ rstd, const T* __restrict__ dadd,
                                     T* __restrict__ dx, at::opmath_type<T>* __restrict__ dw_partial, int64_t rows,
                                     int64_t n) {
+  grid_dependents_launch();  // sum_partials_kernel may take the SMs this wave leaves idle
   using A = at::opmath_type<T>;
   constexpr int V = 16 / sizeof(T);
   using P = Pack<T, V>;
   using PW = Pack<W, V>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const bool with_dx = dx != nullptr, with_add = dadd != nullptr && dx != nullptr;
+  const bool with_dx = dx != nullptr, with_add = dadd != nullptr && dx != nullptr, with_dw = dw_partial != nullptr;
   const int nv = static_cast<int>(n / V), tensors = with_add ? 3 : 2;
   const int tid = threadIdx.x, nt = blockDim.x;
   P* ring = reinterpret_cast<P*>(smem_raw);
   A* rs_ring = reinterpret_cast<A*>(ring + kStages * tensors * nv);
   A* red = rs_ring + kStages;
-  A* dw_acc = red + 32;  // n accumulators when dw_partial != nullptr
   const PW* wp = reinterpret_cast<const PW*>(w);
-  if (dw_partial != nullptr) {
-    for (int c = tid; c < nv * V; c += nt) dw_acc[c] = 0;
+  A acc[K][V];
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) acc[k][j] = 0;
   }
   const int64_t G = gridDim.x;
   auto fetch = [&](int64_t r, int stage) {
@@ -261,10 +288,14 @@ __global__ void __launch_bounds__(512) rms_norm_bwd_ring_kernel(const T* __restr
       const P* gs = reinterpret_cast<const P*>(dy + r * n);
       const P* xs = reinterpret_cast<const P*>(x + r * n);
       const P* as = with_add ? reinterpret_cast<const P*>(dadd + r * n) : nullptr;
-      for (int i = tid; i < nv; i += nt) {
-        cuda::cp_async16(cuda::smem_addr(st + i), gs + i);
-        cuda::cp_async16(cuda::smem_addr(st + nv + i), xs + i);
-        if (with_add) cuda::cp_async16(cuda::smem_addr(st + 2 * nv + i), as + i);
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int i = tid + k * nt;
+        if (i < nv) {
+          cuda::cp_async16(cuda::smem_addr(st + i), gs + i);
+          cuda::cp_async16(cuda::smem_addr(st + nv + i), xs + i);
+          if (with_add) cuda::cp_async16(cuda::smem_addr(st + 2 * nv + i), as + i);
+        }
       }
       if (tid == 0) cuda::cp_async_ca<sizeof(A)>(cuda::smem_addr(rs_ring + stage), rstd + r);
     }
@@ -280,12 +311,16 @@ __global__ void __launch_bounds__(512) rms_norm_bwd_ring_kernel(const T* __restr
     const P* ar = gr + 2 * nv;
     A s = 0;
     if (with_dx) {
-      for (int i = tid; i < nv; i += nt) {
-        const P g = gr[i], xv = xr[i];
-        PW wv;
-        if (wp != nullptr) wv = wp[i];
 #pragma unroll
-        for (int j = 0; j < V; ++j) s += A(g.v[j]) * (wp != nullptr ? A(wv.v[j]) : A(1)) * A(xv.v[j]);
+      for (int k = 0; k < K; ++k) {
+        const int i = tid + k * nt;
+        if (i < nv) {
+          const P g = gr[i], xv = xr[i];
+          PW wv;
+          if (wp != nullptr) wv = wp[i];
+#pragma unroll
+          for (int j = 0; j < V; ++j) s += A(g.v[j]) * (wp != nullptr ? A(wv.v[j]) : A(1)) * A(xv.v[j]);
+        }
       }
       s = block_sum(s, red);  // its barriers also publish thread 0's rstd copy
     } else {
@@ -296,32 +331,45 @@ __global__ void __launch_bounds__(512) rms_norm_bwd_ring_kernel(const T* __restr
     const A rs = rs_ring[stage];
     const A coef = s * rs * rs * rs / A(n);
     P* dxr = with_dx ? reinterpret_cast<P*>(dx + r * n) : nullptr;
-    for (int i = tid; i < nv; i += nt) {
-      const P g = gr[i], xv = xr[i];
-      if (with_dx) {
-        PW wv;
-        P da, out;
-        if (wp != nullptr) wv = wp[i];
-        if (with_add) da = ar[i];
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-          const A gw = A(g.v[j]) * (wp != nullptr ? A(wv.v[j]) : A(1));
-          out.v[j] = static_cast<T>(gw * rs - A(xv.v[j]) * coef + (with_add ? A(da.v[j]) : A(0)));
+    for (int k = 0; k < K; ++k) {
+      const int i = tid + k * nt;
+      if (i < nv) {
+        const P g = gr[i], xv = xr[i];
+        if (with_dx) {
+          PW wv;
+          P da, out;
+          if (wp != nullptr) wv = wp[i];
+          if (with_add) da = ar[i];
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            const A gw = A(g.v[j]) * (wp != nullptr ? A(wv.v[j]) : A(1));
+            out.v[j] = static_cast<T>(gw * rs - A(xv.v[j]) * coef + (with_add ? A(da.v[j]) : A(0)));
+          }
+          dxr[i] = out;
         }
-        dxr[i] = out;
-      }
-      if (dw_partial != nullptr) {
-        A* acc = dw_acc + i;
+        if (with_dw) {
 #pragma unroll
-        for (int j = 0; j < V; ++j) acc[j * nv] += A(g.v[j]) * A(xv.v[j]) * rs;
+          for (int j = 0; j < V; ++j) acc[k][j] += A(g.v[j]) * A(xv.v[j]) * rs;
+        }
       }
     }
     stage = (stage + 1) % kStages;
   }
   cuda::cp_async_wait<0>();
-  if (dw_partial != nullptr) {
-    __syncthreads();
-    for (int c = tid; c < nv * V; c += nt) dw_partial[blockIdx.x * n + c] = dw_acc[(c % V) * nv + c / V];
+  if (with_dw) {
+    using PA = Pack<A, V>;
+    PA* out = reinterpret_cast<PA*>(dw_partial + blockIdx.x * n);
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int i = tid + k * nt;
+      if (i < nv) {
+        PA o;
+#pragma unroll
+        for (int j = 0; j < V; ++j) o.v[j] = acc[k][j];
+        out[i] = o;
+      }
+    }
   }
 }
 
@@ -332,6 +380,7 @@ __global__ void sum_partials_kernel(const at::opmath_type<T>* __restrict__ parti
   using A = at::opmath_type<T>;
   __shared__ A tile[kY][33];
   const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  grid_dependency_wait();
   A s = 0;
   if (c < n) {
 #pragma unroll 4
@@ -522,8 +571,18 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_common(const at::Tensor& gr
                 " elements are not supported (at most 2^31 - 1 vectors of ", v, ")");
     auto stream = at::cuda::getCurrentCUDAStream();
     const auto* prop = at::cuda::getCurrentDeviceProperties();
-    // Per-block dw accumulators live in shared memory; rows too long for it fall back to ATen.
-    const bool dw_in_kernel = want_dw && (32 + n) * sizeof(A) <= prop->sharedMemPerBlockOptin;
+    constexpr int kVec = 16 / sizeof(scalar_t);
+    const int64_t nv = n / v;
+    // The ring kernel: 16-byte vectors, rows in shared memory, a thread per vector up to 512
+    // (measured: 3-20% faster than two vectors a thread at rows of 1024 to 4096), at most
+    // kRingVectors a thread. Otherwise the register kernel, whose dw accumulators live in shared
+    // memory; rows too long for those leave dw to ATen.
+    const int ring_threads = static_cast<int>(std::clamp<int64_t>((nv + 31) / 32 * 32, 32, 512));
+    const int64_t ring_k = (nv + ring_threads - 1) / ring_threads;
+    const size_t ring_smem =
+        kStages * (dap != nullptr && dxp != nullptr ? 3 : 2) * n * sizeof(scalar_t) + (kStages + 32) * sizeof(A);
+    const bool ring = v == kVec && ring_k <= kRingVectors && ring_smem <= prop->sharedMemPerBlockOptin;
+    const bool dw_in_kernel = want_dw && (ring || (32 + n) * sizeof(A) <= prop->sharedMemPerBlockOptin);
     at::Tensor partial;
     int64_t blocks = 0;
     auto launch = [&](auto kernel, int threads, size_t smem) {
@@ -534,25 +593,32 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_common(const at::Tensor& gr
       // each looping over rows. Measured on an H100 (add_rms_norm, bf16, 32768x4096 and 4096x8192):
       // 3-8% faster than the former count (blocks for half the SM's thread slots, which at 128
       // registers a thread do not all fit: two waves), 32-35% faster than half a wave (fewer
-      // weight-gradient partials to sum do not pay for the idle warps).
+      // weight-gradient partials to sum do not pay for the idle warps). Then as few blocks as give
+      // every block the same number of rows: 4096 rows take 128 blocks of 32, not 132 of 31 or 32
+      // (fewer partials, and the last row's wait is the same).
       int per_sm = 0;
       C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
       blocks = std::min<int64_t>(rows, int64_t{prop->multiProcessorCount} * std::max(per_sm, 1));
+      const int64_t rows_per_block = (rows + blocks - 1) / blocks;
+      blocks = (rows + rows_per_block - 1) / rows_per_block;
       partial = dw_in_kernel ? at::empty({blocks, n}, x.options().dtype(rstd.scalar_type())) : at::Tensor();
       kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(dy.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), wp,
                                                         rstd.const_data_ptr<A>(), dap, dxp,
                                                         dw_in_kernel ? partial.mutable_data_ptr<A>() : nullptr, rows, n);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     };
-    constexpr int kVec = 16 / sizeof(scalar_t);
-    // The ring kernel wants 16-byte vectors and its rows in shared memory; a thread per vector up
-    // to 512 (measured: 3-20% faster than two vectors a thread at rows of 1024 to 4096).
-    const int64_t nv = n / v;
-    const size_t ring_smem = kStages * (dap != nullptr && dxp != nullptr ? 3 : 2) * n * sizeof(scalar_t) +
-                             (kStages + 32 + (dw_in_kernel ? n : 0)) * sizeof(A);
-    if (v == kVec && ring_smem <= prop->sharedMemPerBlockOptin && (dxp != nullptr || dw_in_kernel)) {
-      const int threads = static_cast<int>(std::clamp<int64_t>((nv + 31) / 32 * 32, 32, 512));
-      launch(rms_norm_bwd_ring_kernel<scalar_t, W>, threads, ring_smem);
+    if (ring && (dxp != nullptr || dw_in_kernel)) {
+      auto ring_launch = [&](auto k_tag) {
+        launch(rms_norm_bwd_ring_kernel<scalar_t, W, decltype(k_tag)::value>, ring_threads, ring_smem);
+      };
+      static_assert(kRingVectors == 4, "one instantiation per vector count below");
+      if (ring_k == 1) {
+        ring_launch(std::integral_constant<int, 1>{});
+      } else if (ring_k == 2) {
+        ring_launch(std::integral_constant<int, 2>{});
+      } else {
+        ring_launch(std::integral_constant<int, 4>{});
+      }
     } else if (dxp != nullptr || dw_in_kernel) {
       // At most 512 threads, so the kernel's registers fit any GPU (longer rows loop past the cache).
       const int threads = static_cast<int>(std::clamp<int64_t>(((nv + kCache - 1) / kCache + 31) / 32 * 32, 32, 512));
@@ -566,9 +632,20 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_common(const at::Tensor& gr
     if (dw_in_kernel) {
       // 32 threads a column: 8 left the sum latency-bound where there are many partials (8-15 us
       // of a 70 us backward at 8192x2048 and 16384x1024 on an H100; ATen's sum was no faster).
-      sum_partials_kernel<W, 32><<<static_cast<unsigned>((n + 31) / 32), dim3(32, 32), 0, stream>>>(
-          partial.const_data_ptr<A>(), dw.mutable_data_ptr<W>(), static_cast<int>(blocks), n);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      // Launched programmatically dependent on the backward kernel (sm_90+), so it is resident
+      // and waiting when the backward's last rows finish: with the even row split above, 3-5%
+      // off add_rms_norm's backward at rows of 1024 to 8192 on an H100 (2% for this launch alone).
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = dim3(static_cast<unsigned>((n + 31) / 32));
+      cfg.blockDim = dim3(32, 32);
+      cfg.stream = stream;
+      cudaLaunchAttribute attr[1];
+      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[0].val.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = prop->major >= 9 ? 1 : 0;
+      C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sum_partials_kernel<W, 32>, partial.const_data_ptr<A>(),
+                                        dw.mutable_data_ptr<W>(), static_cast<int>(blocks), n));
     } else if (want_dw) {
       const at::Tensor xhat = x.to(rstd.scalar_type()) * rstd.unsqueeze(-1);
       dw.copy_((dy.to(rstd.scalar_type()) * xhat).reshape({rows, n}).sum(0));

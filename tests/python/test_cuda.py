@@ -73,6 +73,8 @@ def test_more_than_2_31_elements():
     (7, 4097),  # odd: forward registers with K = 8
     (40000, 64),  # more rows than the backward has blocks: grid-stride, its ring of rows wraps often
     (6, 16384),  # bfloat16: the backward ring of rows in shared memory at its largest; float32: too large for it
+    (9, 8192),  # the backward ring with 2 (bfloat16) and 4 (float32) vectors a thread
+    (9, 8512),  # ... and with some threads' last vector past the row
     (1, 24),  # fewer vectors than threads
 ])
 def test_rms_norm_kernel_paths(rows, n, dtype):
@@ -88,4 +90,14 @@ def test_rms_norm_kernel_paths(rows, n, dtype):
     torch.testing.assert_close(y.double(), y64, **tol)
     torch.testing.assert_close(dx.double(), dx64, **tol)
     # dw sums `rows` products: its rounding error grows about as the square root of their number.
+    torch.testing.assert_close(dw.double(), dw64, atol=tol["atol"] * 4 * rows**0.5, rtol=tol["rtol"] * 4)
+    # add_rms_norm: the backward also reads the gradient that reached sum (a third row in the ring).
+    r = torch.randn(rows, n, device="cuda", dtype=dtype)
+    ds = torch.randn(rows, n, device="cuda", dtype=dtype)
+    y, s = customops.add_rms_norm(x, r, w, 1e-6)
+    dx, dw = torch.autograd.grad((y, s), (x, w), (dy, ds))
+    s64 = (x.detach() + r).double().requires_grad_()
+    y64 = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + 1e-6) * w64
+    ds64, dw64 = torch.autograd.grad(y64, (s64, w64), dy.double())
+    torch.testing.assert_close(dx.double(), ds64 + ds.double(), **tol)
     torch.testing.assert_close(dw.double(), dw64, atol=tol["atol"] * 4 * rows**0.5, rtol=tol["rtol"] * 4)
