@@ -5,24 +5,27 @@
 // backward reuses it instead of recomputing softmax statistics, and it is differentiable
 // (d lse_i / d s_ij = p_ij), which merging partial attentions needs.
 //
-// The kernels here are blocked ("flash") attention written with ATen ops on blocks: scores of a
-// block of query rows against a block of keys (at::matmul, so MKL/OpenBLAS on the CPU and cuBLAS
-// tensor cores on CUDA), an online softmax across key blocks, and no [Sq, Sk] matrix ever: extra
-// memory is one block of scores. Grouped-query attention reads k and v once per group of query
-// heads (the group's rows are stacked, k is never repeated). On the CPU the blocks run in
-// parallel over (batch, kv head, query block) in the forward and (batch, kv head) in the backward,
-// each block's scores in cache, the softmax work between the matmuls in one vectorized pass
-// (cpp/cpu/attention.cpp); on CUDA each step covers every batch entry and head at once, over
-// query chunks sized to keep the scores under 256 MiB. On CUDA, float16 and bfloat16 with head dims
-// 64 and 128 go to the fused tensor-core kernels instead (cuda/attention.cu, scores kept in
-// registers); these kernels are their reference and take every other input.
+// The kernels here are blocked ("flash") attention: scores of a block of query rows against a
+// block of keys, an online softmax across key blocks, and no [Sq, Sk] matrix ever: extra memory is
+// one block of scores. Grouped-query attention reads k and v once per group of query heads (the
+// group's rows are stacked, k is never repeated). On the CPU, float32, bfloat16 and float16 run
+// on raw pointers: float32 matmuls of blocks through oneDNN's brgemm micro-kernel, the softmax
+// work between them in one vectorized pass (cpp/cpu/attention.cpp), in parallel over (batch, kv
+// head, query block) in the forward and (batch, kv head) in the backward. The other inputs
+// (float64, CUDA without the fused kernels) take ATen ops on blocks (at::matmul, so MKL on the CPU
+// and cuBLAS tensor cores on CUDA); on CUDA each step covers every batch entry and head at once,
+// over query chunks sized to keep the scores under 256 MiB. On CUDA, float16 and bfloat16 with
+// head dims 64 and 128 go to the fused tensor-core kernels instead (cuda/attention.cu, scores kept
+// in registers); the blocked ATen kernels are their reference and take every other input.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -172,90 +175,9 @@ void backward_rows(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& 
   if (want_dq) dq.copy_(dqa.mul_(blk.scale).view(dq.sizes()));
 }
 
-// The CPU versions of forward_rows and backward_rows for float32 accumulation, on one (batch, kv
-// head) slice ([1, 1, ...] tensors): 2-D matmuls (one BLAS call each) and the work between them in
-// one cached pass each (attention_kernels_cpu). Scores and their gradients are float32 matmuls of
-// float32 copies; for bfloat16 inputs the matmuls that take probabilities or score gradients
-// (p v, ds k, ds^T q, p^T dout) run in bfloat16 with float32 accumulation of the blocks, as
-// FlashAttention rounds p and ds for its tensor-core matmuls (a bfloat16 matmul is 3.5x a float32
-// one on AVX512-BF16 CPUs).
-int64_t first_limit(const Blocks& blk, int64_t j0, int64_t n) {
-  return blk.causal ? blk.i0 + blk.shift() - j0 : n;
-}
-
-void forward_rows_cpu(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v, const Blocks& blk,
-                      const at::Tensor& out, const at::Tensor& lse) {
-  const auto& kern = attention_kernels_cpu();
-  const int64_t m = qg.size(3), d = qg.size(4), rows = qg.size(2) * m;
-  const bool low = qg.scalar_type() == at::kBFloat16;
-  const at::Tensor qa = qg.to(at::kFloat).reshape({rows, d});
-  const at::Tensor kk = k.reshape({k.size(2), d}), vv = v.reshape({v.size(2), d});
-  const auto fopts = qa.options();
-  at::Tensor mx = at::full({rows}, -kInf, fopts), l = at::zeros({rows}, fopts), corr = at::empty({rows}, fopts);
-  at::Tensor o;
-  const int64_t end = blk.key_end(m);
-  for (int64_t j0 = 0; j0 < end; j0 += blk.block_k) {
-    const int64_t n = std::min(blk.block_k, end - j0);
-    const at::Tensor kb = kk.narrow(0, j0, n).to(at::kFloat), vb = vv.narrow(0, j0, n);
-    at::Tensor s = at::mm(qa, kb.t());
-    kern.softmax_step(s.data_ptr<float>(), rows, n, n, m, first_limit(blk, j0, n), blk.scale, mx.data_ptr<float>(),
-                      l.data_ptr<float>(), corr.data_ptr<float>());
-    if (low) {
-      const at::Tensor ob = at::mm(s.to(at::kBFloat16), vb);
-      o = o.defined() ? o.mul_(corr.unsqueeze(1)).add_(ob) : ob.to(at::kFloat);
-    } else if (!o.defined()) {
-      o = at::mm(s, vb.to(at::kFloat));
-    } else {
-      o.mul_(corr.unsqueeze(1)).addmm_(s, vb.to(at::kFloat));
-    }
-  }
-  const at::Tensor seen = l > 0;
-  if (!o.defined()) o = at::zeros({rows, d}, fopts);
-  out.copy_(o.div_(l.masked_fill(~seen, 1).unsqueeze(1)).view(out.sizes()));
-  lse.copy_(at::where(seen, mx + l.log(), -kInf).view(lse.sizes()));
-}
-
-void backward_rows_cpu(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v, const at::Tensor& gog,
-                       const at::Tensor& dterm, const at::Tensor& lse, const Blocks& blk, const at::Tensor& dq,
-                       const at::Tensor& dk_acc, const at::Tensor& dv_acc) {
-  const auto& kern = attention_kernels_cpu();
-  const int64_t m = qg.size(3), d = qg.size(4), rows = qg.size(2) * m, sk = k.size(2);
-  const bool low = qg.scalar_type() == at::kBFloat16;
-  const at::Tensor qa = qg.to(at::kFloat).reshape({rows, d}), go = gog.to(at::kFloat).reshape({rows, d});
-  const at::Tensor q_low = low ? qg.reshape({rows, d}) : at::Tensor(), go_low = low ? gog.reshape({rows, d}) : at::Tensor();
-  const at::Tensor lse_r = lse.reshape({rows}).contiguous(), dt = dterm.reshape({rows}).contiguous();
-  const at::Tensor kk = k.reshape({sk, d}), vv = v.reshape({sk, d});
-  const bool want_dq = dq.defined(), want_dkv = dk_acc.defined();
-  const at::Tensor dk2 = want_dkv ? dk_acc.view({sk, d}) : at::Tensor(), dv2 = want_dkv ? dv_acc.view({sk, d}) : at::Tensor();
-  at::Tensor dqa = want_dq ? at::zeros({rows, d}, qa.options()) : at::Tensor();
-  const int64_t end = blk.key_end(m);
-  for (int64_t j0 = blk.keys_from; j0 < end; j0 += blk.block_k) {
-    const int64_t n = std::min(blk.block_k, end - j0);
-    const at::Tensor kb = kk.narrow(0, j0, n).to(at::kFloat), vb = vv.narrow(0, j0, n).to(at::kFloat);
-    at::Tensor p = at::mm(qa, kb.t());
-    kern.probs(p.data_ptr<float>(), rows, n, n, m, first_limit(blk, j0, n), blk.scale, lse_r.data_ptr<float>());
-    at::Tensor ds = at::mm(go, vb.t());
-    kern.dscores(ds.data_ptr<float>(), p.data_ptr<float>(), rows, n, n, dt.data_ptr<float>());
-    if (low) {
-      const at::Tensor ds_low = ds.to(at::kBFloat16);
-      if (want_dq) dqa.add_(at::mm(ds_low, kk.narrow(0, j0, n)));
-      if (want_dkv) {
-        dk2.narrow(0, j0, n).add_(at::mm(ds_low.t(), q_low));
-        dv2.narrow(0, j0, n).add_(at::mm(p.to(at::kBFloat16).t(), go_low));
-      }
-    } else {
-      if (want_dq) dqa.addmm_(ds, kb);
-      if (want_dkv) {
-        dk2.narrow(0, j0, n).addmm_(ds.t(), qa);
-        dv2.narrow(0, j0, n).addmm_(p.t(), go);
-      }
-    }
-  }
-  if (want_dq) dq.copy_(dqa.mul_(blk.scale).view(dq.sizes()));
-}
-
-// Rows per query block and keys per key block. CPU: a block's scores (G * 256 x 512 floats) stay in
-// cache. CUDA: every batch entry and head at once, query chunks keeping the scores under 256 MiB.
+// Rows per query block and keys per key block of forward_rows and backward_rows. CPU (float64): a
+// block's scores (G * 256 x 512) stay in cache. CUDA: every batch entry and head at once, query
+// chunks keeping the scores under 256 MiB.
 struct Tiling {
   int64_t rows, keys;
 };
@@ -299,6 +221,274 @@ at::Tensor task_slice(const at::Tensor& t, int64_t b, int64_t h) {
   return b < 0 ? t : t.narrow(0, b, 1).narrow(1, h, 1);
 }
 
+// ---- the CPU kernels for float32 accumulation (float32, bfloat16 and float16 inputs) -------------
+// Flash attention on raw pointers: per task, float32 matmuls of blocks through oneDNN's brgemm
+// micro-kernel (ATen's cpublas::brgemm), the work between them in one vectorized pass
+// (attention_kernels_cpu), scratch allocated once per thread and call, no ATen op inside a task.
+// On the AMD EPYC (Zen 5) of docs/benchmarks.md, one thread, brgemm runs this file's block shapes
+// at 220-260 GFLOP/s where MKL's sgemm (at::mm, and SDPA's CPU flash kernel) runs 100: MKL takes
+// its AVX2 path on AMD CPUs, oneDNN picks its AVX-512 one from the CPU's features. Every matmul,
+// bfloat16 inputs' included, is float32 (a bfloat16 brgemm needs VNNI-packed operands and AVX-512).
+// Each matmul's B operand is row-major [K, N], so k^T and v^T (for the scores and their
+// gradients) are transposed copies made once per call, and the backward accumulates dk^T = q^T ds
+// and dv^T = dout^T p (A = the transposed query block, made once per block) and transposes them
+// once at the end. Against the blocked ATen kernels (at::mm on tensors, MKL) at [2, 8, 1024, 64]
+// float32 on the 2-core EPYC: forward 24.7 -> 11.9 ms, forward and backward 86.4 -> 37.8 ms (SDPA
+// 23.6 and 85.2 ms); bfloat16 18.3 -> 11.8 ms and 58.3 -> 41.6 ms.
+
+// A torch without cpublas's float32 brgemm (its header defines this macro where it has one) builds
+// without these kernels: its CPU inputs take the blocked ATen kernels above.
+#ifdef CPUBLAS_BRGEMM_F32F32F32
+constexpr bool kCpuKernels = true;
+#else
+constexpr bool kCpuKernels = false;
+#endif
+
+// C[m, n] (+)= A[m, k] B[k, n], row-major float32 with leading dims (MKL's sgemm when oneDNN is
+// disabled: cpublas::brgemm falls back to it).
+void gemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b, int64_t ldb, float* c,
+          int64_t ldc, bool add) {
+#ifdef CPUBLAS_BRGEMM_F32F32F32
+  at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add, a, b, c, /*is_vnni=*/false);
+#else
+  TORCH_INTERNAL_ASSERT(false, "customops::attention: CPU kernels built without cpublas::brgemm");
+#endif
+}
+
+// t ([B, H, S, D]) in float32 with a unit last stride and rows at least D apart (brgemm's leading
+// dim): t itself when it is one already.
+at::Tensor float_rows(const at::Tensor& t) {
+  const at::Tensor f = t.to(at::kFloat);
+  return (f.stride(3) == 1 || f.size(3) == 1) && f.stride(2) >= f.size(3) ? f : f.contiguous();
+}
+
+// Where a kernel writes out's values: out itself when it is float32 with a unit last stride, else a
+// float32 buffer that is copied into out at the end.
+at::Tensor float_out(const at::Tensor& out) {
+  if (out.scalar_type() == at::kFloat && out.stride(3) == 1) return out;
+  return at::empty(out.sizes(), out.options().dtype(at::kFloat));
+}
+
+// Rows of a float32 [B, H, S, D] tensor with a unit last stride.
+struct Rows {
+  float* p;
+  int64_t sb, sh, ss;
+  explicit Rows(const at::Tensor& t) : p(t.data_ptr<float>()), sb(t.stride(0)), sh(t.stride(1)), ss(t.stride(2)) {}
+  float* at(int64_t b, int64_t h, int64_t i) const { return p + b * sb + h * sh + i * ss; }
+};
+
+// As parallel_tasks, fn(task, scratch) with scratch floats of each worker's own, allocated once per
+// worker and call.
+template <typename Fn>
+void parallel_tasks_scratch(int64_t n, int64_t scratch, Fn&& fn) {
+  const at::ThreadLocalState state;
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    at::ThreadLocalStateGuard tls(state);
+    const at::Tensor buf = at::empty({scratch}, at::TensorOptions().dtype(at::kFloat));
+    for (int64_t task = begin; task < end; ++task) fn(task, buf.data_ptr<float>());
+  });
+}
+
+// The CPU kernels' blocks: query rows per head (a block stacks the G heads' rows) and keys. On the
+// EPYC at [2, 8, 1024, 64] float32, without a mask 64 to 256 rows and 256 to 1024 keys are within
+// 1% of each other in the forward, and 256 x 512 is 1-7% ahead in the backward (a longer K for
+// dk^T and dv^T); causal, 64 rows are 7-13% ahead of 256 in both (less of each diagonal block is
+// computed only to be masked).
+struct CpuTiling {
+  int64_t rows, keys;
+};
+CpuTiling cpu_tiling(int64_t g, bool causal) { return {std::max<int64_t>(1, (causal ? 64 : 256) / g), 512}; }
+
+// brgemm JIT-compiles a kernel per shape and leading dims, about 0.2 ms each, and keeps them per
+// thread: a decoding loop whose Sk grows by one each step compiled new kernels at every step (0.5
+// ms a call where the call itself took 0.13). So no leading dim depends on Sk (k^T, v^T, dk^T and
+// dv^T are stored per key block, [D, keys] each), and a block's matmuls cover its keys rounded up
+// to a multiple of 16, the padding's probabilities 0: at most keys / 16 tails per shape.
+int64_t padded(int64_t n) { return (n + 15) / 16 * 16; }
+
+int64_t first_limit(const Blocks& blk, int64_t j0, int64_t n) {
+  return blk.causal ? blk.i0 + blk.shift() - j0 : n;
+}
+
+// x ([B, H, S, D], contiguous) transposed per key block, float32 [B, H, S / keys, D, keys] (the
+// last block's missing keys 0): the B operand of q k^T and dout v^T.
+at::Tensor transposed_blocks(const at::Tensor& x, int64_t keys) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const int64_t s = x.size(2), d = x.size(3), blocks = (s + keys - 1) / keys;
+  at::Tensor xt = at::empty({x.size(0), x.size(1), blocks, d, keys}, xf.options());
+  const float* src = xf.data_ptr<float>();
+  float* dst = xt.data_ptr<float>();
+  const auto& kern = attention_kernels_cpu();
+  parallel_tasks(x.size(0) * x.size(1) * blocks, [&](int64_t task) {
+    const int64_t p = task / blocks, j0 = (task % blocks) * keys, n = std::min(keys, s - j0);
+    float* out = dst + task * d * keys;
+    kern.transpose(src + (p * s + j0) * d, n, d, d, out, keys);
+    for (int64_t i = 0; n < keys && i < d; ++i) std::fill(out + i * keys + n, out + (i + 1) * keys, 0.f);
+  });
+  return xt;
+}
+
+// Rows [j0, j0 + width) of x ([S, D] dense float32): x's own when it has them, else a copy in tail
+// with the rows past S 0 (the B operand of a padded block's p v and ds k).
+const float* rows_padded(const float* x, int64_t s, int64_t d, int64_t j0, int64_t width, float* tail) {
+  if (j0 + width <= s) return x + j0 * d;
+  std::copy(x + j0 * d, x + s * d, tail);
+  std::fill(tail + (s - j0) * d, tail + width * d, 0.f);
+  return tail;
+}
+
+// out and lse (fresh, contiguous float32) of attention for D > 0; k and v contiguous.
+void forward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
+                 const at::Tensor& out, const at::Tensor& lse) {
+  const auto& kern = attention_kernels_cpu();
+  const int64_t hq = q.size(1), sq = q.size(2), d = q.size(3), hkv = k.size(1), sk = k.size(2), g = hq / hkv;
+  const CpuTiling t = cpu_tiling(g, causal);
+  const int64_t kblocks = (sk + t.keys - 1) / t.keys;
+  const at::Tensor qf = float_rows(q), kt = transposed_blocks(k, t.keys), vf = v.to(at::kFloat).contiguous();
+  const at::Tensor of = float_out(out);
+  const Rows qr(qf), outr(of);
+  const float *kt0 = kt.data_ptr<float>(), *v0 = vf.data_ptr<float>();
+  float* lse0 = lse.data_ptr<float>();
+  const int64_t rows_max = g * t.rows, chunks = (sq + t.rows - 1) / t.rows;
+  const int64_t scratch = rows_max * (t.keys + d + 2) + t.keys * d;
+  parallel_tasks_scratch(q.size(0) * hkv * chunks, scratch, [&](int64_t task, float* buf) {
+    const int64_t c = task % chunks, pair = task / chunks, h = pair % hkv, b = pair / hkv;
+    const int64_t i0 = c * t.rows, m = std::min(t.rows, sq - i0), rows = g * m;
+    float *s = buf, *o = s + rows_max * t.keys, *mx = o + rows_max * d, *l = mx + rows_max, *tail = l + rows_max;
+    std::fill(mx, mx + rows, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + rows, 0.f);
+    const Blocks blk{i0, sq, sk, causal, scale, t.keys};
+    const int64_t end = blk.key_end(m);
+    for (int64_t j0 = 0; j0 < end; j0 += t.keys) {
+      const int64_t n = std::min(t.keys, end - j0), w = padded(n);
+      const float* ktb = kt0 + (pair * kblocks + j0 / t.keys) * d * t.keys;
+      for (int64_t gi = 0; gi < g; ++gi) {
+        gemm(m, w, d, qr.at(b, h * g + gi, i0), qr.ss, ktb, t.keys, s + gi * m * t.keys, t.keys, false);
+      }
+      kern.softmax_step(s, rows, n, w, t.keys, m, first_limit(blk, j0, n), scale, mx, l, j0 > 0 ? o : nullptr, d);
+      gemm(rows, d, w, s, t.keys, rows_padded(v0 + pair * sk * d, sk, d, j0, w, tail), d, o, d, j0 > 0);
+    }
+    for (int64_t gi = 0; gi < g; ++gi) {
+      const int64_t hh = h * g + gi;
+      kern.finish_rows(o + gi * m * d, m, d, mx + gi * m, l + gi * m, outr.at(b, hh, i0), outr.ss,
+                       lse0 + (b * hq + hh) * sq + i0);
+    }
+  });
+  if (!of.is_same(out)) out.copy_(of);
+}
+
+// dq, dk and dv of attention (go: grad_out; dterm = rowsum(grad_out * out) - grad_lse, float32);
+// q and k non-empty, k and v contiguous.
+void backward_cpu(const at::Tensor& go, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& dterm, const at::Tensor& lse, bool causal, double scale, const at::Tensor& dq,
+                  const at::Tensor& dk, const at::Tensor& dv) {
+  const auto& kern = attention_kernels_cpu();
+  const int64_t nb = q.size(0), hq = q.size(1), sq = q.size(2), d = q.size(3), hkv = k.size(1), sk = k.size(2);
+  const int64_t g = hq / hkv;
+  const CpuTiling t = cpu_tiling(g, causal);
+  const int64_t kblocks = (sk + t.keys - 1) / t.keys, block_size = d * t.keys;
+  const at::Tensor qf = float_rows(q), gof = float_rows(go), kf = k.to(at::kFloat).contiguous();
+  const at::Tensor kt = transposed_blocks(kf, t.keys), vt = transposed_blocks(v, t.keys);
+  const at::Tensor lsec = lse.contiguous(), dtc = dterm.to(at::kFloat).contiguous();
+  const at::Tensor dqf = float_out(dq), dkf = float_out(dk), dvf = float_out(dv);
+  at::Tensor dkt = at::empty_like(kt), dvt = at::empty_like(kt);  // dk^T and dv^T, blocked as kt
+  const Rows qr(qf), gor(gof), dqr(dqf), dkr(dkf), dvr(dvf);
+  const float *kt0 = kt.data_ptr<float>(), *vt0 = vt.data_ptr<float>(), *k0 = kf.data_ptr<float>();
+  const float *lse0 = lsec.data_ptr<float>(), *dt0 = dtc.data_ptr<float>();
+  float *dkt0 = dkt.data_ptr<float>(), *dvt0 = dvt.data_ptr<float>();
+  const int64_t rows_max = g * t.rows;
+  const int64_t scratch = rows_max * (2 * t.keys + 3 * d + 2) + t.keys * d;
+
+  // Query rows [r, r + m) of (b, kv head h) against keys [j_from, j_to) (whole blocks): dq's rows
+  // (want_dq) and the keys' share of dk^T and dv^T (want_dkv).
+  auto block = [&](int64_t b, int64_t h, int64_t r, int64_t m, int64_t j_from, int64_t j_to, bool want_dq,
+                   bool want_dkv, float* buf) {
+    const int64_t rows = g * m, pair = b * hkv + h;
+    float *p = buf, *ds = p + rows_max * t.keys, *qt = ds + rows_max * t.keys, *got = qt + rows_max * d;
+    float *dqa = got + rows_max * d, *lse_b = dqa + rows_max * d, *dt_b = lse_b + rows_max, *tail = dt_b + rows_max;
+    for (int64_t gi = 0; gi < g; ++gi) {
+      const int64_t i = (b * hq + h * g + gi) * sq + r;
+      std::copy(lse0 + i, lse0 + i + m, lse_b + gi * m);
+      std::copy(dt0 + i, dt0 + i + m, dt_b + gi * m);
+      if (want_dkv) {
+        kern.transpose(qr.at(b, h * g + gi, r), m, d, qr.ss, qt + gi * m, rows);
+        kern.transpose(gor.at(b, h * g + gi, r), m, d, gor.ss, got + gi * m, rows);
+      }
+    }
+    Blocks blk{r, sq, sk, causal, scale, t.keys};
+    blk.keys_to = j_to;
+    const int64_t end = blk.key_end(m);
+    for (int64_t j0 = j_from; j0 < end; j0 += t.keys) {
+      const int64_t n = std::min(t.keys, end - j0), w = padded(n), kb = (pair * kblocks + j0 / t.keys) * block_size;
+      for (int64_t gi = 0; gi < g; ++gi) {
+        gemm(m, w, d, qr.at(b, h * g + gi, r), qr.ss, kt0 + kb, t.keys, p + gi * m * t.keys, t.keys, false);
+        gemm(m, w, d, gor.at(b, h * g + gi, r), gor.ss, vt0 + kb, t.keys, ds + gi * m * t.keys, t.keys, false);
+      }
+      kern.probs(p, rows, n, w, t.keys, m, first_limit(blk, j0, n), scale, lse_b);
+      kern.dscores(ds, p, rows, w, t.keys, dt_b);  // 0 in the padding (p 0 there, dout v^T finite)
+      if (want_dq) {
+        gemm(rows, d, w, ds, t.keys, rows_padded(k0 + pair * sk * d, sk, d, j0, w, tail), d, dqa, d, j0 > j_from);
+      }
+      if (want_dkv) {
+        gemm(d, w, rows, qt, rows, ds, t.keys, dkt0 + kb, t.keys, true);
+        gemm(d, w, rows, got, rows, p, t.keys, dvt0 + kb, t.keys, true);
+      }
+    }
+    if (want_dq) {
+      if (end <= j_from) std::fill(dqa, dqa + rows * d, 0.f);
+      for (int64_t gi = 0; gi < g; ++gi) {
+        kern.scale_rows(dqa + gi * m * d, m, d, d, static_cast<float>(scale), dqr.at(b, h * g + gi, r), dqr.ss);
+      }
+    }
+  };
+  // A pair's key blocks [kb0, kb1) of dk^T and dv^T: zeroed before, written to dk (times scale)
+  // and dv after.
+  auto zero_keys = [&](int64_t pair, int64_t kb0, int64_t kb1) {
+    std::fill(dkt0 + (pair * kblocks + kb0) * block_size, dkt0 + (pair * kblocks + kb1) * block_size, 0.f);
+    std::fill(dvt0 + (pair * kblocks + kb0) * block_size, dvt0 + (pair * kblocks + kb1) * block_size, 0.f);
+  };
+  auto store_keys = [&](int64_t pair, int64_t kb0, int64_t kb1) {
+    const int64_t b = pair / hkv, h = pair % hkv;
+    for (int64_t kb = kb0; kb < kb1; ++kb) {
+      const int64_t j0 = kb * t.keys, n = std::min(t.keys, sk - j0), at = (pair * kblocks + kb) * block_size;
+      kern.transpose(dkt0 + at, d, n, t.keys, dkr.at(b, h, j0), dkr.ss);
+      kern.scale_rows(dkr.at(b, h, j0), n, d, dkr.ss, static_cast<float>(scale), dkr.at(b, h, j0), dkr.ss);
+      kern.transpose(dvt0 + at, d, n, t.keys, dvr.at(b, h, j0), dvr.ss);
+    }
+  };
+
+  // Every query row of a kv head adds to its dk and dv. With at least as many (batch, kv head) pairs
+  // as threads, a task owns a pair and writes its dq, dk and dv in one pass over the blocks. With
+  // fewer, two passes keep every thread busy: dk and dv per (pair, key block), then dq per (pair,
+  // query block), recomputing the probabilities (7 matmuls a block instead of 5).
+  const int64_t pairs = nb * hkv, qblocks = (sq + t.rows - 1) / t.rows;
+  if (pairs >= at::get_num_threads()) {
+    parallel_tasks_scratch(pairs, scratch, [&](int64_t pair, float* buf) {
+      zero_keys(pair, 0, kblocks);
+      for (int64_t r = 0; r < sq; r += t.rows) {
+        block(pair / hkv, pair % hkv, r, std::min(t.rows, sq - r), 0, sk, true, true, buf);
+      }
+      store_keys(pair, 0, kblocks);
+    });
+  } else {
+    parallel_tasks_scratch(pairs * kblocks, scratch, [&](int64_t task, float* buf) {
+      const int64_t pair = task / kblocks, kb = task % kblocks;
+      zero_keys(pair, kb, kb + 1);
+      for (int64_t r = 0; r < sq; r += t.rows) {
+        block(pair / hkv, pair % hkv, r, std::min(t.rows, sq - r), kb * t.keys, (kb + 1) * t.keys, false, true, buf);
+      }
+      store_keys(pair, kb, kb + 1);
+    });
+    parallel_tasks_scratch(pairs * qblocks, scratch, [&](int64_t task, float* buf) {
+      const int64_t pair = task / qblocks, r = (task % qblocks) * t.rows;
+      block(pair / hkv, pair % hkv, r, std::min(t.rows, sq - r), 0, sk, true, false, buf);
+    });
+  }
+  if (!dqf.is_same(dq)) dq.copy_(dqf);
+  if (!dkf.is_same(dk)) dk.copy_(dkf);
+  if (!dvf.is_same(dv)) dv.copy_(dvf);
+}
+
 Pair attention_device(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in, bool causal,
                       std::optional<double> scale_opt) {
   check_attention("customops::attention", q, k_in, v_in);
@@ -314,15 +504,17 @@ Pair attention_device(const at::Tensor& q, const at::Tensor& k_in, const at::Ten
   }
 #endif
   const at::Tensor k = k_in.contiguous(), v = v_in.contiguous();
+  if (kCpuKernels && q.is_cpu() && attention_lse_dtype(q.scalar_type()) == at::kFloat && d > 0) {
+    forward_cpu(q, k, v, causal, scale, out, lse);
+    return {out, lse};
+  }
   const at::Tensor qg = q.unflatten(1, {hkv, hq / hkv}), outg = out.unflatten(1, {hkv, hq / hkv});
   const at::Tensor lseg = lse.unflatten(1, {hkv, hq / hkv});
   const Tiling t = tiling(q, sk);
-  const bool fast_cpu = q.is_cpu() && attention_lse_dtype(q.scalar_type()) == at::kFloat;
   for_blocks(q, hkv, sq, t, [&](int64_t b, int64_t h, int64_t i0, int64_t m) {
     const Blocks blk{i0, sq, sk, causal, scale, t.keys};
-    (fast_cpu ? forward_rows_cpu : forward_rows)(task_slice(qg, b, h).narrow(3, i0, m), task_slice(k, b, h),
-                                                 task_slice(v, b, h), blk, task_slice(outg, b, h).narrow(3, i0, m),
-                                                 task_slice(lseg, b, h).narrow(3, i0, m));
+    forward_rows(task_slice(qg, b, h).narrow(3, i0, m), task_slice(k, b, h), task_slice(v, b, h), blk,
+                 task_slice(outg, b, h).narrow(3, i0, m), task_slice(lseg, b, h).narrow(3, i0, m));
   });
   return {out, lse};
 }
@@ -347,6 +539,10 @@ Triple attention_backward_device(const std::optional<at::Tensor>& grad_out, cons
   // dterm = rowsum(grad_out * out) - grad_lse, per query row.
   at::Tensor dterm = has_go ? (go.to(acc) * out.to(acc)).sum(-1) : at::zeros(lse.sizes(), lse.options());
   if (grad_lse.has_value() && grad_lse->defined()) dterm = dterm - *grad_lse;
+  if (kCpuKernels && q.is_cpu() && acc == at::kFloat && q.numel() > 0 && k_in.numel() > 0) {
+    backward_cpu(go, q, k_in.contiguous(), v_in.contiguous(), dterm, lse, causal, scale, dq, dk, dv);
+    return {dq, dk, dv};
+  }
   at::Tensor dk_acc = at::zeros(dk.sizes(), dk.options().dtype(acc)), dv_acc = at::zeros_like(dk_acc);
   if (q.numel() > 0 && k_in.numel() > 0) {
     const at::Tensor k = k_in.contiguous(), v = v_in.contiguous();
@@ -354,7 +550,6 @@ Triple attention_backward_device(const std::optional<at::Tensor>& grad_out, cons
     const at::Tensor qg = grouped(q), gog = grouped(go), dtg = grouped(dterm), lseg = grouped(lse), dqg = grouped(dq);
     const Tiling t = tiling(q, sk);
     const double s = scale;
-    const bool fast_cpu = q.is_cpu() && acc == at::kFloat;
     auto rows = [&](const at::Tensor& x, int64_t b, int64_t h, int64_t r, int64_t mr) {
       return task_slice(x, b, h).narrow(3, r, mr);
     };
@@ -369,10 +564,9 @@ Triple attention_backward_device(const std::optional<at::Tensor>& grad_out, cons
         for (int64_t r = 0; r < sq; r += t.rows) {
           const int64_t mr = std::min(t.rows, sq - r);
           const Blocks blk{r, sq, sk, causal, s, t.keys};
-          (fast_cpu ? backward_rows_cpu : backward_rows)(rows(qg, b, h, r, mr), task_slice(k, b, h), task_slice(v, b, h),
-                                                         rows(gog, b, h, r, mr), rows(dtg, b, h, r, mr),
-                                                         rows(lseg, b, h, r, mr), blk, rows(dqg, b, h, r, mr),
-                                                         task_slice(dk_acc, b, h), task_slice(dv_acc, b, h));
+          backward_rows(rows(qg, b, h, r, mr), task_slice(k, b, h), task_slice(v, b, h), rows(gog, b, h, r, mr),
+                        rows(dtg, b, h, r, mr), rows(lseg, b, h, r, mr), blk, rows(dqg, b, h, r, mr),
+                        task_slice(dk_acc, b, h), task_slice(dv_acc, b, h));
         }
       };
       if (q.is_cpu()) {
@@ -385,10 +579,9 @@ Triple attention_backward_device(const std::optional<at::Tensor>& grad_out, cons
         Blocks blk{r, sq, sk, causal, s, t.keys};
         blk.keys_from = j0;
         blk.keys_to = j1;
-        (fast_cpu ? backward_rows_cpu : backward_rows)(
-            rows(qg, b, h, r, mr), task_slice(k, b, h), task_slice(v, b, h), rows(gog, b, h, r, mr),
-            rows(dtg, b, h, r, mr), rows(lseg, b, h, r, mr), blk, dkv ? at::Tensor() : rows(dqg, b, h, r, mr),
-            dkv ? task_slice(dk_acc, b, h) : at::Tensor(), dkv ? task_slice(dv_acc, b, h) : at::Tensor());
+        backward_rows(rows(qg, b, h, r, mr), task_slice(k, b, h), task_slice(v, b, h), rows(gog, b, h, r, mr),
+                      rows(dtg, b, h, r, mr), rows(lseg, b, h, r, mr), blk, dkv ? at::Tensor() : rows(dqg, b, h, r, mr),
+                      dkv ? task_slice(dk_acc, b, h) : at::Tensor(), dkv ? task_slice(dv_acc, b, h) : at::Tensor());
       };
       const int64_t kblocks = (sk + t.keys - 1) / t.keys, qblocks = (sq + t.rows - 1) / t.rows;
       parallel_tasks(pairs * kblocks, [&](int64_t task) {

@@ -60,20 +60,31 @@ inline void check_attention_backward(const std::optional<at::Tensor>& grad_out,
 }
 
 // The CPU block kernels (cpp/cpu/attention.cpp), on float32 blocks of scores [rows, n] with row
-// stride ld. Row r of a block stacks a group's query rows (m of them, repeated per query head); it
+// stride ld, written out to width >= n columns (the ones past n as 0: the padding of the block's
+// matmuls). Row r of a block stacks a group's query rows (m of them, repeated per query head); it
 // sees the block's keys up to index first_limit + r % m (its causal limit; any n - 1 or more means
 // all of them).
 struct AttentionCpuKernels {
   // Online-softmax step, in place: s <- exp(scale * s - m_new) over the visible keys, 0 past them;
-  // per row, mx (running max of scale * s) and l (running sum) updated, corr = exp(mx_old - m_new)
-  // (0 where the row saw no key before).
-  void (*softmax_step)(float* s, int64_t rows, int64_t n, int64_t ld, int64_t m, int64_t first_limit, double scale,
-                       float* mx, float* l, float* corr);
+  // per row, mx (running max of scale * s) and l (running sum) updated, and the row of o ([rows, d],
+  // the output so far; null: none yet) multiplied by exp(mx_old - m_new) (0 where the row saw no
+  // key before).
+  void (*softmax_step)(float* s, int64_t rows, int64_t n, int64_t width, int64_t ld, int64_t m, int64_t first_limit,
+                       double scale, float* mx, float* l, float* o, int64_t d);
   // s <- exp(scale * s - lse) over the visible keys, 0 past them and in rows with lse -inf.
-  void (*probs)(float* s, int64_t rows, int64_t n, int64_t ld, int64_t m, int64_t first_limit, double scale,
-                const float* lse);
+  void (*probs)(float* s, int64_t rows, int64_t n, int64_t width, int64_t ld, int64_t m, int64_t first_limit,
+                double scale, const float* lse);
   // dp <- p * (dp - dt[r]), the scores' gradient (dt: rowsum(grad_out * out) - grad_lse).
   void (*dscores)(float* dp, const float* p, int64_t rows, int64_t n, int64_t ld, const float* dt);
+  // dst[c, r] <- src[r, c] for a [rows, cols] src.
+  void (*transpose)(const float* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst, int64_t ld_dst);
+  // dst <- a * src, [rows, cols] (in place when dst is src).
+  void (*scale_rows)(const float* src, int64_t rows, int64_t cols, int64_t ld_src, float a, float* dst,
+                     int64_t ld_dst);
+  // The forward's last step: out <- o / l and lse <- mx + log(l) per row; out 0 and lse -inf in rows
+  // that saw no key (l = 0). o is [rows, d] dense.
+  void (*finish_rows)(const float* o, int64_t rows, int64_t d, const float* mx, const float* l, float* out,
+                      int64_t ld_out, float* lse);
 };
 const AttentionCpuKernels& attention_kernels_cpu();
 
