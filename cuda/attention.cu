@@ -1,5 +1,6 @@
 // The fused CUDA kernels of attention and _attention_backward (float16 and bfloat16, head dims 64
-// and 128, sm_80 and newer): tensor cores through mma.sync m16n8k16 for every matmul, scores and
+// and 128, sm_80 and newer; on compute capability 9.0 the forward is attention_sm90.cuh's wgmma
+// kernel instead, see use_sm90): tensor cores through mma.sync m16n8k16 for every matmul, scores and
 // probabilities in registers, an online softmax across key blocks, k and v read once per group of
 // query heads (grouped-query attention without repeating them). cpp/ops/attention.cpp calls them
 // for the inputs attention_cuda_fused() accepts and keeps its blocked ATen kernels for the rest.
@@ -30,142 +31,25 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
+#include <string_view>
 
+#include "attention.cuh"
+#include "attention_sm90.cuh"
 #include "cp_async.cuh"
 #include "ops/attention.h"
 
 namespace customops {
 namespace {
 
+using namespace cuda::attention;
 using cuda::cp_async16;
 using cuda::cp_async_commit;
 using cuda::cp_async_wait;
 using cuda::smem_addr;
 
-// ---- PTX wrappers -------------------------------------------------------------------------------
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// c += a b for a 16x16 (row-major fragment) and b 16x8 (column-major fragment), float accumulators.
-template <typename T>
-__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  if constexpr (std::is_same_v<T, __half>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-__device__ __forceinline__ float exp2_approx(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same_v<T, __half>) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  } else {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  }
-}
-
-// The A fragment (16x16, k = 16 columns kk*16...) made of two accumulator tiles (16x8 each, columns
-// kk*16... and kk*16+8...): how a matmul's result feeds the next one without shared memory.
-template <typename T>
-__device__ __forceinline__ void accumulators_to_a(uint32_t (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
-  a[0] = pack2<T>(c0[0], c0[1]);
-  a[1] = pack2<T>(c0[2], c0[3]);
-  a[2] = pack2<T>(c1[0], c1[1]);
-  a[3] = pack2<T>(c1[2], c1[3]);
-}
-
-// ---- swizzled [rows, kCols] tiles in shared memory ----------------------------------------------
-template <int kCols>
-struct Tile {
-  static constexpr int kChunks = kCols / 8;  // 16-byte chunks per row
-  uint32_t base;                             // shared address of row 0
-  __device__ __forceinline__ uint32_t at(int row, int col) const {  // col: a multiple of 8
-    return base + row * (kCols * 2) + (((col >> 3) ^ (row & 7)) << 4);
-  }
-};
-
-// Copies rows [r0, r0 + kRows) of a row-major matrix (row stride `stride` elements, `n` rows) into
-// the tile, zero-filling rows past n; every thread of the block takes part.
-template <int kRows, int kCols, int kThreads, typename T>
-__device__ __forceinline__ void load_tile(Tile<kCols> tile, const T* src, int64_t stride, int64_t r0, int64_t n) {
-  constexpr int kChunks = kRows * Tile<kCols>::kChunks;
-  static_assert(kChunks % kThreads == 0, "tile chunks must divide evenly among the threads");
-#pragma unroll
-  for (int i = 0; i < kChunks / kThreads; ++i) {
-    const int idx = i * kThreads + threadIdx.x;
-    const int row = idx / Tile<kCols>::kChunks, c = idx % Tile<kCols>::kChunks;
-    const bool valid = r0 + row < n;
-    const T* p = src + (valid ? r0 + row : 0) * stride + c * 8;
-    cp_async16(tile.at(row, c * 8), p, valid);
-  }
-}
-
-// ldmatrix addresses, per lane, of a 16x16 block at (r0, c0) of a tile:
-// - a_frag: the A fragment of the block as stored (rows = m, columns = k);
-// - b_frag: two B fragments (n-tiles c0.. and c0 + 8..) of a block stored as [n rows, k columns]
-//   (K for S = Q K^T), loaded with ldmatrix (no .trans): rows r0.. are n, columns are k;
-// - bt_frag: two B fragments (n-tiles c0.. and c0 + 8..) of a block stored as [k rows, n columns]
-//   (V for O = P V), loaded with ldmatrix.trans;
-// - at_frag: the A fragment of a block stored transposed ([k rows, m columns]), ldmatrix.trans.
-template <int kCols>
-__device__ __forceinline__ uint32_t a_frag(Tile<kCols> t, int r0, int c0, int lane) {
-  return t.at(r0 + (lane & 15), c0 + ((lane >> 4) << 3));
-}
-template <int kCols>
-__device__ __forceinline__ uint32_t b_frag(Tile<kCols> t, int n0, int k0, int lane) {
-  return t.at(n0 + ((lane >> 4) << 3) + (lane & 7), k0 + (((lane >> 3) & 1) << 3));
-}
-template <int kCols>
-__device__ __forceinline__ uint32_t bt_frag(Tile<kCols> t, int k0, int n0, int lane) {
-  return t.at(k0 + (((lane >> 3) & 1) << 3) + (lane & 7), n0 + ((lane >> 4) << 3));
-}
-template <int kCols>
-__device__ __forceinline__ uint32_t at_frag(Tile<kCols> t, int k0, int m0, int lane) {
-  return t.at(k0 + ((lane >> 4) << 3) + (lane & 7), m0 + (((lane >> 3) & 1) << 3));
-}
-
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr float kInfF = std::numeric_limits<float>::infinity();
-
 // ---- forward ------------------------------------------------------------------------------------
-struct FwdParams {
-  const void* q;
-  const void* k;
-  const void* v;
-  void* out;
-  float* lse;                       // contiguous [B, Hq, Sq]
-  int64_t qs[3], ks[3], vs[3], os[3];  // strides of B, H, S (D's is 1)
-  int64_t hq, group, sq, sk;
-  float scale_log2;                 // scale * log2(e)
-};
-
 constexpr int kFwdWarps = 4;
 
 template <int D, int kRowTiles, int kKeys>
@@ -251,51 +135,16 @@ __global__ void __launch_bounds__(kFwdWarps * 32) attention_fwd_kernel(FwdParams
       }
     }
 
-    // Keys past Sk, and (causal) past a row's limit, are -inf.
+    // Masked keys to -inf, online softmax (probabilities in place), what was accumulated rescaled.
     const int64_t n0 = int64_t(j) * kKeys;
-    if (n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift)) {
+    const bool masked = n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift);
 #pragma unroll
-      for (int mt = 0; mt < kRowTiles; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int64_t row = m0 + warp_row + mt * 16 + lane / 4 + (e >> 1) * 8;
-            const int64_t col = n0 + nt * 8 + (lane % 4) * 2 + (e & 1);
-            if (col >= p.sk || (kCausal && col > row + shift)) s[mt][nt][e] = -kInfF;
-          }
+    for (int mt = 0; mt < kRowTiles; ++mt) {
+      if (masked) mask_scores<kNT, kCausal>(s[mt], m0 + warp_row + mt * 16, n0, p.sk, shift, lane);
+      float corr[2];
+      softmax_step(s[mt], row_max[mt], row_sum[mt], corr, p.scale_log2);
+      scale_rows(o[mt], corr);
     }
-
-    // Online softmax: new running max, rescale what was accumulated, probabilities in place.
-#pragma unroll
-    for (int mt = 0; mt < kRowTiles; ++mt)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float mx = -kInfF;
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_new = fmaxf(row_max[mt][r], mx * p.scale_log2);
-        const float m_use = m_new == -kInfF ? 0.f : m_new;
-        const float corr = exp2_approx(row_max[mt][r] - m_use);
-        row_max[mt][r] = m_new;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-          const float p0 = exp2_approx(fmaf(s[mt][nt][2 * r], p.scale_log2, -m_use));
-          const float p1 = exp2_approx(fmaf(s[mt][nt][2 * r + 1], p.scale_log2, -m_use));
-          s[mt][nt][2 * r] = p0;
-          s[mt][nt][2 * r + 1] = p1;
-          sum += p0 + p1;
-        }
-        row_sum[mt][r] = row_sum[mt][r] * corr + sum;
-#pragma unroll
-        for (int dt = 0; dt < kDT; ++dt) {
-          o[mt][dt][2 * r] *= corr;
-          o[mt][dt][2 * r + 1] *= corr;
-        }
-      }
 
     // o += p v.
 #pragma unroll
@@ -317,26 +166,12 @@ __global__ void __launch_bounds__(kFwdWarps * 32) attention_fwd_kernel(FwdParams
   }
   if (nblocks == 0) cp_async_wait<0>();
 
-  // out = o / sum; lse = (max + log2(sum)) * ln 2, or -inf (and out 0) for a row that saw no key.
   T* out = static_cast<T*>(p.out) + b * p.os[0] + h * p.os[1];
   float* lse = p.lse + (b * p.hq + h) * p.sq;
 #pragma unroll
-  for (int mt = 0; mt < kRowTiles; ++mt)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float sum = row_sum[mt][r];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const int64_t row = m0 + warp_row + mt * 16 + lane / 4 + r * 8;
-      if (row >= p.sq) continue;
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
-      T* orow = out + row * p.os[2] + (lane % 4) * 2;
-#pragma unroll
-      for (int dt = 0; dt < kDT; ++dt) {
-        *reinterpret_cast<uint32_t*>(orow + dt * 8) = pack2<T>(o[mt][dt][2 * r] * inv, o[mt][dt][2 * r + 1] * inv);
-      }
-      if (lane % 4 == 0) lse[row] = sum > 0.f ? (row_max[mt][r] + __log2f(sum)) * kLn2 : -kInfF;
-    }
+  for (int mt = 0; mt < kRowTiles; ++mt) {
+    store_rows<T>(o[mt], row_max[mt], row_sum[mt], out, p.os[2], lse, m0 + warp_row + mt * 16, p.sq, lane);
+  }
 }
 
 // ---- backward -----------------------------------------------------------------------------------
@@ -631,6 +466,21 @@ void strides_of(const at::Tensor& t, int64_t (&s)[3]) {
 constexpr int kFwdRowTiles = 1, kFwdKeys = 64, kFwdRows = 16 * kFwdRowTiles * kFwdWarps;
 constexpr int kBwdWarps = 8;
 
+// The wgmma forward (attention_sm90.cuh) on compute capability 9.0 when the build has sm_90a code;
+// CUSTOMOPS_ATTENTION_SM80=1 keeps the mma.sync kernel there (the tests run both).
+constexpr int kSm90Keys = 128;
+bool use_sm90(const at::Tensor& q) {
+#ifdef CUSTOMOPS_SM90A
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(q.get_device());
+  if (prop->major != 9 || prop->minor != 0) return false;
+  const char* env = std::getenv("CUSTOMOPS_ATTENTION_SM80");
+  return env == nullptr || std::string_view(env) != "1";
+#else
+  (void)q;
+  return false;
+#endif
+}
+
 template <typename Fn>
 void with_types(const at::Tensor& q, bool causal, Fn&& fn) {
   auto with_causal = [&](auto t, auto d) {
@@ -686,6 +536,19 @@ void attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   if (q.numel() == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
+  if (use_sm90(q)) {
+    const dim3 grid((p.sq + kSm90Rows - 1) / kSm90Rows, p.hq, q.size(0));
+    with_types(q, causal, [&](auto t, auto d, auto c) {
+      using T = decltype(t);
+      constexpr int D = decltype(d)::value;
+      auto kernel = attention_fwd_sm90_kernel<T, D, kSm90Keys, decltype(c)::value>;
+      constexpr int bytes = sm90_fwd_smem_bytes<D, kSm90Keys>();
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+      kernel<<<grid, kSm90Threads, bytes, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    return;
+  }
   const dim3 grid((p.sq + kFwdRows - 1) / kFwdRows, p.hq, q.size(0));
   with_types(q, causal, [&](auto t, auto d, auto c) {
     using T = decltype(t);

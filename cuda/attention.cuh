@@ -1,0 +1,221 @@
+// What the attention kernels share (cuda/attention.cu, the mma.sync kernels for sm_80 and newer, and
+// cuda/attention_sm90.cuh, the wgmma forward for sm_90a): PTX wrappers for ldmatrix and mma.sync,
+// swizzled shared-memory tiles, the forward's parameters. No ATen: a CUDA-only test program can
+// include it.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "cp_async.cuh"
+
+namespace customops::cuda::attention {
+
+// ---- PTX wrappers -------------------------------------------------------------------------------
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// c += a b for a 16x16 (row-major fragment) and b 16x8 (column-major fragment), float accumulators.
+template <typename T>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, __half>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
+// The A fragment (16x16, k = 16 columns kk*16...) made of two accumulator tiles (16x8 each, columns
+// kk*16... and kk*16+8...): how a matmul's result feeds the next one without shared memory.
+template <typename T>
+__device__ __forceinline__ void accumulators_to_a(uint32_t (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
+  a[0] = pack2<T>(c0[0], c0[1]);
+  a[1] = pack2<T>(c0[2], c0[3]);
+  a[2] = pack2<T>(c1[0], c1[1]);
+  a[3] = pack2<T>(c1[2], c1[3]);
+}
+
+// ---- swizzled [rows, kCols] tiles in shared memory ----------------------------------------------
+template <int kCols>
+struct Tile {
+  static constexpr int kChunks = kCols / 8;  // 16-byte chunks per row
+  uint32_t base;                             // shared address of row 0
+  __device__ __forceinline__ uint32_t at(int row, int col) const {  // col: a multiple of 8
+    return base + row * (kCols * 2) + (((col >> 3) ^ (row & 7)) << 4);
+  }
+};
+
+// Copies rows [r0, r0 + kRows) of a row-major matrix (row stride `stride` elements, `n` rows) into
+// the tile, zero-filling rows past n; every thread of the block takes part.
+template <int kRows, int kCols, int kThreads, typename T>
+__device__ __forceinline__ void load_tile(Tile<kCols> tile, const T* src, int64_t stride, int64_t r0, int64_t n) {
+  constexpr int kChunks = kRows * Tile<kCols>::kChunks;
+  static_assert(kChunks % kThreads == 0, "tile chunks must divide evenly among the threads");
+#pragma unroll
+  for (int i = 0; i < kChunks / kThreads; ++i) {
+    const int idx = i * kThreads + threadIdx.x;
+    const int row = idx / Tile<kCols>::kChunks, c = idx % Tile<kCols>::kChunks;
+    const bool valid = r0 + row < n;
+    const T* p = src + (valid ? r0 + row : 0) * stride + c * 8;
+    cp_async16(tile.at(row, c * 8), p, valid);
+  }
+}
+
+// ldmatrix addresses, per lane, of a 16x16 block at (r0, c0) of a tile:
+// - a_frag: the A fragment of the block as stored (rows = m, columns = k);
+// - b_frag: two B fragments (n-tiles c0.. and c0 + 8..) of a block stored as [n rows, k columns]
+//   (K for S = Q K^T), loaded with ldmatrix (no .trans): rows r0.. are n, columns are k;
+// - bt_frag: two B fragments (n-tiles c0.. and c0 + 8..) of a block stored as [k rows, n columns]
+//   (V for O = P V), loaded with ldmatrix.trans;
+// - at_frag: the A fragment of a block stored transposed ([k rows, m columns]), ldmatrix.trans.
+template <int kCols>
+__device__ __forceinline__ uint32_t a_frag(Tile<kCols> t, int r0, int c0, int lane) {
+  return t.at(r0 + (lane & 15), c0 + ((lane >> 4) << 3));
+}
+template <int kCols>
+__device__ __forceinline__ uint32_t b_frag(Tile<kCols> t, int n0, int k0, int lane) {
+  return t.at(n0 + ((lane >> 4) << 3) + (lane & 7), k0 + (((lane >> 3) & 1) << 3));
+}
+template <int kCols>
+__device__ __forceinline__ uint32_t bt_frag(Tile<kCols> t, int k0, int n0, int lane) {
+  return t.at(k0 + (((lane >> 3) & 1) << 3) + (lane & 7), n0 + ((lane >> 4) << 3));
+}
+template <int kCols>
+__device__ __forceinline__ uint32_t at_frag(Tile<kCols> t, int k0, int m0, int lane) {
+  return t.at(k0 + ((lane >> 4) << 3) + (lane & 7), m0 + (((lane >> 3) & 1) << 3));
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kInfF = std::numeric_limits<float>::infinity();
+
+// ---- the forward's arguments --------------------------------------------------------------------
+struct FwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* out;
+  float* lse;                       // contiguous [B, Hq, Sq]
+  int64_t qs[3], ks[3], vs[3], os[3];  // strides of B, H, S (D's is 1)
+  int64_t hq, group, sq, sk;
+  float scale_log2;                 // scale * log2(e)
+};
+
+// ---- the forward's row work (both forwards) -----------------------------------------------------
+// A thread holds two rows (row0 + lane / 4 and 8 below) of a 16-row tile: kNT accumulator tiles of
+// 8 columns, mma.sync's C layout, which is also a warp's share of an m64 wgmma accumulator.
+
+// Keys past sk, and (causal) past a row's limit (row + shift), to -inf; keys from n0.
+template <int kNT, bool kCausal>
+__device__ __forceinline__ void mask_scores(float (&s)[kNT][4], int64_t row0, int64_t n0, int64_t sk, int64_t shift,
+                                            int lane) {
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t row = row0 + lane / 4 + (e >> 1) * 8;
+      const int64_t col = n0 + nt * 8 + (lane % 4) * 2 + (e & 1);
+      if (col >= sk || (kCausal && col > row + shift)) s[nt][e] = -kInfF;
+    }
+}
+
+// One online-softmax step over a key block's scores: the rows' new running max (log2 units, scale
+// folded in), probabilities in place, running sums; corr is what the output so far must be scaled by.
+template <int kNT>
+__device__ __forceinline__ void softmax_step(float (&s)[kNT][4], float (&row_max)[2], float (&row_sum)[2],
+                                             float (&corr)[2], float scale_log2) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float mx = -kInfF;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(row_max[r], mx * scale_log2);
+    const float m_use = m_new == -kInfF ? 0.f : m_new;
+    corr[r] = exp2_approx(row_max[r] - m_use);
+    row_max[r] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+      const float p0 = exp2_approx(fmaf(s[nt][2 * r], scale_log2, -m_use));
+      const float p1 = exp2_approx(fmaf(s[nt][2 * r + 1], scale_log2, -m_use));
+      s[nt][2 * r] = p0;
+      s[nt][2 * r + 1] = p1;
+      sum += p0 + p1;
+    }
+    row_sum[r] = row_sum[r] * corr[r] + sum;
+  }
+}
+
+template <int kDT>
+__device__ __forceinline__ void scale_rows(float (&o)[kDT][4], const float (&corr)[2]) {
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt) {
+    o[dt][0] *= corr[0];
+    o[dt][1] *= corr[0];
+    o[dt][2] *= corr[1];
+    o[dt][3] *= corr[1];
+  }
+}
+
+// out = o / sum for rows below sq; lse = (max + log2(sum)) * ln 2, or -inf (and out 0) for a row
+// that saw no key. out and lse point at the (batch, head)'s row 0.
+template <typename T, int kDT>
+__device__ __forceinline__ void store_rows(const float (&o)[kDT][4], const float (&row_max)[2], const float (&row_sum)[2],
+                                           T* out, int64_t out_stride, float* lse, int64_t row0, int64_t sq, int lane) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float sum = row_sum[r];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int64_t row = row0 + lane / 4 + r * 8;
+    if (row >= sq) continue;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    T* orow = out + row * out_stride + (lane % 4) * 2;
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+      *reinterpret_cast<uint32_t*>(orow + dt * 8) = pack2<T>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+    }
+    if (lane % 4 == 0) lse[row] = sum > 0.f ? (row_max[r] + __log2f(sum)) * kLn2 : -kInfF;
+  }
+}
+
+}  // namespace customops::cuda::attention

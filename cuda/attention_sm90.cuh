@@ -1,0 +1,252 @@
+// The attention forward on Hopper's warpgroup MMA (wgmma, sm_90a): FlashAttention-3's data flow
+// without its warp specialization. A block of two warpgroups owns 128 query rows of one (batch,
+// head), 64 a warpgroup; k and v blocks of kKeys keys stream through shared memory in two stages
+// (cp.async, the next block loading while this one is computed) and are read by both warpgroups.
+// Per key block a warpgroup computes S = Q K^T with Q and K both in shared memory (an m64 x kKeys
+// wgmma per 16 columns of D), runs the online softmax on S in registers (the layout of an m64nN
+// accumulator is mma.sync's 16x8 tiles, warp w holding rows 16w..16w+15), packs P to 16-bit A
+// fragments in registers and adds P V (an m64 x D wgmma per 16 keys, V read N-major from shared
+// memory). The tensor cores read B from shared memory once per warpgroup (64 rows) instead of once
+// per warp (16 rows) as mma.sync does: what limited the sm_80 kernel.
+//
+// Shared-memory tiles are [D / 64][rows][64] elements with the 128-byte swizzle wgmma's descriptors
+// name: 16-byte chunk c of row r of a 64-column panel sits at c ^ (r % 8), panels 1024-byte
+// aligned. A K-major operand (Q, K) steps through a panel 32 bytes (16 columns) at a time; V, N-major,
+// steps 16 rows (2048 bytes) at a time, its 64-column panels kKeys * 128 bytes apart.
+//
+// The kernel is compiled only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); the host calls it when the
+// build has sm_90a code (CUSTOMOPS_SM90A) and the device is compute capability 9.0.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "attention.cuh"
+#include "cp_async.cuh"
+
+namespace customops::cuda::attention {
+
+// ---- wgmma wrappers -----------------------------------------------------------------------------
+// A shared-memory matrix descriptor with the 128-byte swizzle: start address, leading and stride
+// byte offsets (see the PTX ISA, "Matrix Descriptor Format").
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(sbo >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Pins accumulators after wgmma_wait: the compiler must not read them earlier.
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operands(float (&d)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[i][e])::"memory");
+}
+// cp.async writes (generic proxy) become visible to wgmma (async proxy).
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// d (+)= a b, m64nNk16 with float accumulators (N / 2 a thread, as N / 8 tiles of 4). a: a K-major descriptor, or an A
+// fragment in registers (warp w of the warpgroup: rows 16w..16w+15); b: a descriptor, K-major
+// (kTransB 0) or N-major (kTransB 1). accumulate 0 ignores d's old value.
+#define CUSTOMOPS_F8(i)                                                                                       \
+  "+f"(d[i / 4][0]), "+f"(d[i / 4][1]), "+f"(d[i / 4][2]), "+f"(d[i / 4][3]), "+f"(d[i / 4 + 1][0]), "+f"(d[i / 4 + 1][1]), \
+      "+f"(d[i / 4 + 1][2]), "+f"(d[i / 4 + 1][3])
+template <typename T, int kTransB>
+__device__ __forceinline__ void wgmma(float (&d)[8][4], uint64_t a, uint64_t b, int accumulate) {
+#define CUSTOMOPS_WGMMA_SS(TY)                                                                         \
+  asm volatile(                                                                                        \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                     \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                        \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "  \
+      "%32, %33, p, 1, 1, 0, %35;\n}\n"                                                          \
+      : CUSTOMOPS_F8(0), CUSTOMOPS_F8(8), CUSTOMOPS_F8(16), CUSTOMOPS_F8(24)                                                                                   \
+      : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB))
+  if constexpr (std::is_same_v<T, __half>) {
+    CUSTOMOPS_WGMMA_SS("f16");
+  } else {
+    CUSTOMOPS_WGMMA_SS("bf16");
+  }
+#undef CUSTOMOPS_WGMMA_SS
+}
+template <typename T, int kTransB>
+__device__ __forceinline__ void wgmma(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+#define CUSTOMOPS_WGMMA_RS(TY)                                                                         \
+  asm volatile(                                                                                        \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                     \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                        \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "  \
+      "{%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"                                  \
+      : CUSTOMOPS_F8(0), CUSTOMOPS_F8(8), CUSTOMOPS_F8(16), CUSTOMOPS_F8(24)                                                                                   \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(kTransB))
+  if constexpr (std::is_same_v<T, __half>) {
+    CUSTOMOPS_WGMMA_RS("f16");
+  } else {
+    CUSTOMOPS_WGMMA_RS("bf16");
+  }
+#undef CUSTOMOPS_WGMMA_RS
+}
+
+template <typename T, int kTransB>
+__device__ __forceinline__ void wgmma(float (&d)[16][4], uint64_t a, uint64_t b, int accumulate) {
+#define CUSTOMOPS_WGMMA_SS(TY)                                                                         \
+  asm volatile(                                                                                        \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                     \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                                        \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "  \
+      "%64, %65, p, 1, 1, 0, %67;\n}\n"                                                          \
+      : CUSTOMOPS_F8(0), CUSTOMOPS_F8(8), CUSTOMOPS_F8(16), CUSTOMOPS_F8(24), CUSTOMOPS_F8(32), CUSTOMOPS_F8(40), CUSTOMOPS_F8(48), CUSTOMOPS_F8(56)                                                                                   \
+      : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB))
+  if constexpr (std::is_same_v<T, __half>) {
+    CUSTOMOPS_WGMMA_SS("f16");
+  } else {
+    CUSTOMOPS_WGMMA_SS("bf16");
+  }
+#undef CUSTOMOPS_WGMMA_SS
+}
+template <typename T, int kTransB>
+__device__ __forceinline__ void wgmma(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+#define CUSTOMOPS_WGMMA_RS(TY)                                                                         \
+  asm volatile(                                                                                        \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                     \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " "                                        \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "  \
+      "{%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"                                  \
+      : CUSTOMOPS_F8(0), CUSTOMOPS_F8(8), CUSTOMOPS_F8(16), CUSTOMOPS_F8(24), CUSTOMOPS_F8(32), CUSTOMOPS_F8(40), CUSTOMOPS_F8(48), CUSTOMOPS_F8(56)                                                                                   \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(kTransB))
+  if constexpr (std::is_same_v<T, __half>) {
+    CUSTOMOPS_WGMMA_RS("f16");
+  } else {
+    CUSTOMOPS_WGMMA_RS("bf16");
+  }
+#undef CUSTOMOPS_WGMMA_RS
+}
+
+#undef CUSTOMOPS_F8
+
+// ---- swizzled [D / 64][rows][64] tiles ----------------------------------------------------------
+template <int kRows>
+__device__ __forceinline__ uint32_t sw128_at(uint32_t base, int row, int col) {  // col: a multiple of 8
+  return base + (col >> 6) * (kRows * 128) + row * 128 + ((((col >> 3) & 7) ^ (row & 7)) << 4);
+}
+
+// Rows [r0, r0 + kRows) of a row-major [n, D] matrix (row stride `stride`) into a tile, zero past n.
+template <int kRows, int D, int kThreads, typename T>
+__device__ __forceinline__ void load_sw128(uint32_t base, const T* src, int64_t stride, int64_t r0, int64_t n) {
+  constexpr int kRowChunks = D / 8, kChunks = kRows * kRowChunks;
+  static_assert(kChunks % kThreads == 0, "tile chunks must divide evenly among the threads");
+#pragma unroll
+  for (int i = 0; i < kChunks / kThreads; ++i) {
+    const int idx = i * kThreads + threadIdx.x;
+    const int row = idx / kRowChunks, c = idx % kRowChunks;
+    const bool valid = r0 + row < n;
+    cp_async16(sw128_at<kRows>(base, row, c * 8), src + (valid ? r0 + row : 0) * stride + c * 8, valid);
+  }
+}
+
+// ---- forward ------------------------------------------------------------------------------------
+constexpr int kSm90Rows = 128, kSm90Threads = 256;  // two warpgroups of 64 query rows
+
+template <int D, int kKeys>
+constexpr int sm90_fwd_smem_bytes() {
+  return (kSm90Rows + 4 * kKeys) * D * 2 + 1024;  // q, k and v in two stages; 1024 to align
+}
+
+template <typename T, int D, int kKeys, bool kCausal>
+__global__ void __launch_bounds__(kSm90Threads, 1) attention_fwd_sm90_kernel(FwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kRows = kSm90Rows, kThreads = kSm90Threads, kDT = D / 8, kNT = kKeys / 8;
+  constexpr uint32_t kQBytes = kRows * D * 2, kKVBytes = kKeys * D * 2;
+  extern __shared__ char smem[];
+  const uint32_t sq = (smem_addr(smem) + 1023) & ~1023u;
+  auto k_base = [&](int st) { return sq + kQBytes + st * 2 * kKVBytes; };
+  auto v_base = [&](int st) { return sq + kQBytes + st * 2 * kKVBytes + kKVBytes; };
+
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  // Causal: the last query blocks see the most keys; they start first.
+  const int64_t mb = kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int64_t h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const int64_t m0 = mb * kRows, shift = p.sk - p.sq;
+  const int64_t key_end = kCausal ? std::min<int64_t>(p.sk, m0 + kRows + shift) : p.sk;
+  const int nblocks = key_end > 0 ? static_cast<int>((key_end + kKeys - 1) / kKeys) : 0;
+
+  const T* q = static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1];
+  const T* k = static_cast<const T*>(p.k) + b * p.ks[0] + hk * p.ks[1];
+  const T* v = static_cast<const T*>(p.v) + b * p.vs[0] + hk * p.vs[1];
+  load_sw128<kRows, D, kThreads>(sq, q, p.qs[2], m0, p.sq);
+  if (nblocks > 0) {
+    load_sw128<kKeys, D, kThreads>(k_base(0), k, p.ks[2], 0, p.sk);
+    load_sw128<kKeys, D, kThreads>(v_base(0), v, p.vs[2], 0, p.sk);
+  }
+  cp_async_commit();
+
+  float o[kDT][4];
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  float row_max[2] = {-kInfF, -kInfF}, row_sum[2] = {0.f, 0.f};
+  const int warp_row = wg * 64 + warp * 16;  // this thread's rows: warp_row + lane / 4 (+ 8)
+  const uint32_t q_wg = sq + wg * 64 * 128;   // this warpgroup's 64 rows of each q panel
+
+  for (int j = 0; j < nblocks; ++j) {
+    const int stage = j & 1;
+    // Block j is in (and visible to wgmma), every warpgroup is done with block j - 1: its stage
+    // takes block j + 1, which loads while this one is computed.
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    if (j + 1 < nblocks) {
+      load_sw128<kKeys, D, kThreads>(k_base(stage ^ 1), k, p.ks[2], int64_t(j + 1) * kKeys, p.sk);
+      load_sw128<kKeys, D, kThreads>(v_base(stage ^ 1), v, p.vs[2], int64_t(j + 1) * kKeys, p.sk);
+      cp_async_commit();
+    }
+
+    // s = q k^T over this key block: q and k K-major in shared memory, 16 columns of D a step.
+    float s[kNT][4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t off = (kk % 4) * 32;  // 16 columns into the panel
+      const uint64_t da = sw128_desc(q_wg + (kk / 4) * (kRows * 128) + off, 16, 1024);
+      const uint64_t db = sw128_desc(k_base(stage) + (kk / 4) * (kKeys * 128) + off, 16, 1024);
+      wgmma<T, 0>(s, da, db, kk > 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(s);
+
+    // Masked keys to -inf, online softmax (probabilities in place), what was accumulated rescaled.
+    const int64_t n0 = int64_t(j) * kKeys;
+    if (n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift)) {
+      mask_scores<kNT, kCausal>(s, m0 + warp_row, n0, p.sk, shift, lane);
+    }
+    float corr[2];
+    softmax_step(s, row_max, row_sum, corr, p.scale_log2);
+    scale_rows(o, corr);
+
+    // o += p v: p as A fragments (16 keys each), v N-major from shared memory, 16 keys a step.
+    uint32_t a[kKeys / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) accumulators_to_a<T>(a[kk], s[2 * kk], s[2 * kk + 1]);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      wgmma<T, 1>(o, a[kk], sw128_desc(v_base(stage) + kk * 16 * 128, kKeys * 128, 1024), 1);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(o);
+  }
+  if (nblocks == 0) cp_async_wait<0>();
+
+  store_rows<T>(o, row_max, row_sum, static_cast<T*>(p.out) + b * p.os[0] + h * p.os[1], p.os[2],
+                p.lse + (b * p.hq + h) * p.sq, m0 + warp_row, p.sq, lane);
+#else
+  __trap();  // launched only on sm_90a builds for compute capability 9.0 (see the host side)
+#endif
+}
+
+
+}  // namespace customops::cuda::attention
