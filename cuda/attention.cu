@@ -71,16 +71,12 @@ __global__ void __launch_bounds__(kFwdWarps * 32) attention_fwd_kernel(FwdParams
   auto v_tile = [&](int st) { return Tile<D>{kbase + st * 2 * kKeyBytes + kKeyBytes}; };
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  // Causal: the last query blocks see the most keys; they start first.
-  const int64_t mb = kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int64_t h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  const int64_t m0 = mb * kRows, shift = p.sk - p.sq;
-  const int64_t key_end = kCausal ? std::min<int64_t>(p.sk, m0 + kRows + shift) : p.sk;
-  const int nblocks = key_end > 0 ? static_cast<int>((key_end + kKeys - 1) / kKeys) : 0;
-
-  const T* q = static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1];
-  const T* k = static_cast<const T*>(p.k) + b * p.ks[0] + hk * p.ks[1];
-  const T* v = static_cast<const T*>(p.v) + b * p.vs[0] + hk * p.vs[1];
+  const FwdBlock blk = fwd_block<kRows, kKeys, kCausal>(p);
+  const int64_t m0 = blk.m0, shift = blk.shift;
+  const int nblocks = blk.nblocks;
+  const T* q = head_rows<const T>(p.q, p.qs, blk.b, blk.h);
+  const T* k = head_rows<const T>(p.k, p.ks, blk.b, blk.hk);
+  const T* v = head_rows<const T>(p.v, p.vs, blk.b, blk.hk);
 
   load_tile<kRows, D, kThreads>(sq, q, p.qs[2], m0, p.sq);
   if (nblocks > 0) {
@@ -166,8 +162,8 @@ __global__ void __launch_bounds__(kFwdWarps * 32) attention_fwd_kernel(FwdParams
   }
   if (nblocks == 0) cp_async_wait<0>();
 
-  T* out = static_cast<T*>(p.out) + b * p.os[0] + h * p.os[1];
-  float* lse = p.lse + (b * p.hq + h) * p.sq;
+  T* out = head_rows<T>(p.out, p.os, blk.b, blk.h);
+  float* lse = p.lse + (blk.b * p.hq + blk.h) * p.sq;
 #pragma unroll
   for (int mt = 0; mt < kRowTiles; ++mt) {
     store_rows<T>(o[mt], row_max[mt], row_sum[mt], out, p.os[2], lse, m0 + warp_row + mt * 16, p.sq, lane);
@@ -481,6 +477,14 @@ bool use_sm90(const at::Tensor& q) {
 #endif
 }
 
+// A kernel with `bytes` of dynamic shared memory (above the 48 KiB default) on the current stream.
+template <typename Kernel, typename Params>
+void launch(Kernel kernel, dim3 grid, int threads, int bytes, cudaStream_t stream, const Params& p) {
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  kernel<<<grid, threads, bytes, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <typename Fn>
 void with_types(const at::Tensor& q, bool causal, Fn&& fn) {
   auto with_causal = [&](auto t, auto d) {
@@ -541,11 +545,8 @@ void attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at
     with_types(q, causal, [&](auto t, auto d, auto c) {
       using T = decltype(t);
       constexpr int D = decltype(d)::value;
-      auto kernel = attention_fwd_sm90_kernel<T, D, kSm90Keys, decltype(c)::value>;
-      constexpr int bytes = sm90_fwd_smem_bytes<D, kSm90Keys>();
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-      kernel<<<grid, kSm90Threads, bytes, stream>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch(attention_fwd_sm90_kernel<T, D, kSm90Keys, decltype(c)::value>, grid, kSm90Threads,
+             sm90_fwd_smem_bytes<D, kSm90Keys>(), stream, p);
     });
     return;
   }
@@ -553,11 +554,8 @@ void attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at
   with_types(q, causal, [&](auto t, auto d, auto c) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
-    auto kernel = attention_fwd_kernel<T, D, kFwdRowTiles, kFwdKeys, decltype(c)::value>;
-    constexpr int bytes = fwd_smem_bytes<D, kFwdRowTiles, kFwdKeys>();
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    kernel<<<grid, kFwdWarps * 32, bytes, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(attention_fwd_kernel<T, D, kFwdRowTiles, kFwdKeys, decltype(c)::value>, grid, kFwdWarps * 32,
+           fwd_smem_bytes<D, kFwdRowTiles, kFwdKeys>(), stream, p);
   });
 }
 
@@ -630,11 +628,8 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
     with_types(q, causal, [&](auto t, auto dd, auto c) {
       using T = decltype(t);
       constexpr int D = decltype(dd)::value;
-      auto kernel = attention_bwd_kernel<T, D, kBwdWarps, decltype(c)::value>;
-      constexpr int bytes = bwd_smem_bytes<D, kBwdWarps>();
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-      kernel<<<grid, kBwdWarps * 32, bytes, stream>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch(attention_bwd_kernel<T, D, kBwdWarps, decltype(c)::value>, grid, kBwdWarps * 32,
+             bwd_smem_bytes<D, kBwdWarps>(), stream, p);
     });
   }
   dq.copy_(dq_acc);

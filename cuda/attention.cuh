@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -139,6 +140,32 @@ struct FwdParams {
 };
 
 // ---- the forward's row work (both forwards) -----------------------------------------------------
+// The (batch, head, query block) a forward block of kRows rows owns, and how many key blocks of
+// kKeys it walks (causal: only those its rows see; the last query blocks, which see the most keys,
+// start first).
+struct FwdBlock {
+  int64_t b, h, hk, m0, shift;
+  int nblocks;
+};
+template <int kRows, int kKeys, bool kCausal>
+__device__ __forceinline__ FwdBlock fwd_block(const FwdParams& p) {
+  FwdBlock f;
+  f.b = blockIdx.z;
+  f.h = blockIdx.y;
+  f.hk = f.h / p.group;
+  f.m0 = (kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * int64_t(kRows);
+  f.shift = p.sk - p.sq;
+  const int64_t key_end = kCausal ? std::min<int64_t>(p.sk, f.m0 + kRows + f.shift) : p.sk;
+  f.nblocks = key_end > 0 ? static_cast<int>((key_end + kKeys - 1) / kKeys) : 0;
+  return f;
+}
+
+// Row 0 of (batch b, head h) of a [B, H, S, D] tensor with strides s (of B, H, S).
+template <typename T, typename P>
+__device__ __forceinline__ T* head_rows(P* base, const int64_t (&s)[3], int64_t b, int64_t h) {
+  return static_cast<T*>(base) + b * s[0] + h * s[1];
+}
+
 // A thread holds two rows (row0 + lane / 4 and 8 below) of a 16-row tile: kNT accumulator tiles of
 // 8 columns, mma.sync's C layout, which is also a warp's share of an m64 wgmma accumulator.
 

@@ -18,7 +18,6 @@
 // build has sm_90a code (CUSTOMOPS_SM90A) and the device is compute capability 9.0.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 
 #include "attention.cuh"
@@ -166,16 +165,12 @@ __global__ void __launch_bounds__(kSm90Threads, 1) attention_fwd_sm90_kernel(Fwd
   auto v_base = [&](int st) { return sq + kQBytes + st * 2 * kKVBytes + kKVBytes; };
 
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  // Causal: the last query blocks see the most keys; they start first.
-  const int64_t mb = kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int64_t h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
-  const int64_t m0 = mb * kRows, shift = p.sk - p.sq;
-  const int64_t key_end = kCausal ? std::min<int64_t>(p.sk, m0 + kRows + shift) : p.sk;
-  const int nblocks = key_end > 0 ? static_cast<int>((key_end + kKeys - 1) / kKeys) : 0;
-
-  const T* q = static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1];
-  const T* k = static_cast<const T*>(p.k) + b * p.ks[0] + hk * p.ks[1];
-  const T* v = static_cast<const T*>(p.v) + b * p.vs[0] + hk * p.vs[1];
+  const FwdBlock blk = fwd_block<kRows, kKeys, kCausal>(p);
+  const int64_t m0 = blk.m0, shift = blk.shift;
+  const int nblocks = blk.nblocks;
+  const T* q = head_rows<const T>(p.q, p.qs, blk.b, blk.h);
+  const T* k = head_rows<const T>(p.k, p.ks, blk.b, blk.hk);
+  const T* v = head_rows<const T>(p.v, p.vs, blk.b, blk.hk);
   load_sw128<kRows, D, kThreads>(sq, q, p.qs[2], m0, p.sq);
   if (nblocks > 0) {
     load_sw128<kKeys, D, kThreads>(k_base(0), k, p.ks[2], 0, p.sk);
@@ -241,8 +236,8 @@ __global__ void __launch_bounds__(kSm90Threads, 1) attention_fwd_sm90_kernel(Fwd
   }
   if (nblocks == 0) cp_async_wait<0>();
 
-  store_rows<T>(o, row_max, row_sum, static_cast<T*>(p.out) + b * p.os[0] + h * p.os[1], p.os[2],
-                p.lse + (b * p.hq + h) * p.sq, m0 + warp_row, p.sq, lane);
+  store_rows<T>(o, row_max, row_sum, head_rows<T>(p.out, p.os, blk.b, blk.h), p.os[2],
+                p.lse + (blk.b * p.hq + blk.h) * p.sq, m0 + warp_row, p.sq, lane);
 #else
   __trap();  // launched only on sm_90a builds for compute capability 9.0 (see the host side)
 #endif
