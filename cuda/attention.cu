@@ -354,7 +354,7 @@ __global__ void __launch_bounds__(kWarps * 32) attention_bwd_kernel(BwdParams p)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int qi = nt * 8 + (lane % 4) * 2 + (e & 1);
-        float pr = exp2_approx(fmaf(s[nt][e], p.scale_log2, -lses[qi]));
+        float pr = exp2_nonpositive(fmaf(s[nt][e], p.scale_log2, -lses[qi]));
         if (masked) {
           const int64_t key = n0 + key_row + lane / 4 + (e >> 1) * 8;
           if (key >= p.sk || (kCausal && key > m0 + qi + shift)) pr = 0.f;

@@ -52,6 +52,14 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
+// exp2(min(x, 0)), NaN for NaN (fminf would drop it): a probability from a score less its row's
+// lse, which float32 rounding of a huge lse can leave above 0.
+__device__ __forceinline__ float exp2_nonpositive(float x) {
+  float y;
+  asm("min.NaN.f32 %0, %1, 0f00000000;\n" : "=f"(y) : "f"(x));
+  return exp2_approx(y);
+}
+
 template <typename T>
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   if constexpr (std::is_same_v<T, __half>) {
@@ -199,11 +207,24 @@ __device__ __forceinline__ void softmax_step(float (&s)[kNT][4], float (&row_max
     const float m_use = m_new == -kInfF ? 0.f : m_new;
     corr[r] = exp2_approx(row_max[r] - m_use);
     row_max[r] = m_new;
+    // fmaf(s, scale, -m) takes the exact product, which can miss the rounded max by half its ulp:
+    // at |m| > 2^31 the max's own term overflows or underflows (a row summing to 0 would pass for
+    // one with no key). Rows past 2^24 (rare: scores beyond float32's integers) round the products
+    // first, so the max's term is exactly 1; the rest keep one FMA a score.
+    float sl = scale_log2;
+    if (!(fabsf(m_use) < 0x1p24f)) {
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        s[nt][2 * r] = __fmul_rn(s[nt][2 * r], scale_log2);
+        s[nt][2 * r + 1] = __fmul_rn(s[nt][2 * r + 1], scale_log2);
+      }
+      sl = 1.f;
+    }
     float sum = 0.f;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
-      const float p0 = exp2_approx(fmaf(s[nt][2 * r], scale_log2, -m_use));
-      const float p1 = exp2_approx(fmaf(s[nt][2 * r + 1], scale_log2, -m_use));
+      const float p0 = exp2_approx(fmaf(s[nt][2 * r], sl, -m_use));
+      const float p1 = exp2_approx(fmaf(s[nt][2 * r + 1], sl, -m_use));
       s[nt][2 * r] = p0;
       s[nt][2 * r + 1] = p1;
       sum += p0 + p1;
@@ -235,13 +256,17 @@ __device__ __forceinline__ void store_rows(const float (&o)[kDT][4], const float
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     const int64_t row = row0 + lane / 4 + r * 8;
     if (row >= sq) continue;
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    // sum is 0 only for a row that saw no key (out 0, even where 0 * v was NaN); a NaN score or
+    // scale makes the sum, so the row, NaN
+    const bool seen = sum != 0.f;
+    const float inv = 1.f / sum;
     T* orow = out + row * out_stride + (lane % 4) * 2;
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
-      *reinterpret_cast<uint32_t*>(orow + dt * 8) = pack2<T>(o[dt][2 * r] * inv, o[dt][2 * r + 1] * inv);
+      *reinterpret_cast<uint32_t*>(orow + dt * 8) =
+          pack2<T>(seen ? o[dt][2 * r] * inv : 0.f, seen ? o[dt][2 * r + 1] * inv : 0.f);
     }
-    if (lane % 4 == 0) lse[row] = sum > 0.f ? (row_max[r] + __log2f(sum)) * kLn2 : -kInfF;
+    if (lane % 4 == 0) lse[row] = seen ? (row_max[r] + __log2f(sum)) * kLn2 : -kInfF;
   }
 }
 

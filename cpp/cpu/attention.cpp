@@ -42,19 +42,24 @@ inline float row_max_negated(const float* s, int64_t c) {  // max of -s: -min(s)
   return mx;
 }
 
-// s[0, c) <- exp(a * s - b), s[c, n) <- 0; returns the sum.
+// s[0, c) <- exp(min(a * s - b, 0)), s[c, n) <- 0; returns the sum. b is at least the row's
+// largest a * s (its max, or its lse up to rounding): the clamp keeps p <= 1 where it is not. NaN
+// stays NaN (exp_u20 alone turns it into a finite number), so a NaN score makes its row NaN, never
+// an "empty" row of 0.
 inline float exp_row(float* s, int64_t c, int64_t n, float a, float b) {
-  const Vec va(a), vb(b);
+  const Vec va(a), vb(b), zero(0.f);
   Vec acc(0.f);
   int64_t j = 0;
   for (; j + Vec::size() <= c; j += Vec::size()) {
-    const Vec p = (Vec::loadu(s + j) * va - vb).exp_u20();
+    const Vec x = at::vec::minimum(Vec::loadu(s + j) * va - vb, zero);
+    const Vec p = Vec::blendv(x.exp_u20(), x, x.isnan());
     p.store(s + j);
     acc = acc + p;
   }
   float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
   for (; j < c; ++j) {
-    s[j] = std::exp(s[j] * a - b);
+    const float x = s[j] * a - b;
+    s[j] = std::exp(x > 0.f ? 0.f : x);  // NaN: NaN
     sum += s[j];
   }
   std::fill(s + c, s + n, 0.f);
@@ -84,7 +89,15 @@ void softmax_step(float* s, int64_t rows, int64_t n, int64_t width, int64_t ld, 
     const float m_new = std::max(mx[r], blk);
     const float m_safe = m_new == kNegInf ? 0.f : m_new;
     const float corr = std::exp(mx[r] - m_safe);
-    l[r] = l[r] * corr + exp_row(row, c, width, sc, m_safe);
+    // The compiler may fuse sc * s - m into one rounding, off from the rounded max by up to half
+    // its ulp: more than exp's range at |m| > 2^32, where the max's own term would vanish or
+    // overflow. Rows that large take the products rounded first, so the max's term is exactly 1.
+    float a = sc;
+    if (!(std::abs(m_safe) < 0x1p24f)) {
+      scale_rows(row, 1, c, ld, sc, row, ld);
+      a = 1.f;
+    }
+    l[r] = l[r] * corr + exp_row(row, c, width, a, m_safe);
     mx[r] = m_new;
     if (o != nullptr && corr != 1.f) scale_rows(o + r * d, 1, d, d, corr, o + r * d, d);
   }
@@ -125,7 +138,7 @@ void finish_rows(const float* o, int64_t rows, int64_t d, const float* mx, const
                  float* lse) {
   for (int64_t r = 0; r < rows; ++r) {
     float* y = out + r * ld_out;
-    if (!(l[r] > 0)) {  // a row that saw no key: out 0, lse -inf
+    if (l[r] == 0.f) {  // a row that saw no key: out 0, lse -inf (a NaN sum gives NaN below)
       std::fill(y, y + d, 0.f);
       lse[r] = kNegInf;
       continue;

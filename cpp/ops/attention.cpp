@@ -121,7 +121,7 @@ void forward_rows(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v
                   const at::Tensor& out, const at::Tensor& lse) {
   const at::ScalarType acc = attention_lse_dtype(qg.scalar_type());
   const int64_t m = qg.size(3), d = qg.size(4);
-  const at::Tensor qs = (qg.to(acc) * blk.scale).flatten(2, 3);  // [B', Hkv', G*M, D]
+  const at::Tensor qs = qg.to(acc).flatten(2, 3);  // [B', Hkv', G*M, D]
   const auto rows = qs.sizes().slice(0, 3);
   at::Tensor mx = at::full(rows, -kInf, qs.options()), l = at::zeros(rows, qs.options());
   at::Tensor o = at::zeros({rows[0], rows[1], rows[2], d}, qs.options());
@@ -129,7 +129,9 @@ void forward_rows(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v
   for (int64_t j0 = 0; j0 < end; j0 += blk.block_k) {
     const int64_t n = std::min(blk.block_k, end - j0);
     const at::Tensor kb = k.narrow(2, j0, n).to(acc), vb = v.narrow(2, j0, n).to(acc);
-    at::Tensor s = at::matmul(qs, kb.transpose(-2, -1));  // [B', Hkv', G*M, N]
+    // [B', Hkv', G*M, N], scaled after the matmul (as the fused kernels do): q * scale would
+    // differ where the scale is infinite (inf - inf in the dot product) or D is 0 (0 * NaN)
+    at::Tensor s = at::matmul(qs, kb.transpose(-2, -1)).mul_(blk.scale);
     blk.mask(s, m, j0);
     const at::Tensor mx_new = at::maximum(mx, s.amax(-1));
     const at::Tensor mx_safe = mx_new.masked_fill(mx_new == -kInf, 0);  // rows that saw no key yet
@@ -139,8 +141,8 @@ void forward_rows(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& v
     o.mul_(corr.unsqueeze(-1)).add_(at::matmul(s, vb));
     mx = mx_new;
   }
-  // A row that saw no key: out 0, lse -inf.
-  const at::Tensor seen = l > 0;
+  // A row that saw no key: out 0, lse -inf. A NaN sum is not one: NaN scores give NaN rows.
+  const at::Tensor seen = l != 0;
   out.copy_(at::where(seen.unsqueeze(-1), o / l.masked_fill(~seen, 1).unsqueeze(-1), 0).view(out.sizes()));
   lse.copy_((mx.masked_fill(~seen, 0) + l.log()).view(lse.sizes()));
 }
@@ -164,7 +166,9 @@ void backward_rows(const at::Tensor& qg, const at::Tensor& k, const at::Tensor& 
     const at::Tensor kb = k.narrow(2, j0, n).to(acc), vb = v.narrow(2, j0, n).to(acc);
     at::Tensor p = at::matmul(qa, kb.transpose(-2, -1)).mul_(blk.scale);
     blk.mask(p, m, j0);
-    p.sub_(lse_r).exp_();  // 0 where masked and in rows that saw no key (lse -inf)
+    // 0 where masked and in rows that saw no key (lse -inf); at most 1 where a huge lse's rounding
+    // leaves a score above it
+    p.sub_(lse_r).clamp_max_(0).exp_();
     at::Tensor ds = at::matmul(go, vb.transpose(-2, -1)).sub_(dt).mul_(p);
     if (want_dq) dqa.add_(at::matmul(ds, kb));
     if (want_dkv) {

@@ -445,7 +445,7 @@ def _linear_cross_entropy_bad_inputs(device):
 
 def _attention_ref(q, k, v, causal=False, scale=None):
     """softmax(q k^T * scale) v over every key (k and v repeated per group), and lse; a row that
-    sees no key gives out 0 and lse -inf."""
+    sees no key gives out 0 and lse -inf, a row with a NaN or +inf score NaN in both."""
     g = q.shape[1] // max(k.shape[1], 1)
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     scale = scale if scale is not None else (q.shape[-1] ** -0.5 if q.shape[-1] else 1.0)
@@ -455,6 +455,7 @@ def _attention_ref(q, k, v, causal=False, scale=None):
         hidden = torch.arange(sk, device=q.device)[None, :] > torch.arange(sq, device=q.device)[:, None] + sk - sq
         s = s.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(s, -1)
+    lse = lse.masked_fill(lse == float("inf"), float("nan"))
     p = torch.exp(s - lse.masked_fill(lse == float("-inf"), float("inf")).unsqueeze(-1))
     return p @ v, lse
 
@@ -635,7 +636,9 @@ class FuzzSource(Protocol):
 
     def shape(self, min_rank: int = 0, max_rank: int = 5, most: int | None = None) -> tuple[int, ...]: ...
 
-    # values: "any" (NaN and inf too), "finite" (huge, tiny, denormal) or "normal" (randn only);
+    # values: "any" (NaN and inf too), "finite" (huge, tiny, denormal), "nonfinite" (NaN, inf, tiny
+    # and denormal but nothing huge: for ops ill-conditioned in huge inputs, as softmax's near-ties
+    # are) or "normal" (randn only);
     # writable=False allows expanded layouts, whose elements share memory.
     def tensor(self, shape, dtype, device, values: str = "any", writable: bool = False) -> torch.Tensor: ...
 
@@ -743,9 +746,16 @@ def _fuzz_attention(src, device, dtype):
     sq, sk, d = src.size(300), src.size(300), src.size(64)
     causal = src.choice([False, True]) and not (src.gradients and sq > sk)  # no key-less rows to differentiate
     scale = src.choice([None, 0.5])
-    # normal values: scores of huge inputs overflow float32 where the float64 reference does not
-    q = src.tensor((b, hkv * g, sq, d), dtype, device, values="normal")
-    k, v = (src.tensor((b, hkv, sk, d), dtype, device, values="normal") for _ in range(2))
+    # q and k: no huge values, whose scores' float32 rounding decides between near-tied keys (so
+    # no reference can agree; tests/python/test_attention.py checks huge scores on separated rows).
+    # v: normal values. A key of probability 0 (masked, or beside a row's limit in a kernel's key
+    # block) adds 0 * v, NaN for an infinite v in the reference and in some kernel blocks but not
+    # in others; and the online softmax sums p * v before dividing by the sum of p, which
+    # overflows for v near the dtype's largest value where the normalized reference does not.
+    q, k = (src.tensor((b, h, s, d), dtype, device, values="nonfinite") for h, s in ((hkv * g, sq), (hkv, sk)))
+    v = src.tensor((b, hkv, sk, d), dtype, device, values="normal")
+    if not src.gradients and src.choice([False, True]):  # every score NaN or infinite
+        scale = src.choice([float("nan"), float("inf"), -float("inf")])
     error = r"customops::attention: k must have at least one head" if hkv == 0 else None
     return Sample((q, k, v, causal, scale), {}, f"q {list(q.shape)} k {list(k.shape)}"
                   + (" causal" if causal else "") + (f" scale {scale}" if scale else ""), error)

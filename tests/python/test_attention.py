@@ -115,3 +115,66 @@ def test_cuda_shapes_off_the_fused_kernel_take_the_blocked_one():
     q = base[..., 1:]  # last dim 64, rows 16-byte misaligned
     want = T._attention_ref(q.double(), q.double(), q.double())
     torch.testing.assert_close(customops.attention(q, q, q).double(), want[0], atol=3e-2, rtol=3e-2)
+
+
+# Every kernel: the CPU's flash kernel (float32, bfloat16) and blocked ATen one (float64); on CUDA
+# the fused ones (bfloat16 and float16 at head dims 64 and 128; "sm80" keeps the mma.sync forward on
+# an H100) and the blocked one (float32).
+KERNELS = [pytest.param(dev, dt, d, fwd, id=f"{dev}-{str(dt).removeprefix('torch.')}-d{d}-{fwd}")
+           for dev in DEVICES
+           for dt, d, fwd in ([(torch.float32, 8, "default"), (torch.bfloat16, 8, "default"), (torch.float64, 8, "default")]
+                              if dev == "cpu" else
+                              [(torch.bfloat16, 64, "default"), (torch.float16, 128, "default"),
+                               (torch.bfloat16, 64, "sm80"), (torch.float32, 64, "default")])]
+
+
+def _kernel(device, forward, monkeypatch):
+    if forward == "sm80":
+        monkeypatch.setenv("CUSTOMOPS_ATTENTION_SM80", "1")
+
+
+@pytest.mark.parametrize("device, dtype, d, forward", KERNELS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_nan_and_inf_scores_give_nan_rows_not_empty_ones(device, dtype, d, forward, causal, monkeypatch):
+    # A NaN in k, +inf in q or a NaN scale: every row that sees it is NaN (out and lse), as in SDPA
+    # and the float64 reference, never the out 0 / lse -inf of a row with no key; other rows stay
+    # finite, and the gradients of NaN rows are NaN too.
+    _kernel(device, forward, monkeypatch)
+    b, h, sq, sk = 1, 2, 150, 150  # two key blocks of the CUDA kernels
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype) for s in (sq, sk, sk))
+    k[0, 1, 100, 3] = float("nan")  # head 1's rows that see key 100 (causal: rows 100 and on)
+    q[0, 0, 7, 0] = float("inf")  # head 0, row 7: a score of +inf
+    for qq, kk, scale in ((q, k, None), (q[:, :1, :1], k[:, :1], float("nan"))):
+        q_, k_, v_ = (t.detach().requires_grad_() for t in (qq, kk, v[:, :kk.shape[1]]))
+        out, lse = customops.attention(q_, k_, v_, causal=causal, scale=scale, return_lse=True)
+        want_out, want_lse = T._attention_ref(q_.double(), k_.double(), v_.double(), causal, scale)
+        nan_rows = want_out.isnan().any(-1)
+        assert bool(nan_rows.any())
+        assert torch.equal(out.isnan().any(-1), nan_rows) and torch.equal(out.isnan().all(-1), nan_rows)
+        assert torch.equal(lse.isnan(), want_lse.isnan())
+        torch.testing.assert_close(out.double()[~nan_rows], want_out[~nan_rows], atol=3e-2, rtol=3e-2)
+        dq, = torch.autograd.grad(out, q_, torch.ones_like(out))
+        assert bool(dq.isnan().any(-1)[nan_rows].all())
+
+
+@pytest.mark.parametrize("device, dtype, d, forward", KERNELS)
+def test_huge_scores_match_the_reference(device, dtype, d, forward, monkeypatch):
+    # Scores of 1e9 to 1e30 (a huge q or scale): the softmax is each row's argmax, which these
+    # rows have by a wide margin, so float32 rounding of the scores cannot change it. Once the
+    # exponent of a fused s * scale - max missed the rounded max by more than exp's range: inf or
+    # NaN rows, or 0 with lse -inf.
+    _kernel(device, forward, monkeypatch)
+    torch.manual_seed(0)
+    sk = 150
+    k = torch.eye(sk, d, device=device).repeat(1, 1, 1, 1).to(dtype) * (1 + torch.arange(sk, device=device)[:, None] % 4).to(dtype)
+    v = torch.randn(1, 1, sk, d, device=device, dtype=dtype)
+    q = torch.zeros(1, 1, 70, d, device=device, dtype=dtype)
+    q[0, 0, torch.arange(70), torch.arange(70) % min(sk, d)] = 1
+    for scale, q_mult in ((1e9, 1.0), (1e30, 1.0), (1.0, 1e9 if dtype != torch.float16 else 3e4)):
+        for causal in (False, True):
+            out, lse = customops.attention(q * q_mult, k, v, causal=causal, scale=scale, return_lse=True)
+            want_out, want_lse = T._attention_ref((q * q_mult).double(), k.double(), v.double(), causal, scale)
+            seen = want_lse.isfinite()
+            assert bool(out.isfinite().all()), f"scale {scale} q x{q_mult}: non-finite rows"
+            torch.testing.assert_close(out.double(), want_out, atol=1e-2, rtol=1e-2)
+            torch.testing.assert_close(lse.double()[seen], want_lse[seen], atol=0, rtol=1e-5)
