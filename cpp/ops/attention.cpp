@@ -738,25 +738,32 @@ Pair attention_autocast(const at::Tensor& q, const at::Tensor& k, const at::Tens
 // With m = max(lse_a, lse_b): lse = m + log(e^(lse_a - m) + e^(lse_b - m)) and
 // out = out_a * e^(lse_a - lse) + out_b * e^(lse_b - lse); rows where both are empty (lse -inf)
 // give out 0 and lse -inf, with zero gradients rather than NaN.
-Pair merge_attention_impl(const at::Tensor& out_a, const at::Tensor& lse_a, const at::Tensor& out_b,
-                          const at::Tensor& lse_b) {
+// mixed: out_b and lse_b may have other float dtypes than out_a and lse_a (under autocast).
+Pair merge_attention_mixed(const at::Tensor& out_a, const at::Tensor& lse_a, const at::Tensor& out_b,
+                           const at::Tensor& lse_b, bool mixed) {
   constexpr const char* op = "customops::merge_attention";
   checks::float_dtype(op, "out_a", out_a);
   checks::float_dtype(op, "lse_a", lse_a);
   checks::defined(op, "out_b", out_b);
   checks::defined(op, "lse_b", lse_b);
   checks::same_shape(op, "out_b", out_b, "out_a", out_a);
-  checks::same_dtype(op, "out_b", out_b, "out_a", out_a);
   checks::same_device(op, "out_b", out_b, "out_a", out_a);
   checks::same_shape(op, "lse_b", lse_b, "lse_a", lse_a);
-  checks::same_dtype(op, "lse_b", lse_b, "lse_a", lse_a);
+  if (mixed) {
+    checks::float_dtype(op, "out_b", out_b);
+    checks::float_dtype(op, "lse_b", lse_b);
+  } else {
+    checks::same_dtype(op, "out_b", out_b, "out_a", out_a);
+    checks::same_dtype(op, "lse_b", lse_b, "lse_a", lse_a);
+  }
   checks::same_device(op, "lse_a", lse_a, "out_a", out_a);
   checks::same_device(op, "lse_b", lse_b, "out_a", out_a);
   TORCH_CHECK(out_a.dim() >= 1, op, ": out_a must have at least one dimension (the head dim)");
   TORCH_CHECK(lse_a.sym_sizes().equals(out_a.sym_sizes().slice(0, out_a.dim() - 1)), op,
                   ": expected lse_a of shape out_a.shape[:-1] = ", out_a.sym_sizes().slice(0, out_a.dim() - 1),
                   ", but got ", lse_a.sym_sizes());
-  const at::ScalarType acc = at::promote_types(lse_a.scalar_type(), at::kFloat);
+  const at::ScalarType acc =
+      at::promote_types(at::promote_types(lse_a.scalar_type(), lse_b.scalar_type()), at::kFloat);
   const at::Tensor la = lse_a.to(acc), lb = lse_b.to(acc);
   const at::Tensor mx = at::maximum(la, lb);
   const at::Tensor m = at::where(at::isfinite(mx), mx, at::zeros_like(mx));
@@ -767,6 +774,19 @@ Pair merge_attention_impl(const at::Tensor& out_a, const at::Tensor& lse_a, cons
   const at::Tensor out = out_a.to(at::promote_types(out_a.scalar_type(), acc)) * wa +
                          out_b.to(at::promote_types(out_b.scalar_type(), acc)) * wb;
   return {out.to(out_a.scalar_type()), lse.to(lse_a.scalar_type())};
+}
+
+Pair merge_attention_impl(const at::Tensor& out_a, const at::Tensor& lse_a, const at::Tensor& out_b,
+                          const at::Tensor& lse_b) {
+  return merge_attention_mixed(out_a, lse_a, out_b, lse_b, /*mixed=*/false);
+}
+
+// Autocast: partial attentions of mixed precision (one side computed under autocast, the other
+// not) merge in float32 (float64 if either is); out keeps out_a's dtype and lse lse_a's.
+Pair merge_attention_autocast(const at::Tensor& out_a, const at::Tensor& lse_a, const at::Tensor& out_b,
+                              const at::Tensor& lse_b) {
+  autocast::Below below;
+  return merge_attention_mixed(out_a, lse_a, out_b, lse_b, /*mixed=*/true);
 }
 
 }  // namespace
@@ -804,10 +824,15 @@ TORCH_LIBRARY_IMPL(customops, FuncTorchBatched, m) {
   m.impl("merge_attention", &merge_attention_impl);
 }
 
-// Autocast kernel of attention.
-CUSTOMOPS_AUTOCAST_IMPL(m) { m.impl("attention", &attention_autocast); }
+// Autocast kernels of attention and merge_attention.
+CUSTOMOPS_AUTOCAST_IMPL(m) {
+  m.impl("attention", &attention_autocast);
+  m.impl("merge_attention", &merge_attention_autocast);
+}
 
-// merge_attention: one composite kernel for every key.
-TORCH_LIBRARY_IMPL(customops, CompositeImplicitAutograd, m) { m.impl("merge_attention", &merge_attention_impl); }
+// merge_attention: one composite kernel for every other key.
+TORCH_LIBRARY_IMPL(customops, CompositeImplicitAutograd, m) {
+  m.impl("merge_attention", &merge_attention_impl);
+}
 
 }  // namespace customops

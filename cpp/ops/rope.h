@@ -35,7 +35,8 @@ inline void check_rope(const char* op, const at::Tensor& q, const at::Tensor& k,
   TORCH_SYM_CHECK((r % 2).sym_eq(0), op, ": cos's last dim (", r, ", the rotated dims) must be even");
   if (cos.dim() == 3) {
     TORCH_SYM_CHECK(cos.sym_size(0).sym_eq(1).sym_or(cos.sym_size(0).sym_eq(q.sym_size(0))), op,
-                    ": expected cos of shape [B, S, R] with B = ", q.sym_size(0), " or 1, but got ", cos.sym_sizes());
+                    ": expected cos of shape [B, S, R] with B = 1 or ", q.sym_size(0), " (", qname, ".shape[0]), but got ",
+                    cos.sym_sizes());
   }
 }
 

@@ -301,7 +301,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
         gradient tile by tile (as Liger-Kernel does: the backward runs no matmul) and the
         backward scales them. Double backward raises.
     """
-    h = hidden.reshape(-1, hidden.shape[-1])
+    # rows flattened (flatten, not reshape(-1, H): H may be 0); a 0-dim hidden goes to the op as it
+    # is, which names it in its error
+    h = hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0) if hidden.dim() == 1 else hidden
     t = target.reshape(-1)
     args = (h, weight, t, bias, ignore_index, label_smoothing, reduction, tile_rows, tile_classes)
     return _linear_cross_entropy(*args) if is_compiling() else _linear_cross_entropy_c(*args)

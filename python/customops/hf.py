@@ -152,17 +152,16 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
                        inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     # In training with labels, the loss comes from the last hidden state through
     # linear_cross_entropy: the [tokens, vocabulary] logits are never built (logits is None, as
-    # with Liger-Kernel). Otherwise Hugging Face's forward runs.
-    shift_labels = kwargs.pop("shift_labels", None)
-    if not (self.training and (labels is not None or shift_labels is not None)):
-        if shift_labels is not None:
-            kwargs["shift_labels"] = shift_labels
+    # with Liger-Kernel). Otherwise Hugging Face's forward runs. As there, shift_labels (labels
+    # already shifted) is read only beside labels: alone it gives no loss.
+    if not (self.training and labels is not None):
         return super(type(self), self).forward(input_ids=input_ids, attention_mask=attention_mask,
                                                position_ids=position_ids, past_key_values=past_key_values,
                                                inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
                                                logits_to_keep=logits_to_keep, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
+    shift_labels = kwargs.pop("shift_labels", None)
     num_items = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", -100)
     if _plain_causal(self.config, attention_mask, position_ids, past_key_values):

@@ -323,7 +323,7 @@ def _rope_bad_inputs(device):
         (Sample((q, k, c[:, :5], c[:, :5], False)), rf"{op}: cos's last dim \(5, the rotated dims\) must be even"),
         (Sample((q, k, c, c[:, :6], False)), rf"{op}: expected sin to have the shape of cos"),
         (Sample((q, k, torch.randn(3, 5, 8, device=device), torch.randn(3, 5, 8, device=device), False)),
-         rf"{op}: expected cos of shape \[B, S, R\] with B = 2 or 1"),
+         rf"{op}: expected cos of shape \[B, S, R\] with B = 1 or 2 \(q.shape\[0\]\), but got \[3, 5, 8\]"),
         (Sample((q.long(), k.long(), c, c, False)), rf"{op}: q has dtype Long"),
         (Sample((q, k, c.clone().requires_grad_(), c, False)), rf"{op}: cos and sin must not require grad"),
     ]

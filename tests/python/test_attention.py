@@ -178,3 +178,19 @@ def test_huge_scores_match_the_reference(device, dtype, d, forward, monkeypatch)
             assert bool(out.isfinite().all()), f"scale {scale} q x{q_mult}: non-finite rows"
             torch.testing.assert_close(out.double(), want_out, atol=1e-2, rtol=1e-2)
             torch.testing.assert_close(lse.double()[seen], want_lse[seen], atol=0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_merge_attention_under_autocast_takes_mixed_precision_sides(device):
+    # one side computed under autocast (bf16 out), the other not (fp32): merged in float32, out in
+    # out_a's dtype, as the README's autocast table says; outside autocast mixed dtypes still raise
+    oa, ob = torch.randn(2, 4, 8, device=device).bfloat16(), torch.randn(2, 4, 8, device=device)
+    la, lb = torch.randn(2, 4, device=device), torch.randn(2, 4, device=device, dtype=torch.float64)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        out, lse = customops.merge_attention(oa, la, ob, lb)
+    assert (out.dtype, lse.dtype) == (torch.bfloat16, torch.float32)
+    want = T._merge_attention_ref(oa.double(), la.double(), ob.double(), lb)
+    torch.testing.assert_close(out.double(), want[0], atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), want[1], atol=1e-6, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="customops::merge_attention: expected out_b to have the dtype of out_a"):
+        customops.merge_attention(oa, la, ob, lb)

@@ -84,6 +84,19 @@ def test_optimize_trains_like_eager(family, dtype, device):
         torch.testing.assert_close(logits, m_ref(ids).logits, **tol(dtype))
 
 
+def test_optimize_reads_shift_labels_as_hugging_face_does():
+    # shift_labels alone: no loss (Hugging Face computes one only with labels); beside labels it
+    # replaces the shifted labels, the same loss as Hugging Face's
+    m_ref, m = model().train(), customops.optimize(model().train())[0]
+    ids = torch.randint(0, 256, (2, 16))
+    shifted = torch.randint(0, 256, (2, 16))
+    alone, want = m(ids, shift_labels=shifted), m_ref(ids, shift_labels=shifted)
+    assert want.loss is None and alone.loss is None
+    torch.testing.assert_close(alone.logits, want.logits, **tol(torch.float32))
+    torch.testing.assert_close(m(ids, labels=ids, shift_labels=shifted).loss,
+                               m_ref(ids, labels=ids, shift_labels=shifted).loss, **tol(torch.float32))
+
+
 def test_optimize_twice_changes_nothing_and_the_model_still_saves():
     m, first = customops.optimize(model())
     classes = [type(x) for x in m.modules()]

@@ -152,3 +152,21 @@ def test_rope_outputs_keep_the_inputs_memory_order(device):
     with torch.device("meta"):  # the Meta kernel promises the same strides
         mq, mk = customops.rope(q.to("meta"), k.to("meta"), cos.to("meta"), sin.to("meta"))
     assert mq.stride() == customops.rope(q, k, cos, sin)[0].stride()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_cross_entropy_wrapper_takes_any_rows_and_names_a_bad_hidden(device):
+    # hidden [..., H] with H = 0 (every logit is the bias) or a single row [H]; a 0-dim hidden gets
+    # the op's own error, not reshape's or an IndexError
+    import torch.nn.functional as F
+
+    import customops
+
+    w, b = torch.randn(5, 0, device=device), torch.randn(5, device=device)
+    t = torch.randint(0, 5, (2, 3), device=device)
+    want = F.cross_entropy(F.linear(torch.randn(6, 0, device=device), w, b), t.reshape(-1))
+    torch.testing.assert_close(customops.linear_cross_entropy(torch.randn(2, 3, 0, device=device), w, t, b), want)
+    h, w = torch.randn(4, device=device), torch.randn(5, 4, device=device)
+    torch.testing.assert_close(customops.linear_cross_entropy(h, w, t[0, 0]), F.cross_entropy(F.linear(h, w), t[0, 0]))
+    with pytest.raises(RuntimeError, match=r"customops::linear_cross_entropy: expected hidden of shape \[N, H\], but got \[\]"):
+        customops.linear_cross_entropy(torch.tensor(1.0, device=device), w, t[0, 0])
