@@ -67,7 +67,7 @@ def _val(n: Any) -> Any:
 
 
 def _skip(why: str) -> bool:
-    if _report is not None:
+    if _report is not None and why not in _report.skipped:
         _report.skipped.append(why)
     return False
 
@@ -76,7 +76,7 @@ def _skip(why: str) -> bool:
 # Emitting a replacement: trace a Python function of the inputs' fake values into pre-dispatch
 # ATen, copy its nodes into the graph and rewire the matched outputs to it.
 
-def _emit(graph: torch.fx.Graph, fn: Callable, inputs: list[Node], olds: list[Node], name: str) -> None:
+def _emit(graph: torch.fx.Graph, fn: Callable, inputs: list[Node], olds: list[Node], name: str) -> list[Node]:
     from torch._guards import detect_fake_mode
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -106,6 +106,7 @@ def _emit(graph: torch.fx.Graph, fn: Callable, inputs: list[Node], olds: list[No
         pm.stable_topological_sort(graph)
     if _report is not None:
         _report.matched[name] += 1
+    return news
 
 
 def _same(a: Node, b: Node) -> bool:
@@ -178,10 +179,28 @@ _last_pass = PatternMatcherPass(pass_name="customops_last")
 _PASSES = (_norm_pass, _fuse_pass, _rope_pass, _last_pass)
 
 
+def _defaults_only(match: Match) -> bool:
+    """The pattern matcher ignores keyword arguments that a pattern does not name (the patterns
+    here name none): a match stands only where every matched node's keywords hold their
+    defaults, so ``torch.add(x, r, alpha=2)`` or ``mean(..., dtype=torch.float64)`` stays as
+    written."""
+    for n in match.nodes:
+        if not n.kwargs or not isinstance(n.target, torch._ops.OpOverload):
+            continue
+        schema = {a.name: a for a in n.target._schema.arguments}
+        for name, value in n.kwargs.items():
+            arg = schema.get(name)
+            if arg is None or not arg.has_default_value() or value != arg.default_value:
+                return _skip(f"{str(n.target).removesuffix('.default')} with {name}={value!r}")
+    return True
+
+
 def _register(patterns, pass_dict, extra_check=None):
+    check = (lambda m: _defaults_only(m) and extra_check(m)) if extra_check else _defaults_only
+
     def decorator(handler):
         for p in patterns:
-            pm.register_graph_pattern(p, extra_check=extra_check or pm._return_true, pass_dict=pass_dict)(handler)
+            pm.register_graph_pattern(p, extra_check=check, pass_dict=pass_dict)(handler)
         return handler
     return decorator
 
@@ -413,7 +432,8 @@ def _rope_check(match: Match) -> bool:
     d = x.shape[-1]
     if not (all(_last_dim(kw[k], 4) for k in ("d1", "d2", "dc")) and kw["h1"] == kw["h2"] and 2 * kw["h1"] == d):
         return False
-    if cos.shape != sin.shape or cos.dim() != 4 or cos.shape[1] != 1 or cos.shape[-1] != d:
+    if (cos.shape != sin.shape or cos.dim() != 4 or cos.shape[0] not in (1, x.shape[0]) or cos.shape[1] != 1
+            or cos.shape[2] != x.shape[2] or cos.shape[-1] != d):
         return _skip(f"rotate-half RoPE with cos of shape {tuple(cos.shape)} (expected [B or 1, 1, S, {d}])")
     if kw["cos"].meta.get("customops_grad", True) or kw["sin"].meta.get("customops_grad", True):
         return _skip("RoPE whose cos/sin may require grad")
@@ -430,30 +450,59 @@ def _rope_collect(match: Match, x, cos, sin, **_):
     _rope_found.append((match, x, cos, sin))
 
 
+def _depends(node: Node, on: Node, order: dict[Node, int]) -> bool:
+    """Whether node's value is computed from on's (a walk up its inputs, none older than on)."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is on:
+            return True
+        if n in seen or order[n] < order[on]:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
 def _rope_apply(graph: torch.fx.Graph) -> None:
-    found = sorted(_rope_found, key=lambda f: list(graph.nodes).index(f[0].output_node()))
+    # Pairs are chosen on the graph as matched, then emitted in graph order; a rotation whose input
+    # an earlier emission replaced (the same RoPE applied twice) reads the replacement.
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    found = sorted(_rope_found, key=lambda f: order[f[0].output_node()])
     _rope_found.clear()
     groups: dict[tuple[Node, Node], list] = {}
     for f in found:
         groups.setdefault((f[2], f[3]), []).append(f)
-    for (cos, sin), members in groups.items():
+
+    def pairs_with(a, b) -> bool:  # one rope call computes both only if neither feeds the other
+        xa, xb = _val(a[1]), _val(b[1])
+        return (xa.shape[0] == xb.shape[0] and xa.shape[2:] == xb.shape[2:]
+                and not _depends(b[1], a[0].output_node(), order) and not _depends(a[1], b[0].output_node(), order))
+
+    plan = []
+    for members in groups.values():
         while members:
-            (mq, q, _, _), rest = members[0], members[1:]
-            other = next((m for m in rest if _val(m[1]).shape[0] == _val(q).shape[0]
-                          and _val(m[1]).shape[2:] == _val(q).shape[2:]), None)
-            if other is not None:
-                mk, k = other[0], other[1]
-                members = [m for m in rest if m is not other]
-                olds, matches = [mq.output_node(), mk.output_node()], [mq, mk]
-                fn = lambda q, k, c, s: tuple(cops.rope.default(q, k, c.squeeze(1), s.squeeze(1), False))
-                _emit(graph, fn, [q, k, cos, sin], olds, "rotate-half RoPE of q and k -> customops.rope")
-            else:
-                members = rest
-                olds, matches = [mq.output_node()], [mq]
-                fn = lambda q, c, s: cops.rope.default(q, q[:, :0], c.squeeze(1), s.squeeze(1), False)[0]
-                _emit(graph, fn, [q, cos, sin], olds, "rotate-half RoPE -> customops.rope")
-            for m in matches:
-                m.erase_nodes()
+            first, rest = members[0], members[1:]
+            other = next((m for m in rest if pairs_with(first, m)), None)
+            plan.append((first, other))
+            members = [m for m in rest if m is not other]
+    plan.sort(key=lambda p: order[p[0][0].output_node()])
+    replaced: dict[Node, Node] = {}
+    for (mq, q, cos, sin), other in plan:
+        q = replaced.get(q, q)
+        if other is not None:
+            mk, k = other[0], replaced.get(other[1], other[1])
+            matches = [mq, mk]
+            fn = lambda q, k, c, s: tuple(cops.rope.default(q, k, c.squeeze(1), s.squeeze(1), False))
+            news = _emit(graph, fn, [q, k, cos, sin], [m.output_node() for m in matches],
+                         "rotate-half RoPE of q and k -> customops.rope")
+        else:
+            matches = [mq]
+            fn = lambda q, c, s: cops.rope.default(q, q[:, :0], c.squeeze(1), s.squeeze(1), False)[0]
+            news = _emit(graph, fn, [q, cos, sin], [mq.output_node()], "rotate-half RoPE -> customops.rope")
+        replaced.update(zip((m.output_node() for m in matches), news))
+        for m in matches:
+            m.erase_nodes()
 
 
 # A silu left on its own.
@@ -472,6 +521,12 @@ def _op_counts(graph: torch.fx.Graph) -> Counter:
 
 
 _graph_count = itertools.count()
+
+
+def _why(e: BaseException) -> str:
+    """An exception in one line (an assert's message may be empty)."""
+    first = next((line for line in str(e).splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__
 
 
 def rewrite(gm: GraphModule, example_inputs: list) -> tuple[GraphModule, GraphReport]:
@@ -498,7 +553,7 @@ def rewrite(gm: GraphModule, example_inputs: list) -> tuple[GraphModule, GraphRe
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
             traced = make_fx(gm, pre_dispatch=True)(*fakes)
     except Exception as e:  # noqa: BLE001  (any tracing failure: leave the graph to Inductor as it is)
-        report.error = f"pre-dispatch trace failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        report.error = f"pre-dispatch trace failed ({_why(e)})"
         return gm, report
     report.ops = _op_counts(traced.graph)
     _report = report
@@ -515,7 +570,7 @@ def rewrite(gm: GraphModule, example_inputs: list) -> tuple[GraphModule, GraphRe
         graph.lint()
         traced.recompile()
     except Exception as e:  # noqa: BLE001  (a rewrite that fails must not fail the user's compile)
-        report.error = f"rewrite failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        report.error = f"rewrite failed ({_why(e)})"
         report.matched.clear()
         return gm, report
     finally:

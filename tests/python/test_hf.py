@@ -288,6 +288,62 @@ def test_rewrite_leaves_lookalikes_alone():
     assert not reports[0].matched and "RoPE whose cos/sin may require grad" in str(reports[0])
 
 
+def _rot(x):
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+def test_rewrite_leaves_keywords_off_their_defaults_alone():
+    # add(x, r, alpha=2) in front of a norm, and a RoPE combined with alpha=-1 (an inverse rotation
+    # written as the forward one): once replaced as if alpha were 1, silently wrong (issue 26)
+    def add_norm(x, r, w):
+        h = torch.add(x, r, alpha=2.0)
+        return w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)), h
+
+    def inverse_rope(q, k, cos, sin):
+        return torch.add(q * cos, _rot(q) * sin, alpha=-1), k * cos + _rot(k) * sin
+
+    for fn, args, said in ((add_norm, (torch.randn(4, 16), torch.randn(4, 16), torch.randn(16)), "alpha=2.0"),
+                           (inverse_rope, (torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8),
+                                           torch.randn(1, 1, 5, 8)), "alpha=-1")):
+        compiled, reports = rewritten(fn, *args)
+        torch.testing.assert_close(compiled(*args), fn(*args))
+        assert f"left alone: aten.add.Tensor with {said}" in str(reports[0]), reports[0]
+
+
+def test_rewrite_pairs_only_independent_rotations():
+    # the same RoPE applied twice, and k computed from the rotated q: pairing either into one
+    # rope(q, k) call made a cycle and failed the user's compile (issue 26)
+    def twice(q, cos, sin):
+        q = q * cos + _rot(q) * sin
+        return q * cos + _rot(q) * sin
+
+    def k_from_q(q, cos, sin):
+        q = q * cos + _rot(q) * sin
+        k = q * 0.5
+        return q, k * cos + _rot(k) * sin
+
+    args = (torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8))
+    for fn in (twice, k_from_q):
+        compiled, reports = rewritten(fn, *args)
+        torch.testing.assert_close(compiled(*args), fn(*args))
+        assert reports[0].matched["rotate-half RoPE -> customops.rope"] == 2 and not reports[0].error, reports[0]
+
+
+def test_backend_falls_back_to_inductor_with_a_warning_when_the_rewrite_fails(monkeypatch):
+    # any failure inside the pass, an empty assert included, leaves the graph to Inductor as it is
+    def fail(graph):
+        raise AssertionError()
+
+    monkeypatch.setattr(cc, "_rope_apply", fail)
+    torch._dynamo.reset()
+    q, cos, sin = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8)
+    fn = lambda q, cos, sin: q * cos + _rot(q) * sin  # noqa: E731
+    with pytest.warns(UserWarning, match=r"customops backend: rewrite failed \(AssertionError\); compiling the "
+                                         r"graph with plain Inductor"):
+        got = torch.compile(fn, backend="customops")(q, cos, sin)
+    torch.testing.assert_close(got, fn(q, cos, sin))
+
+
 def test_backend_trains_llama_like_eager_with_customops_backward_kernels():
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.testing import CompileCounterWithBackend
