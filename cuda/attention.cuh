@@ -196,6 +196,7 @@ __device__ __forceinline__ void mask_scores(float (&s)[kNT][4], int64_t row0, in
 template <int kNT>
 __device__ __forceinline__ void softmax_step(float (&s)[kNT][4], float (&row_max)[2], float (&row_sum)[2],
                                              float (&corr)[2], float scale_log2) {
+  float m_use[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float mx = -kInfF;
@@ -204,27 +205,29 @@ __device__ __forceinline__ void softmax_step(float (&s)[kNT][4], float (&row_max
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_new = fmaxf(row_max[r], mx * scale_log2);
-    const float m_use = m_new == -kInfF ? 0.f : m_new;
-    corr[r] = exp2_approx(row_max[r] - m_use);
+    m_use[r] = m_new == -kInfF ? 0.f : m_new;
+    corr[r] = exp2_approx(row_max[r] - m_use[r]);
     row_max[r] = m_new;
-    // fmaf(s, scale, -m) takes the exact product, which can miss the rounded max by half its ulp:
-    // at |m| > 2^31 the max's own term overflows or underflows (a row summing to 0 would pass for
-    // one with no key). Rows past 2^24 (rare: scores beyond float32's integers) round the products
-    // first, so the max's term is exactly 1; the rest keep one FMA a score.
-    float sl = scale_log2;
-    if (!(fabsf(m_use) < 0x1p24f)) {
+  }
+  // fmaf(s, scale, -m) takes the exact product, which can miss the rounded max by half its ulp:
+  // at |m| > 2^31 the max's own term overflows or underflows (a row summing to 0 would pass for
+  // one with no key). Where a row passes 2^24 (rare: scores beyond float32's integers), the
+  // products are rounded first, so the max's term is exactly 1; otherwise one FMA a score.
+  float sl = scale_log2;
+  if (!(fabsf(m_use[0]) < 0x1p24f && fabsf(m_use[1]) < 0x1p24f)) {
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        s[nt][2 * r] = __fmul_rn(s[nt][2 * r], scale_log2);
-        s[nt][2 * r + 1] = __fmul_rn(s[nt][2 * r + 1], scale_log2);
-      }
-      sl = 1.f;
-    }
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = __fmul_rn(s[nt][e], scale_log2);
+    sl = 1.f;
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
     float sum = 0.f;
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
-      const float p0 = exp2_approx(fmaf(s[nt][2 * r], sl, -m_use));
-      const float p1 = exp2_approx(fmaf(s[nt][2 * r + 1], sl, -m_use));
+      const float p0 = exp2_approx(fmaf(s[nt][2 * r], sl, -m_use[r]));
+      const float p1 = exp2_approx(fmaf(s[nt][2 * r + 1], sl, -m_use[r]));
       s[nt][2 * r] = p0;
       s[nt][2 * r + 1] = p1;
       sum += p0 + p1;
