@@ -56,9 +56,14 @@ if "torch._dynamo" in sys.modules:
 
     _register_backend()
 
+# Where the build's files (lib/, bin/, include/) lie: beside the _C extension, which is this
+# folder in a wheel and site-packages/customops in an editable install (whose Python files stay in
+# the checkout).
+_installed = os.path.dirname(os.path.abspath(_C.__file__))
+
 #: Folder to add to CMAKE_PREFIX_PATH for ``find_package(customops)``, like
 #: ``torch.utils.cmake_prefix_path``.
-cmake_prefix_path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "cmake")
+cmake_prefix_path = os.path.join(_installed, "lib", "cmake")
 
 
 def library_path() -> str:
@@ -80,7 +85,7 @@ def runner_path() -> str:
     Raises:
         FileNotFoundError: if this installation has no runner.
     """
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", "customops-run")
+    path = os.path.join(_installed, "bin", "customops-run")
     if not os.access(path, os.X_OK):
         raise FileNotFoundError(f"customops-run is not installed at {path}; reinstall customops "
                                 "(pip install --no-build-isolation .)")

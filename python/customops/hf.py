@@ -28,12 +28,13 @@ from ._ops import add_rms_norm, linear_cross_entropy, rms_norm, rope, silu_mul
 _FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
 # Syntax-tree hashes (see _form) of the forwards each swap restates or relies on, as in
-# transformers 5.17 and 5.23 (all four families share them).
+# transformers 5.17, 5.23 and 5.24 (all four families share them; 5.24 renamed past_key_values to
+# cache in the decoder layer's and the causal LM's forwards).
 _KNOWN_FORMS = {
     "RMSNorm": {"9635bcd843f3"},
     "MLP": {"7d2027d4464e"},
-    "DecoderLayer": {"1a8125909341"},
-    "ForCausalLM": {"30455d0ea27c", "bc1bb9f5b8f9"},
+    "DecoderLayer": {"1a8125909341", "223a3cfccaa8"},
+    "ForCausalLM": {"30455d0ea27c", "bc1bb9f5b8f9", "ec53ebf95d1e"},
     "apply_rotary_pos_emb": {"4a8f8b85ee37"},
 }
 
@@ -102,15 +103,17 @@ def _down_of_silu_mul(down_proj, gate, up):
     return down_proj(silu_mul(gate, up))
 
 
-def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                           use_cache=False, position_embeddings=None, **kwargs):
+def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_ids=None, *, use_cache=False,
+                           position_embeddings=None, **kwargs):
+    # The cache travels in kwargs under the name this transformers gives it (past_key_values
+    # before 5.24, cache from 5.24 on), to self_attn, which reads it.
     if kwargs.pop(_CAUSAL_ONLY, False):  # see _causal_lm_forward
         attention_mask = None
     residual = hidden_states
     hidden_states = self.input_layernorm(hidden_states)
     hidden_states, _ = self.self_attn(hidden_states=hidden_states, attention_mask=attention_mask,
-                                      position_ids=position_ids, past_key_values=past_key_values,
-                                      use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+                                      position_ids=position_ids, use_cache=use_cache,
+                                      position_embeddings=position_embeddings, **kwargs)
     norm = self.post_attention_layernorm
     if hidden_states.dtype == residual.dtype == norm.weight.dtype:
         normed, hidden_states = add_rms_norm(hidden_states, residual, norm.weight, norm.variance_epsilon)
@@ -136,39 +139,44 @@ def _rope_for(original):
 _CAUSAL_ONLY = "customops_causal_only"
 
 
-def _plain_causal(config, attention_mask, position_ids, past_key_values) -> bool:
+def _plain_causal(config, attention_mask, position_ids, cache) -> bool:
     """True when a training forward's attention is exactly causal: no padding mask, no cache, no
     packed positions, SDPA, and no sliding window or other layer type. Hugging Face builds that
     mask as an explicit tensor under torch.compile (on torch < 2.14 it cannot tell compiling from
     exporting), which keeps SDPA off its flash and cuDNN kernels; the decoder layers then pass no
     mask and SDPA's is_causal applies, the same attention."""
-    return (attention_mask is None and position_ids is None and past_key_values is None
+    return (attention_mask is None and position_ids is None and cache is None
             and getattr(config, "_attn_implementation", None) == "sdpa"
             and getattr(config, "sliding_window", None) is None
             and all(t == "full_attention" for t in (getattr(config, "layer_types", None) or ())))
 
 
-def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                       inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+# What transformers calls the KV cache, in arguments and outputs: past_key_values before 5.24,
+# cache from 5.24 on (which still takes past_key_values as a deprecated argument).
+_CACHE_NAMES = ("cache", "past_key_values")
+
+
+def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None, *, inputs_embeds=None,
+                       labels=None, use_cache=None, logits_to_keep=0, **kwargs):
     # In training with labels, the loss comes from the last hidden state through
     # linear_cross_entropy: the [tokens, vocabulary] logits are never built (logits is None, as
     # with Liger-Kernel). Otherwise Hugging Face's forward runs. As there, shift_labels (labels
-    # already shifted) is read only beside labels: alone it gives no loss.
+    # already shifted) is read only beside labels: alone it gives no loss. The cache stays in
+    # kwargs under whichever name the caller used; self.model takes either.
     if not (self.training and labels is not None):
         return super(type(self), self).forward(input_ids=input_ids, attention_mask=attention_mask,
-                                               position_ids=position_ids, past_key_values=past_key_values,
-                                               inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-                                               logits_to_keep=logits_to_keep, **kwargs)
+                                               position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels,
+                                               use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     shift_labels = kwargs.pop("shift_labels", None)
     num_items = kwargs.pop("num_items_in_batch", None)
     ignore_index = kwargs.pop("ignore_index", -100)
-    if _plain_causal(self.config, attention_mask, position_ids, past_key_values):
+    cache = next((kwargs[n] for n in _CACHE_NAMES if kwargs.get(n) is not None), None)
+    if _plain_causal(self.config, attention_mask, position_ids, cache):
         kwargs[_CAUSAL_ONLY] = True
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-                         **kwargs)
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     hidden = outputs.last_hidden_state
     if shift_labels is None:  # as Hugging Face's ForCausalLMLoss: predict token t + 1 at t
         shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -179,8 +187,9 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
                                 tile_classes=self.lm_head.weight.shape[0])
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
-    return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                  hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+    name = next(n for n in _CACHE_NAMES if n in CausalLMOutputWithPast.__dataclass_fields__)
+    return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                                  attentions=outputs.attentions, **{name: getattr(outputs, name)})
 
 
 # ---- the swaps ---------------------------------------------------------------------------------
@@ -196,15 +205,45 @@ def _subclass(cls: type, forward) -> type:
     return sub
 
 
+def _with_globals(fn, patch: dict):
+    """fn, with the same code, reading ``patch``'s names from its module's globals. A decorated fn
+    (transformers 5.24 wraps forwards in deprecate_kwarg) keeps its wrappers: each wrapper is
+    rebuilt around the rebuilt function it wraps, found among its closure's cells."""
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:
+        globals_ = dict(fn.__globals__, **patch)
+        new = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, fn.__closure__)
+        _copy_attributes(new, fn)
+        return new
+    cells = fn.__closure__ or ()
+    holds = [i for i, c in enumerate(cells) if _cell(c) is inner]
+    if len(holds) != 1:
+        raise TypeError(f"{fn.__qualname__}: a wrapper whose wrapped function is not in its closure")
+    new_inner = _with_globals(inner, patch)
+    closure = tuple(types.CellType(new_inner) if i == holds[0] else c for i, c in enumerate(cells))
+    new = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, closure)
+    _copy_attributes(new, fn)
+    new.__wrapped__ = new_inner
+    return new
+
+
+def _copy_attributes(new, fn) -> None:
+    new.__kwdefaults__, new.__qualname__, new.__module__, new.__doc__ = (
+        fn.__kwdefaults__, fn.__qualname__, fn.__module__, fn.__doc__)
+    new.__dict__.update(fn.__dict__)
+
+
+def _cell(c):
+    try:
+        return c.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
 def _attention_forward(cls: type, module: types.ModuleType):
     """cls.forward, with the same code, reading customops' rope where it reads
     ``apply_rotary_pos_emb``."""
-    fn = cls.forward
-    globals_ = dict(fn.__globals__)
-    globals_["apply_rotary_pos_emb"] = _rope_for(module.apply_rotary_pos_emb)
-    new = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, fn.__closure__)
-    new.__kwdefaults__, new.__doc__ = fn.__kwdefaults__, fn.__doc__
-    return new
+    return _with_globals(cls.forward, {"apply_rotary_pos_emb": _rope_for(module.apply_rotary_pos_emb)})
 
 
 def _check(kind: str, fn, summary: Summary, where: str, warned: set) -> bool:
@@ -248,12 +287,18 @@ def _plan(module: nn.Module, summary: Summary, warned: set):
             ok = _check("MLP", cls.forward, summary, where, warned)
             return (kind, _subclass(cls, _mlp_forward)) if ok else None
         if kind == "Attention":
-            if "apply_rotary_pos_emb" not in cls.forward.__code__.co_names:
+            if "apply_rotary_pos_emb" not in inspect.unwrap(cls.forward).__code__.co_names:
                 summary.left_alone.append(f"{where}: its forward does not call apply_rotary_pos_emb")
                 return None
             ok = _check("apply_rotary_pos_emb", mod.apply_rotary_pos_emb, summary, f"{mod_name}.apply_rotary_pos_emb",
                         warned)
-            return (kind, _subclass(cls, _attention_forward(cls, mod))) if ok else None
+            if not ok:
+                return None
+            try:
+                return kind, _subclass(cls, _attention_forward(cls, mod))
+            except TypeError as e:
+                summary.left_alone.append(f"{where}: {e}")
+                return None
         if kind == "DecoderLayer":
             norm = getattr(module, "post_attention_layernorm", None)
             if type(norm) is not getattr(mod, prefix + "RMSNorm", None) and not isinstance(norm, _Swapped):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 import zipfile
 
 import pytest
@@ -177,6 +178,30 @@ def test_optimize_float32_model_under_autocast():
         customops.optimize(m)
         got = step(m, ids)
     assert_same_step(got, want, torch.bfloat16)
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
+def test_optimize_generates_like_eager_with_a_kv_cache(family):
+    # Decoding reads and fills the model's KV cache through the swapped decoder layers and
+    # attention (whatever this transformers calls the cache: past_key_values, or cache from 5.24).
+    m = model(family).eval()
+    ids = torch.randint(0, 256, (2, 5))
+    kw = dict(max_new_tokens=6, do_sample=False, use_cache=True, pad_token_id=0)
+    want = m.generate(ids, **kw)
+    customops.optimize(m)
+    assert type(m.model.layers[0].self_attn).__name__.startswith("Customops")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the cache passed under its deprecated name
+        got = m.generate(ids, **kw)
+    assert torch.equal(got, want)
+    # A training forward given a cache: Hugging Face's own path (not a plain causal mask), alike.
+    cache = transformers.DynamicCache(config=m.config)
+    m.train()
+    name = "cache" if "cache" in transformers.modeling_outputs.CausalLMOutputWithPast.__dataclass_fields__ \
+        else "past_key_values"
+    got_loss = m(ids, labels=ids, use_cache=True, **{name: cache}).loss
+    assert cache.get_seq_length() == ids.shape[1]
+    torch.testing.assert_close(got_loss, type(m).__mro__[1].forward(m, ids, labels=ids).loss, **tol(torch.float32))
 
 
 def test_optimize_leaves_unknown_models_and_forms_alone(monkeypatch):
