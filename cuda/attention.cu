@@ -2,8 +2,9 @@
 // and 128, sm_80 and newer; on compute capability 9.0 the forward is attention_sm90.cuh's wgmma
 // kernel instead, see use_sm90): tensor cores through mma.sync m16n8k16 for every matmul, scores and
 // probabilities in registers, an online softmax across key blocks, k and v read once per group of
-// query heads (grouped-query attention without repeating them). cpp/ops/attention.cpp calls them
-// for the inputs attention_cuda_fused() accepts and keeps its blocked ATen kernels for the rest.
+// query heads (grouped-query attention without repeating them). attention's CUDA kernels, registered
+// at the end, run them for the inputs attention_cuda_fused() accepts and the blocked ATen kernels
+// (cpp/ops/attention_blocked.cpp) for the rest.
 //
 // Shared memory holds tiles of [rows, D] elements in rows of D / 8 chunks of 16 bytes; chunk c of
 // row r sits at c ^ (r % 8), so the 8 rows an ldmatrix reads at one column hit 8 different bank
@@ -28,17 +29,21 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <optional>
 #include <string_view>
+#include <tuple>
 
 #include "attention.cuh"
 #include "attention_sm90.cuh"
 #include "cp_async.cuh"
 #include "ops/attention.h"
+#include "ops/layout.h"
 
 namespace customops {
 namespace {
@@ -508,9 +513,8 @@ void with_types(const at::Tensor& q, bool causal, Fn&& fn) {
   }
 }
 
-
-}  // namespace
-
+// The fused kernels take float16 and bfloat16, head dims 64 and 128, a positive scale, sm_80 or
+// newer: whether they take q (k and v match it after check_attention).
 bool attention_cuda_fused(const at::Tensor& q, double scale) {
   if (!q.is_cuda() || (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16)) return false;
   if (q.size(3) != 64 && q.size(3) != 128) return false;
@@ -519,6 +523,7 @@ bool attention_cuda_fused(const at::Tensor& q, double scale) {
   return at::cuda::getDeviceProperties(q.get_device())->major >= 8;
 }
 
+// Writes out (q's sizes, unit last stride) and lse (contiguous float32 [B, Hq, Sq]).
 void attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, bool causal,
                         double scale, const at::Tensor& out, const at::Tensor& lse) {
   const c10::cuda::CUDAGuard guard(q_in.device());
@@ -559,6 +564,7 @@ void attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at
   });
 }
 
+// Writes dq, dk and dv (their inputs' sizes, unit last stride, 16-byte aligned rows).
 void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q_in,
                         const at::Tensor& k_in, const at::Tensor& v_in, const at::Tensor& out_in,
                         const at::Tensor& lse, bool causal, double scale, const at::Tensor& dq, const at::Tensor& dk,
@@ -633,6 +639,46 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
     });
   }
   dq.copy_(dq_acc);
+}
+
+// ---- entry points: the fused kernels where they take the inputs, the blocked ATen kernels else --
+std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                  bool causal, std::optional<double> scale_opt) {
+  check_attention("customops::attention", q, k, v);
+  auto [out, lse] = attention_outputs(q);
+  if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
+  const double scale = attention_scale(scale_opt, q.size(3));
+  if (attention_cuda_fused(q, scale)) {
+    attention_fwd_cuda(q, k, v, causal, scale, out, lse);
+  } else {
+    attention_blocked::forward(q, k, v, causal, scale, out, lse);
+  }
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
+    const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+    const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal,
+    std::optional<double> scale_opt) {
+  check_attention_backward(grad_out, grad_lse, q, k, v, out, lse);
+  const double scale = attention_scale(scale_opt, q.size(3));
+  at::Tensor dq = heads_layout_like(q), dk = heads_layout_like(k), dv = heads_layout_like(v);
+  const at::Tensor go = grad_out.has_value() && grad_out->defined() ? *grad_out : at::zeros_like(q);
+  if (attention_cuda_fused(q, scale)) {
+    attention_bwd_cuda(go, grad_lse, q, k, v, out, lse, causal, scale, dq, dk, dv);
+  } else {
+    attention_blocked::backward(go, q, k, v, attention_dterm(grad_out, grad_lse, out, lse), lse, causal, scale, dq,
+                                dk, dv);
+  }
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+// CUDA kernels of attention.
+TORCH_LIBRARY_IMPL(customops, CUDA, m) {
+  m.impl("attention", &attention_cuda);
+  m.impl("_attention_backward", &attention_backward_cuda);
 }
 
 }  // namespace customops

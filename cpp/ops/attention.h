@@ -1,10 +1,20 @@
-// Internal: argument checks of attention and _attention_backward, shared by the Meta and device
-// kernels.
+// Internal: argument checks, outputs and default scale of attention and _attention_backward,
+// shared by the Meta and device kernels; and the blocked ATen kernels (cpp/ops/attention_blocked.cpp)
+// that the CPU kernels (cpp/cpu/attention.cpp) and CUDA kernels (cuda/attention.cu) fall back on.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/FunctionRef.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <tuple>
 
 #include "ops/checks.h"
+#include "ops/layout.h"
 
 namespace customops {
 
@@ -59,47 +69,63 @@ inline void check_attention_backward(const std::optional<at::Tensor>& grad_out,
   }
 }
 
-// The CPU block kernels (cpp/cpu/attention.cpp), on float32 blocks of scores [rows, n] with row
-// stride ld, written out to width >= n columns (the ones past n as 0: the padding of the block's
-// matmuls). Row r of a block stacks a group's query rows (m of them, repeated per query head); it
-// sees the block's keys up to index first_limit + r % m (its causal limit; any n - 1 or more means
-// all of them).
-struct AttentionCpuKernels {
-  // Online-softmax step, in place: s <- exp(scale * s - m_new) over the visible keys, 0 past them;
-  // per row, mx (running max of scale * s) and l (running sum) updated, and the row of o ([rows, d],
-  // the output so far; null: none yet) multiplied by exp(mx_old - m_new) (0 where the row saw no
-  // key before).
-  void (*softmax_step)(float* s, int64_t rows, int64_t n, int64_t width, int64_t ld, int64_t m, int64_t first_limit,
-                       double scale, float* mx, float* l, float* o, int64_t d);
-  // s <- exp(scale * s - lse) over the visible keys, 0 past them and in rows with lse -inf.
-  void (*probs)(float* s, int64_t rows, int64_t n, int64_t width, int64_t ld, int64_t m, int64_t first_limit,
-                double scale, const float* lse);
-  // dp <- p * (dp - dt[r]), the scores' gradient (dt: rowsum(grad_out * out) - grad_lse).
-  void (*dscores)(float* dp, const float* p, int64_t rows, int64_t n, int64_t ld, const float* dt);
-  // dst[c, r] <- src[r, c] for a [rows, cols] src.
-  void (*transpose)(const float* src, int64_t rows, int64_t cols, int64_t ld_src, float* dst, int64_t ld_dst);
-  // dst <- a * src, [rows, cols] (in place when dst is src).
-  void (*scale_rows)(const float* src, int64_t rows, int64_t cols, int64_t ld_src, float a, float* dst,
-                     int64_t ld_dst);
-  // The forward's last step: out <- o / l and lse <- mx + log(l) per row; out 0 and lse -inf in rows
-  // that saw no key (l = 0). o is [rows, d] dense.
-  void (*finish_rows)(const float* o, int64_t rows, int64_t d, const float* mx, const float* l, float* out,
-                      int64_t ld_out, float* lse);
-};
-const AttentionCpuKernels& attention_kernels_cpu();
+// attention's outputs, empty: out in q's memory order, lse [B, Hq, Sq]. The Meta and device kernels
+// all allocate them here, so their shapes and strides agree.
+inline std::tuple<at::Tensor, at::Tensor> attention_outputs(const at::Tensor& q) {
+  return {heads_layout_like(q),
+          at::empty_symint(q.sym_sizes().slice(0, 3), q.options().dtype(attention_lse_dtype(q.scalar_type())))};
+}
 
-#ifdef CUSTOMOPS_WITH_CUDA
-// The fused CUDA kernels (cuda/attention.cu): float16 and bfloat16, head dims 64 and 128, a
-// positive scale, sm_80 or newer. attention_cuda_fused says whether they take q (k and v match it
-// after check_attention); the others go through the blocked ATen kernels.
-bool attention_cuda_fused(const at::Tensor& q, double scale);
-// Writes out (q's sizes, unit last stride) and lse (contiguous float32 [B, Hq, Sq]).
-void attention_fwd_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
-                        const at::Tensor& out, const at::Tensor& lse);
-// Writes dq, dk and dv (their inputs' sizes, unit last stride, 16-byte aligned rows).
-void attention_bwd_cuda(const at::Tensor& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
-                        const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                        bool causal, double scale, const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv);
-#endif
+// 1/sqrt(D) unless given; 1 for D = 0 (every score is 0 then).
+inline double attention_scale(std::optional<double> scale, int64_t d) {
+  return scale.has_value() ? *scale : (d > 0 ? 1.0 / std::sqrt(static_cast<double>(d)) : 1.0);
+}
+
+// dterm = rowsum(grad_out * out) - grad_lse per query row, in lse's dtype: the backward's ds is
+// p * (dout v^T - dterm). ATen ops (cpp/ops/attention_blocked.cpp).
+at::Tensor attention_dterm(const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse,
+                           const at::Tensor& out, const at::Tensor& lse);
+
+// ---- the blocked kernels (cpp/ops/attention_blocked.cpp) ---------------------------------------
+// ATen ops on blocks, on any device: the CPU and CUDA kernels' fallback for the inputs their own
+// kernels do not take, and the reference of those kernels. Blocks and parallel_tasks are shared
+// with the CPU flash kernels (cpp/cpu/attention.cpp).
+namespace attention_blocked {
+
+// Tensors come grouped: q, out and their gradients as [B', Hkv', G, M, D] (G query heads per kv
+// head, M query rows starting at row i0 of Sq), k and v as [B', Hkv', Sk, D], lse-shaped ones as
+// [B', Hkv', G, M]. Query row i sees key j when j <= i + Sk - Sq (causal; bottom-right aligned).
+struct Blocks {
+  int64_t i0, sq, sk;
+  bool causal;
+  double scale;
+  int64_t block_k;
+  int64_t keys_from = 0, keys_to = std::numeric_limits<int64_t>::max();  // the keys to go over
+
+  int64_t shift() const { return sk - sq; }
+  // The keys [keys_from, end) that some row of the block sees.
+  int64_t key_end(int64_t m) const {
+    return std::min(causal ? std::clamp<int64_t>(i0 + m + shift(), 0, sk) : sk, keys_to);
+  }
+  // s ([B', Hkv', G * M, N], keys from j0) with the keys a row must not see at -inf.
+  void mask(at::Tensor& s, int64_t m, int64_t j0) const;
+};
+
+// fn(task) for task in [0, n) in parallel on the CPU. The ATen calls of a task must dispatch as
+// this thread's do (below autograd): worker threads take this thread's dispatch-key and
+// grad-mode state.
+void parallel_tasks(int64_t n, c10::function_ref<void(int64_t)> fn);
+
+// out and lse (allocated, q's sizes and [B, Hq, Sq]) of attention; any device, any float dtype.
+void forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
+             const at::Tensor& out, const at::Tensor& lse);
+
+// dq, dk and dv (allocated, their inputs' sizes) of attention (go: grad_out, zeros where it is
+// None; dterm: attention_dterm).
+void backward(const at::Tensor& go, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& dterm, const at::Tensor& lse, bool causal, double scale, const at::Tensor& dq,
+              const at::Tensor& dk, const at::Tensor& dv);
+
+}  // namespace attention_blocked
 
 }  // namespace customops
