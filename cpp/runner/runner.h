@@ -1,0 +1,104 @@
+// Internal to customops-run: what its parts share. args.cpp reads the command line and main.cpp
+// runs it; package_checks.cpp checks a package before it is loaded; tensor_io.cpp reads inputs and
+// writes outputs; loaded_package.cpp loads and runs a package without knowing the command line (a
+// C++ API for running packages, or a decode loop, builds on it); errors.cpp words errors.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstddef>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace torch::inductor {
+class AOTIModelPackageLoader;
+}  // namespace torch::inductor
+
+namespace customops::runner {
+
+// An error the user can act on; main prints "customops-run: <message>" and exits with status 1.
+struct UserError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// A wrong command line; exits with status 2.
+struct UsageError : UserError {
+  using UserError::UserError;
+};
+
+// ---- errors.cpp
+// A c10::Error or std::exception as one line: without the C++ backtrace torch appends, its lines
+// joined, and with '?' for bytes that would garble a terminal (an error about a corrupt file can
+// quote the file's bytes).
+std::string message_of(const std::exception& e);
+
+// ---- args.cpp
+struct Options {
+  std::string package, inputs, outputs;
+  std::optional<std::string> device;
+  std::string model_name = "model";
+  bool time = false, check_inputs = true, show_libraries = false, info = false;
+  int runs = 1, warmup = 0;
+};
+
+// The command line; prints the help or the version and exits for -h, --help and --version.
+Options parse_args(int argc, char** argv);
+
+// ---- package_checks.cpp
+// A UserError naming `what` unless path is a regular file.
+void require_regular_file(const std::string& path, const std::string& what);
+// The package's metadata (AOTI_DEVICE_KEY etc.), read without loading the model.
+std::unordered_map<std::string, std::string> read_metadata(const Options& o);
+// Checks every stored member of the package against the CRC-32 its zip directory records. The
+// loader's zip reader (miniz, built without CRC checks) would unpack a damaged model library, and
+// running it crashes the process (bit flips in a package gave SIGSEGV and SIGILL).
+void verify_package(const std::string& path);
+// The device to run on: the package's, checked against --device and against this process.
+c10::Device pick_device(const Options& o, const std::string& package_device);
+
+// ---- tensor_io.cpp
+// The tensors of the inputs file, moved to device and made contiguous.
+std::vector<at::Tensor> read_inputs(const std::string& path, const c10::Device& device);
+// Checked before the model is loaded, so that a wrong path costs no run.
+void check_outputs_path(const std::string& path);
+// Writes outputs to path as a tuple of CPU tensors (torch.load reads it); no partial file is left.
+void write_outputs(const std::string& path, const std::vector<at::Tensor>& outputs);
+
+// ---- loaded_package.cpp
+// The model's own error from a run, as one line; the caller words it for the user.
+struct ModelError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+class ScratchDir;
+
+// A package loaded onto a device, to be run any number of times.
+class LoadedPackage {
+ public:
+  // Checks the package (verify_package), then loads model_name from it onto device; a UserError
+  // where either fails. check_inputs: the model checks its inputs' dtypes, shapes and strides.
+  LoadedPackage(const std::string& path, const std::string& model_name, const c10::Device& device,
+                bool check_inputs);
+  ~LoadedPackage();
+  LoadedPackage(const LoadedPackage&) = delete;
+  LoadedPackage& operator=(const LoadedPackage&) = delete;
+
+  // Runs the model once and waits for the device: a ModelError where the model fails, a UserError
+  // where it returns no output.
+  std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs);
+  // Inputs by the call spec: exact for tensor inputs (the model itself checks the count when run).
+  std::optional<size_t> spec_inputs();
+
+ private:
+  std::string path_;
+  c10::Device device_;
+  std::unique_ptr<ScratchDir> scratch_;  // declared before the loader, so it outlives it
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
+};
+
+}  // namespace customops::runner
