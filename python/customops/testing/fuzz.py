@@ -1,0 +1,164 @@
+"""Fuzz makers of the op table: each draws one sample from a :class:`FuzzSource` (the property-based
+suite, tests/python/test_fuzz.py, implements it with hypothesis), with the error the op must raise
+where the draw is one it rejects.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from .core import Sample
+
+
+class FuzzSource(Protocol):
+    """What a row's ``fuzz`` maker draws from; tests/python/test_fuzz.py implements it with
+    hypothesis, so a failing case shrinks to a small one. Sizes are 0, 1, small odd numbers or a
+    few thousand; every tensor comes in a drawn layout (contiguous, transposed, sliced with a step,
+    expanded with stride 0, offset into its storage, channels-last) and, unless ``values`` says
+    otherwise, holds NaN, +-inf, huge, tiny and denormal values among normal ones. ``gradients``
+    is true when the sample is for a gradient check: makers then keep off the points where the op
+    is not differentiable (eps = 0 on a row of one element, clamp bounds that tie)."""
+
+    gradients: bool
+
+    def choice(self, options: Sequence): ...
+
+    def size(self, most: int | None = None) -> int: ...
+
+    def shape(self, min_rank: int = 0, max_rank: int = 5, most: int | None = None) -> tuple[int, ...]: ...
+
+    # values: "any" (NaN and inf too), "finite" (huge, tiny, denormal), "nonfinite" (NaN, inf, tiny
+    # and denormal but nothing huge: for ops ill-conditioned in huge inputs, as softmax's near-ties
+    # are) or "normal" (randn only);
+    # writable=False allows expanded layouts, whose elements share memory.
+    def tensor(self, shape, dtype, device, values: str = "any", writable: bool = False) -> torch.Tensor: ...
+
+    # int64 class indices in [0, high), some of them ignore_index
+    def index(self, shape, high: int, device, ignore_index: int | None = None) -> torch.Tensor: ...
+
+
+def _half(dtype) -> bool:
+    return dtype in (torch.float16, torch.bfloat16)
+
+
+def _fuzz_elementwise(n_tensors: int, scalars: Callable = lambda src: ((), None), with_out: bool = False):
+    """Same-shaped tensors, each in its own layout, then the scalars `scalars(src)` draws (with
+    the error they must raise, if any)."""
+
+    def make(src, device, dtype):
+        shape = src.shape()
+        ts = tuple(src.tensor(shape, dtype, device) for _ in range(n_tensors))
+        sc, error = scalars(src)
+        kwargs = {"out": src.tensor(shape, dtype, device, writable=True)} if with_out else {}
+        return Sample(ts + sc, kwargs, f"{list(shape)}", error)
+
+    return make
+
+
+def _fuzz_muladd_c(src):
+    return (src.choice([0.75, 0.0, -1.5, 1e4, float("inf"), float("nan")]),), None
+
+
+def _fuzz_scale_clamp(src):
+    if src.gradients:  # x * scale never on a bound
+        scale, lo, hi = src.choice([2.0, -0.5]), src.choice([-1.0, -float("inf")]), src.choice([1.5, float("inf")])
+    else:
+        scale, lo, hi = (src.choice([2.0, -0.5, 0.0, 1e30]), src.choice([-1.0, 0.0, -float("inf")]),
+                         src.choice([1.5, 0.0, -2.0, float("inf")]))
+    return (scale, lo, hi), (r"customops::scale_clamp: expected lo <= hi" if lo > hi else None)
+
+
+def _fuzz_rms_norm(residual: bool):
+    op = "customops::add_rms_norm" if residual else "customops::rms_norm"
+
+    def make(src, device, dtype):
+        shape = src.shape()
+        x = src.tensor(shape, dtype, device)
+        res = (src.tensor(shape, dtype, device),) if residual else ()
+        wdtype = src.choice([dtype, torch.float32]) if _half(dtype) else dtype
+        weight = src.tensor(shape[-1:], wdtype, device) if shape and src.choice([True, False]) else None
+        eps = src.choice([1e-6, 1e-5, 1.0] if src.gradients else [1e-6, 1e-5, 0.0, 1.0])
+        error = rf"{op}: x must have at least one dimension" if not shape else None
+        return Sample((x, *res, weight, eps), {}, f"{list(shape)} weight {None if weight is None else wdtype}",
+                      error)
+
+    return make
+
+
+def _fuzz_swiglu(src, device, dtype):
+    shape = src.shape()
+    error = None
+    if not shape:
+        error = r"customops::swiglu: x must have at least one dimension"
+    elif shape[-1] % 2:
+        error = r"customops::swiglu: x's last dimension holds gate and up side by side, so its size must be even"
+    return Sample((src.tensor(shape, dtype, device),), {}, f"{list(shape)}", error)
+
+
+def _fuzz_rope(src, device, dtype):
+    most = 1 << 12
+    b, hq, hkv, s = src.size(8), src.size(8), src.size(8), src.size(most // 8)
+    d = 2 * src.size(32) + src.choice([0, 1])
+    r = 2 * src.choice(range(d // 2 + 1))
+    q, k = src.tensor((b, hq, s, d), dtype, device), src.tensor((b, hkv, s, d), dtype, device)
+    cs_shape = src.choice([(s, r), (1, s, r), (b, s, r)])
+    cos, sin = (src.tensor(cs_shape, dtype, device, values="finite") for _ in range(2))
+    interleaved = src.choice([False, True])
+    return Sample((q, k, cos, sin, interleaved), {},
+                  f"q {list(q.shape)} k {list(k.shape)} cos {list(cs_shape)}" + (" interleaved" if interleaved else ""))
+
+
+def _fuzz_cross_entropy(src, device, dtype):
+    shape = src.shape(min_rank=1, max_rank=4)
+    v = shape[-1]
+    ignore_index = src.choice([-100, 0, max(v - 1, 0)])
+    smoothing = src.choice([0.0, 0.1, 1.0])
+    error = r"customops::cross_entropy: logits must have at least one class" if v == 0 else None
+    return Sample((src.tensor(shape, dtype, device), src.index(shape[:-1], max(v, 1), device, ignore_index),
+                   ignore_index, smoothing), {}, f"{list(shape)} ignore {ignore_index} smoothing {smoothing}", error)
+
+
+def _fuzz_linear_cross_entropy(src, device, dtype):
+    most = 1 << 13
+    n, h = src.size(512), src.size(64)
+    v = src.size(max(most // max(n, h, 1), 1))
+    ignore_index = src.choice([-100, 0])
+    bias = src.tensor((v,), dtype, device) if src.choice([False, True]) else None
+    smoothing, reduction = src.choice([0.0, 0.1]), src.choice(["mean", "sum"])
+    error = r"customops::linear_cross_entropy: weight must have at least one row \(class\)" if v == 0 else None
+    return Sample((src.tensor((n, h), dtype, device), src.tensor((v, h), dtype, device),
+                   src.index((n,), max(v, 1), device, ignore_index), bias, ignore_index, smoothing, reduction), {},
+                  f"N={n} H={h} V={v}{' bias' if bias is not None else ''} {reduction} smoothing {smoothing}",
+                  error)
+
+
+def _fuzz_attention(src, device, dtype):
+    b, hkv, g = src.size(3), src.size(4), max(src.size(4), 1)
+    sq, sk, d = src.size(300), src.size(300), src.size(64)
+    causal = src.choice([False, True]) and not (src.gradients and sq > sk)  # no key-less rows to differentiate
+    scale = src.choice([None, 0.5])
+    # q and k: no huge values, whose scores' float32 rounding decides between near-tied keys (so
+    # no reference can agree; tests/python/test_attention.py checks huge scores on separated rows).
+    # v: normal values. A key of probability 0 (masked, or beside a row's limit in a kernel's key
+    # block) adds 0 * v, NaN for an infinite v in the reference and in some kernel blocks but not
+    # in others; and the online softmax sums p * v before dividing by the sum of p, which
+    # overflows for v near the dtype's largest value where the normalized reference does not.
+    q, k = (src.tensor((b, h, s, d), dtype, device, values="nonfinite") for h, s in ((hkv * g, sq), (hkv, sk)))
+    v = src.tensor((b, hkv, sk, d), dtype, device, values="normal")
+    if not src.gradients and src.choice([False, True]):  # every score NaN or infinite
+        scale = src.choice([float("nan"), float("inf"), -float("inf")])
+    error = r"customops::attention: k must have at least one head" if hkv == 0 else None
+    return Sample((q, k, v, causal, scale), {}, f"q {list(q.shape)} k {list(k.shape)}"
+                  + (" causal" if causal else "") + (f" scale {scale}" if scale else ""), error)
+
+
+def _fuzz_merge_attention(src, device, dtype):
+    shape = src.shape(min_rank=1, max_rank=4)
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    oa, ob = (src.tensor(shape, dtype, device) for _ in range(2))
+    la, lb = (src.tensor(shape[:-1], lse_dtype, device, values="normal") * 3 for _ in range(2))
+    if src.choice([False, True]):  # one side attended to no key
+        lb = torch.full_like(lb, float("-inf"))
+    return Sample((oa, la, ob, lb), {}, f"{list(shape)}")

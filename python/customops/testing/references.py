@@ -1,0 +1,101 @@
+"""The float64 references of the op table: each takes its op's arguments and returns what the op
+returns, computed with ATen ops (the checks call them on float64 copies of the samples).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _muladd_ref(a, b, c, out=None):  # out: the muladd.out row's buffer, not read
+    return a * b + c
+
+
+def _mul_ref(a, b):
+    return a * b
+
+
+def _rms_norm_ref(x, weight=None, eps=1e-6):
+    rstd = torch.rsqrt(x.pow(2).mean(-1) + eps)
+    y = x * rstd.unsqueeze(-1)
+    return (y * weight if weight is not None else y), rstd
+
+
+def _add_rms_norm_ref(x, residual, weight=None, eps=1e-6):
+    s = x + residual
+    y, rstd = _rms_norm_ref(s, weight, eps)
+    return y, s, rstd
+
+
+def _rope_ref(q, k, cos, sin, interleaved=False):
+    r = cos.shape[-1]
+    c, s_ = (cos[:, None], sin[:, None]) if cos.dim() == 3 else (cos, sin)  # broadcast over heads
+
+    def rotate(x):
+        xr, rest = x[..., :r], x[..., r:]
+        if interleaved:
+            turned = torch.stack((-xr[..., 1::2], xr[..., 0::2]), -1).flatten(-2)
+        else:
+            turned = torch.cat((-xr[..., r // 2:], xr[..., : r // 2]), -1)
+        return torch.cat((xr * c + turned * s_, rest), -1)
+
+    return rotate(q), rotate(k)
+
+
+def _cross_entropy_ref(logits, target, ignore_index=-100, label_smoothing=0.0):
+    lse = torch.logsumexp(logits, -1)
+    ignored = target == ignore_index
+    picked = logits.gather(-1, target.masked_fill(ignored, 0).unsqueeze(-1)).squeeze(-1)
+    loss = lse - (1 - label_smoothing) * picked
+    if label_smoothing:  # (0 * mean would turn a -inf logit into NaN)
+        loss = loss - label_smoothing * logits.mean(-1)
+    return loss.masked_fill(ignored, 0), lse
+
+
+def _linear_cross_entropy_ref(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0,
+                              reduction="mean", tile_rows=None, tile_classes=None):
+    import torch.nn.functional as F
+
+    logits = hidden @ weight.T + (bias if bias is not None else 0)
+    return F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                           reduction=reduction)
+
+
+def _attention_ref(q, k, v, causal=False, scale=None):
+    """softmax(q k^T * scale) v over every key (k and v repeated per group), and lse; a row that
+    sees no key gives out 0 and lse -inf, a row with a NaN or +inf score NaN in both."""
+    g = q.shape[1] // max(k.shape[1], 1)
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    scale = scale if scale is not None else (q.shape[-1] ** -0.5 if q.shape[-1] else 1.0)
+    s = q @ k.transpose(-2, -1) * scale
+    if causal:
+        sq, sk = q.shape[2], k.shape[2]
+        hidden = torch.arange(sk, device=q.device)[None, :] > torch.arange(sq, device=q.device)[:, None] + sk - sq
+        s = s.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    lse = lse.masked_fill(lse == float("inf"), float("nan"))
+    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), float("inf")).unsqueeze(-1))
+    return p @ v, lse
+
+
+def _merge_attention_ref(out_a, lse_a, out_b, lse_b):
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1)
+    return out_a * (lse_a.unsqueeze(-1) - safe).exp() + out_b * (lse_b.unsqueeze(-1) - safe).exp(), lse
+
+
+def _silu_ref(x):
+    return x * torch.sigmoid(x)
+
+
+def _silu_mul_ref(gate, up):
+    return gate * torch.sigmoid(gate) * up
+
+
+def _swiglu_ref(x):
+    gate, up = x.chunk(2, -1)
+    return gate * torch.sigmoid(gate) * up
+
+
+def _scale_clamp_ref(x, scale, lo, hi):
+    return torch.clamp(x * scale, lo, hi)

@@ -1,0 +1,274 @@
+"""Sample makers of the op table: per op, inputs for a device, dtype and requires_grad in every
+layout (contiguous, transposed, strided, empty), and batch makers: a sample whose leading size is
+n, for the compile, export, vmap and autocast checks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .core import Sample
+
+
+def _rand(shape, device, dtype, requires_grad=False, *, layout="contiguous", low=None, high=None):
+    """Random tensor of `shape`; layout "transposed" or "strided" gives a non-contiguous leaf."""
+    if layout == "transposed":
+        t = torch.randn(shape[::-1], device=device, dtype=dtype).permute(*reversed(range(len(shape))))
+    elif layout == "strided":
+        t = torch.randn(*shape[:-1], shape[-1] * 2, device=device, dtype=dtype)[..., ::2]
+    else:
+        t = torch.randn(shape, device=device, dtype=dtype)
+    if low is not None or high is not None:
+        t = t.clamp(low, high)
+    return t.detach().requires_grad_(requires_grad)
+
+
+def _elementwise_samples(n_tensors: int, scalars: tuple = (), with_out: bool = False):
+    """Samples for ops taking n_tensors same-shaped tensors, then `scalars`."""
+
+    def make(device, dtype, requires_grad):
+        shapes_layouts = [
+            ((5, 7), "contiguous"),
+            ((1031,), "contiguous"),  # not a multiple of any vector width
+            ((3, 4, 9), "contiguous"),
+            ((6, 5), "transposed"),
+            ((4, 6), "strided"),
+            ((0, 3), "contiguous"),
+        ]
+        out = []
+        for shape, layout in shapes_layouts:
+            ts = tuple(_rand(shape, device, dtype, requires_grad and not with_out, layout=layout)
+                       for _ in range(n_tensors))
+            kwargs = {"out": torch.empty(shape, device=device, dtype=dtype)} if with_out else {}
+            out.append(Sample(ts + scalars, kwargs, f"{layout} {list(shape)}"))
+        return out
+
+    return make
+
+
+def _elementwise_batch(n_tensors: int, scalars: tuple = (), with_out: bool = False):
+    def make(device, dtype, n):
+        ts = tuple(torch.randn(n, 8, device=device, dtype=dtype) for _ in range(n_tensors))
+        kwargs = {"out": torch.empty(n, 8, device=device, dtype=dtype)} if with_out else {}
+        return Sample(ts + scalars, kwargs, f"batch {n}")
+
+    return make
+
+
+def _rms_norm_samples(device, dtype, requires_grad):
+    def w(n, wdtype=dtype):
+        return (torch.rand(n, device=device, dtype=wdtype) + 0.5).requires_grad_(requires_grad)
+
+    out = []
+    for shape, layout, with_w in [((5, 7), "contiguous", True), ((3, 4, 40), "contiguous", True),
+                                  ((2, 1031), "contiguous", False), ((9,), "contiguous", True),
+                                  ((6, 5), "transposed", True), ((4, 6), "strided", True),
+                                  ((0, 3), "contiguous", True), ((1, 64), "contiguous", True)]:
+        x = _rand(shape, device, dtype, requires_grad, layout=layout)
+        out.append(Sample((x, w(shape[-1]) if with_w else None, 1e-5), {}, f"{layout} {list(shape)}"
+                          + ("" if with_w else " no weight")))
+    if dtype in (torch.float16, torch.bfloat16):  # mixed precision: a float32 weight, read as it is
+        out.append(Sample((_rand((6, 40), device, dtype, requires_grad), w(40, torch.float32), 1e-5), {},
+                          "contiguous [6, 40] float32 weight"))
+    return out
+
+
+def _rms_norm_batch(device, dtype, n):
+    return Sample((torch.randn(n, 16, device=device, dtype=dtype), torch.rand(16, device=device, dtype=dtype) + 0.5,
+                   1e-6), {}, f"batch {n}")
+
+
+def _add_rms_norm_samples(device, dtype, requires_grad):
+    """rms_norm's samples with a residual of x's shape and layout (its rounding: the sum is
+    rounded to the dtype before it is normalized, as the reference's inputs are)."""
+    out = []
+    for s in _rms_norm_samples(device, dtype, requires_grad):
+        x = s.args[0]
+        layout = s.desc.split()[0]
+        res = _rand(tuple(x.shape), device, dtype, requires_grad, layout=layout if layout in ("transposed", "strided")
+                    else "contiguous")
+        out.append(Sample((x, res) + s.args[1:], {}, s.desc))
+    return out
+
+
+def _add_rms_norm_batch(device, dtype, n):
+    s = _rms_norm_batch(device, dtype, n)
+    return Sample((s.args[0], torch.randn(n, 16, device=device, dtype=dtype)) + s.args[1:], {}, s.desc)
+
+
+def _rope_samples(device, dtype, requires_grad):
+    """q and k in every layout (views of one fused qkv projection among them), cos and sin of
+    each accepted shape, both pairings, partial rotary, empty."""
+
+    def angles(*shape):
+        theta = torch.randn(shape, device=device, dtype=torch.float64)
+        return theta.cos().to(dtype), theta.sin().to(dtype)
+
+    def qk(b, hq, hkv, s, d, layout):
+        if layout == "strided":  # q and k as views of qkv [B, S, Hq + 2 * Hkv, D]
+            qkv = torch.randn(b, s, hq + 2 * hkv, d, device=device, dtype=dtype).transpose(1, 2)
+            q, k = qkv[:, :hq], qkv[:, hq:hq + hkv]
+        else:
+            q, k = _rand((b, hq, s, d), device, dtype, layout=layout), _rand((b, hkv, s, d), device, dtype, layout=layout)
+        return q.detach().requires_grad_(requires_grad), k.detach().requires_grad_(requires_grad)
+
+    out = []
+    for (b, hq, hkv, s, d), layout, cs_shape, interleaved in [
+        ((2, 4, 2, 5, 8), "contiguous", (5, 8), False),
+        ((2, 4, 2, 5, 8), "contiguous", (2, 5, 8), True),
+        ((2, 3, 1, 5, 10), "contiguous", (1, 5, 6), False),  # partial rotary: 6 of 10 dims
+        ((1, 2, 2, 3, 64), "contiguous", (3, 64), False),  # vector-width rows
+        ((2, 4, 2, 3, 8), "transposed", (3, 8), False),
+        ((2, 4, 2, 5, 8), "strided", (2, 5, 8), False),
+        ((2, 4, 2, 5, 12), "strided", (5, 8), True),
+        ((2, 4, 2, 0, 8), "contiguous", (0, 8), False),
+    ]:
+        q, k = qk(b, hq, hkv, s, d, layout)
+        out.append(Sample((q, k, *angles(*cs_shape), interleaved), {},
+                          f"{layout} q {list(q.shape)} k {list(k.shape)} cos {list(cs_shape)}"
+                          + (" interleaved" if interleaved else "")))
+    return out
+
+
+def _rope_batch(device, dtype, n):
+    # Heads and positions unlike any batch size the checks use (a size equal to the batch would be
+    # specialized with it by torch.compile's duck sizing).
+    theta = torch.randn(6, 8, device=device, dtype=torch.float64)
+    return Sample((torch.randn(n, 4, 6, 8, device=device, dtype=dtype), torch.randn(n, 1, 6, 8, device=device, dtype=dtype),
+                   theta.cos().to(dtype), theta.sin().to(dtype), False), {}, f"batch {n}")
+
+
+def _targets(shape, v, device, ignore_index=-100, every=3):
+    t = torch.randint(0, v, shape, device=device)
+    t.view(-1)[::every] = ignore_index  # some rows ignored
+    return t
+
+
+def _cross_entropy_samples(device, dtype, requires_grad):
+    out = []
+    for shape, layout, ignore_index, smoothing in [
+        ((6, 11), "contiguous", -100, 0.0),
+        ((3, 4, 40), "contiguous", -100, 0.1),
+        ((2, 1031), "contiguous", 5, 0.0),
+        ((3, 1), "contiguous", -100, 0.0),  # one class
+        ((5, 7), "transposed", -100, 0.2),
+        ((4, 6), "strided", -100, 0.0),
+        ((0, 5), "contiguous", -100, 0.0),
+    ]:
+        logits = _rand(shape, device, dtype, requires_grad, layout=layout)
+        target = _targets(shape[:-1], shape[-1], device, ignore_index)
+        out.append(Sample((logits, target, ignore_index, smoothing), {}, f"{layout} {list(shape)}"
+                          + (f" smoothing {smoothing}" if smoothing else "")))
+    # A masked-out class (-inf logit) off the target: a finite loss, a zero gradient there.
+    logits = torch.randn(4, 9, device=device, dtype=dtype)
+    logits[:, 3] = float("-inf")
+    out.append(Sample((logits.requires_grad_(requires_grad), torch.tensor([0, 8, 1, 5], device=device), -100, 0.0), {},
+                      "contiguous [4, 9] with -inf logits"))
+    return out
+
+
+def _cross_entropy_batch(device, dtype, n):
+    return Sample((torch.randn(n, 16, device=device, dtype=dtype), torch.randint(0, 16, (n,), device=device), -100, 0.0),
+                  {}, f"batch {n}")
+
+
+def _linear_cross_entropy_samples(device, dtype, requires_grad):
+    out = []
+    for (n, h, v), layout, with_bias, ignore_index, smoothing, reduction, tiles in [
+        ((6, 8, 11), "contiguous", False, -100, 0.0, "mean", ()),
+        ((9, 16, 37), "contiguous", True, -100, 0.1, "sum", (4, 16)),  # tiles of 4 rows x 16 classes
+        ((130, 8, 600), "contiguous", False, 3, 0.1, "mean", ()),
+        ((5, 6, 7), "transposed", True, -100, 0.0, "mean", ()),
+        ((4, 6, 9), "strided", False, -100, 0.2, "sum", (None, 4)),
+        ((0, 6, 9), "contiguous", True, -100, 0.0, "sum", ()),
+    ]:
+        hidden = _rand((n, h), device, dtype, requires_grad, layout=layout)
+        weight = (_rand((v, h), device, dtype) * h ** -0.5).requires_grad_(requires_grad)
+        bias = _rand((v,), device, dtype, requires_grad) if with_bias else None
+        out.append(Sample((hidden, weight, _targets((n,), v, device, ignore_index), bias, ignore_index, smoothing,
+                           reduction, *tiles), {}, f"{layout} N={n} H={h} V={v}" + (" bias" if with_bias else "")
+                          + f" {reduction}" + (f" tiles {tiles}" if tiles else "")))
+    return out
+
+
+def _linear_cross_entropy_batch(device, dtype, n):
+    return Sample((torch.randn(n, 8, device=device, dtype=dtype), torch.randn(10, 8, device=device, dtype=dtype) / 3,
+                   torch.randint(0, 10, (n,), device=device), None, -100, 0.0, "mean"), {}, f"batch {n}")
+
+
+def _attention_samples(device, dtype, requires_grad):
+    def qkv(b, hq, hkv, sq, sk, d, layout="contiguous"):
+        def make(h, s):
+            if layout == "transposed":  # [B, S, H, D] memory read as [B, H, S, D]
+                return _rand((b, s, h, d), device, dtype).transpose(1, 2).detach().requires_grad_(requires_grad)
+            return _rand((b, h, s, d), device, dtype, requires_grad, layout=layout)
+        return make(hq, sq), make(hkv, sk), make(hkv, sk)
+
+    out = []
+    for (b, hq, hkv, sq, sk, d), layout, causal, scale in [
+        ((1, 2, 1, 3, 5, 4), "contiguous", False, None),  # small ones first: gradcheck takes three
+        ((2, 2, 2, 4, 4, 3), "contiguous", True, 0.5),
+        ((1, 4, 2, 3, 6, 2), "transposed", True, None),
+        ((2, 4, 2, 9, 13, 8), "contiguous", False, None),
+        # head dims of the fused CUDA kernel (float16 and bfloat16): several blocks, partial ones
+        ((1, 4, 2, 70, 130, 64), "transposed", True, None),
+        ((2, 2, 1, 67, 40, 128), "contiguous", False, 0.3),
+        ((1, 3, 1, 1, 7, 16), "contiguous", True, None),  # decoding one query over a cache
+        ((2, 2, 1, 6, 5, 8), "strided", False, 0.3),
+        ((1, 2, 2, 130, 520, 4), "contiguous", True, None),  # several blocks of rows and keys
+        ((2, 2, 1, 0, 5, 8), "contiguous", True, None),
+    ]:
+        q, k, v = qkv(b, hq, hkv, sq, sk, d, layout)
+        out.append(Sample((q, k, v, causal, scale), {}, f"{layout} q {[b, hq, sq, d]} k {[b, hkv, sk, d]}"
+                          + (" causal" if causal else "") + (f" scale {scale}" if scale else "")))
+    return out
+
+
+def _attention_batch(device, dtype, n):
+    return Sample((torch.randn(n, 2, 5, 8, device=device, dtype=dtype), torch.randn(n, 1, 7, 8, device=device, dtype=dtype),
+                   torch.randn(n, 1, 7, 8, device=device, dtype=dtype), True, None), {}, f"batch {n}")
+
+
+def _merge_attention_samples(device, dtype, requires_grad):
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    out = []
+    for shape, layout in [((2, 3, 5, 8), "contiguous"), ((7, 16), "contiguous"), ((4, 6), "transposed"),
+                          ((3, 2, 10), "strided"), ((0, 4), "contiguous")]:
+        oa, ob = (_rand(shape, device, dtype, requires_grad, layout=layout) for _ in range(2))
+        la, lb = (_rand(shape[:-1], device, lse_dtype, requires_grad) * 3 for _ in range(2))
+        out.append(Sample((oa, la.detach().requires_grad_(requires_grad), ob, lb.detach().requires_grad_(requires_grad)),
+                          {}, f"{layout} {list(shape)}"))
+    return out
+
+
+def _merge_attention_batch(device, dtype, n):
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return Sample((torch.randn(n, 2, 4, 8, device=device, dtype=dtype), torch.randn(n, 2, 4, device=device, dtype=lse_dtype),
+                   torch.randn(n, 2, 4, 8, device=device, dtype=dtype), torch.randn(n, 2, 4, device=device, dtype=lse_dtype)),
+                  {}, f"batch {n}")
+
+
+def _halves_samples(device, dtype, requires_grad):
+    """silu_mul samples, plus gate and up as the two halves of one gate-up tensor."""
+    out = _elementwise_samples(2)(device, dtype, requires_grad)
+    for shape in [(6, 2 * 24), (2, 3, 2 * 17)]:
+        base = torch.randn(shape, device=device, dtype=dtype)
+        gate, up = (h.detach().requires_grad_(requires_grad) for h in base.chunk(2, -1))
+        out.append(Sample((gate, up), {}, f"strided halves of {list(shape)}"))
+    return out
+
+
+def _swiglu_samples(device, dtype, requires_grad):
+    """x of shape [..., 2n] in every layout (n odd too), and an x that is itself a strided view."""
+    out = []
+    for shape, layout in [((5, 14), "contiguous"), ((2 * 1031,), "contiguous"), ((3, 4, 34), "contiguous"),
+                          ((6, 10), "transposed"), ((4, 12), "strided"), ((0, 6), "contiguous"),
+                          ((3, 0), "contiguous")]:
+        out.append(Sample((_rand(shape, device, dtype, requires_grad, layout=layout),), {}, f"{layout} {list(shape)}"))
+    wide = torch.randn(4, 3 * 8, device=device, dtype=dtype)[:, 8:]  # rows of 16 with row stride 24
+    out.append(Sample((wide.detach().requires_grad_(requires_grad),), {}, "strided rows [4, 16] of [4, 24]"))
+    return out
+
+
+def _swiglu_batch(device, dtype, n):
+    return Sample((torch.randn(n, 16, device=device, dtype=dtype),), {}, f"batch {n}")
