@@ -103,10 +103,9 @@ def _print(rows: list[dict], header: str) -> None:
                 console.print(f"[red]{r['op']} / {c}[/]: {why}", markup=True, highlight=False)
 
 
-def main(argv: list[str]) -> int:
-    from .__main__ import COMMANDS
-
-    p = argparse.ArgumentParser(prog="python -m customops", description=__doc__.splitlines()[0], epilog=COMMANDS,
+def main(argv: list[str], epilog: str | None = None) -> int:
+    """The matrix; `epilog` ends its --help (``python -m customops`` gives it every command)."""
+    p = argparse.ArgumentParser(prog="python -m customops", description=__doc__.splitlines()[0], epilog=epilog,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", action="append", choices=["cpu", "cuda"],
                    help="devices to check (default: cpu, and cuda when present)")

@@ -7,7 +7,7 @@ import math
 import pytest
 
 import customops
-from customops import bench_model
+from customops.bench import model as bench_model
 
 pytest.importorskip("transformers")
 

@@ -16,12 +16,17 @@ import argparse
 import gc
 import json
 import statistics
-import time
 from typing import Callable
 
 import torch
+import torch._dynamo
 
 import customops
+
+from .. import _cli
+from .common import DTYPES, pick_device, update_doc, versions
+from .timers import iteration_timer
+
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                 vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
@@ -62,29 +67,6 @@ def _prepare(variant: str) -> Callable[[torch.nn.Module], torch.nn.Module]:
     return prep
 
 
-def _timer(device: str):
-    if device == "cuda":
-        def time_ms(fn, iters):
-            out = []
-            for _ in range(iters):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                out.append(a.elapsed_time(b))
-            return out
-    else:
-        def time_ms(fn, iters):
-            out = []
-            for _ in range(iters):
-                t = time.perf_counter()
-                fn()
-                out.append((time.perf_counter() - t) * 1e3)
-            return out
-    return time_ms
-
-
 def _measure(variant: str, args, cfg_kw: dict) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -97,7 +79,7 @@ def _measure(variant: str, args, cfg_kw: dict) -> dict:
     g = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(dev)
     amp = torch.autocast(dev, dtype=torch.bfloat16, enabled=args.amp)
-    time_ms = _timer(dev)
+    time_ms = iteration_timer(dev)
     losses = []
 
     def train_step():
@@ -171,9 +153,7 @@ def run(args) -> dict:
         if args.device == "cuda":
             torch.cuda.empty_cache()
     rows.sort(key=lambda r: VARIANTS.index(r["variant"]))
-    from .bench import _versions
-
-    meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "versions": _versions(args.device),
+    meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "versions": versions(args.device),
             "config": {**cfg_kw, "batch": args.batch, "seq": args.seq,
                        "dtype": "float32 + autocast bf16" if args.amp else str(args.dtype).removeprefix("torch.")},
             "iters": args.iters}
@@ -334,8 +314,6 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from .bench import DTYPES, update_doc
-
     p = argparse.ArgumentParser(prog="python -m customops bench --model llama",
                                 description="Training step and inference forward of Hugging Face Llama (built from a "
                                             "config, Llama-3.2-1B shapes unless overridden) for eager, customops, "
@@ -359,14 +337,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--section", default="llama", help="the markers --doc writes between (default: llama)")
     p.add_argument("--no-progress", action="store_true", help="no per-variant progress lines")
     args = p.parse_args(argv)
-    from .__main__ import require
-
-    require("python -m customops bench --model llama", {"transformers": "hf"})
-    cuda_ok = torch.cuda.is_available() and customops.build_info()["cuda"]
-    args.device = args.device or ("cuda" if cuda_ok else "cpu")
-    if args.device == "cuda" and not cuda_ok:
-        p.error("--device cuda: " + ("customops was built without CUDA" if torch.cuda.is_available()
-                                     else "no CUDA device is available"))
+    _cli.require("python -m customops bench --model llama", {"transformers": "hf"})
+    args.device = pick_device(p, args.device)
     args.dtype = DTYPES[args.dtype]
     report = run(args)
     report["command"] = "python -m customops bench " + " ".join(argv)
