@@ -2,26 +2,36 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
 from torch.compiler import is_compiling
 
-_ops = torch.ops.customops
 
-# Outside torch.compile and torch.export the wrappers call the C++ callable that
-# OpOverload.__call__ forwards to (``overload._op``): the same dispatcher call, about 0.3 us less
-# per call on tiny tensors. Dynamo cannot trace that builtin, so while compiling they call the
-# OpOverload itself.
-_muladd, _muladd_out, _mul = _ops.muladd.default, _ops.muladd.out, _ops.mul.default
-_rms_norm, _silu, _silu_mul, _swiglu, _scale_clamp = (
-    _ops.rms_norm.default, _ops.silu.default, _ops.silu_mul.default, _ops.swiglu.default, _ops.scale_clamp.default)
-_add_rms_norm, _rope, _cross_entropy, _linear_cross_entropy = (
-    _ops.add_rms_norm.default, _ops.rope.default, _ops.cross_entropy.default, _ops.linear_cross_entropy.default)
-_attention, _merge_attention = _ops.attention.default, _ops.merge_attention.default
-_muladd_c, _mul_c, _rms_norm_c, _silu_c, _silu_mul_c, _swiglu_c, _scale_clamp_c = (
-    o._op for o in (_muladd, _mul, _rms_norm, _silu, _silu_mul, _swiglu, _scale_clamp))
-_add_rms_norm_c, _rope_c, _cross_entropy_c, _linear_cross_entropy_c, _attention_c, _merge_attention_c = (
-    o._op for o in (_add_rms_norm, _rope, _cross_entropy, _linear_cross_entropy, _attention, _merge_attention))
+class _Overloads:
+    """Every overload of the library, read from the dispatcher once, as an attribute named after its
+    op (``mul``: ``torch.ops.customops.mul.default``) or, past the default, op_overload
+    (``muladd_out``). An attribute lookup through torch.ops costs about 0.1 us per call; on a plain
+    object, like this one, a few ns."""
+
+    def __init__(self):
+        for qualname in torch._C._dispatch_get_all_op_names():
+            namespace, _, name = qualname.partition("::")
+            if namespace == "customops":
+                op, _, overload = name.partition(".")
+                setattr(self, name.replace(".", "_"), getattr(getattr(torch.ops.customops, op), overload or "default"))
+
+
+_overloads = _Overloads()
+
+
+def _callable(overload: torch._ops.OpOverload) -> Callable:
+    """What a wrapper calls ``overload`` through. Outside torch.compile and torch.export: the C++
+    callable that OpOverload.__call__ forwards to (``overload._op``), the same dispatcher call,
+    about 0.3 us less per call on tiny tensors. Dynamo cannot trace that builtin, so while
+    compiling: the OpOverload itself."""
+    return overload if is_compiling() else overload._op
 
 
 def muladd(a: Tensor, b: Tensor, c: float, *, out: Tensor | None = None) -> Tensor:
@@ -40,8 +50,8 @@ def muladd(a: Tensor, b: Tensor, c: float, *, out: Tensor | None = None) -> Tens
         and rounded once.
     """
     if out is None:
-        return _muladd(a, b, c) if is_compiling() else _muladd_c(a, b, c)
-    return _muladd_out(a, b, c, out=out)
+        return _callable(_overloads.muladd)(a, b, c)
+    return _callable(_overloads.muladd_out)(a, b, c, out=out)
 
 
 def mul(a: Tensor, b: Tensor) -> Tensor:
@@ -54,7 +64,7 @@ def mul(a: Tensor, b: Tensor) -> Tensor:
     Returns:
         A new contiguous tensor shaped like ``a``.
     """
-    return _mul(a, b) if is_compiling() else _mul_c(a, b)
+    return _callable(_overloads.mul)(a, b)
 
 
 def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
@@ -73,7 +83,7 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, eps: float = 1e-6) -> Tens
         ``x.shape[:-1]``), which its backward reuses; this wrapper drops it. Differentiable in x and
         weight; double backward raises.
     """
-    return (_rms_norm(x, weight, eps) if is_compiling() else _rms_norm_c(x, weight, eps))[0]
+    return _callable(_overloads.rms_norm)(x, weight, eps)[0]
 
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None,
@@ -93,8 +103,7 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor | None = None,
         in x, residual and weight, through y and sum; double backward raises. The op itself,
         ``torch.ops.customops.add_rms_norm``, also returns rstd.
     """
-    y, s, _ = (_add_rms_norm(x, residual, weight, eps) if is_compiling()
-               else _add_rms_norm_c(x, residual, weight, eps))
+    y, s, _ = _callable(_overloads.add_rms_norm)(x, residual, weight, eps)
     return y, s
 
 
@@ -108,7 +117,7 @@ def silu(x: Tensor) -> Tensor:
         A new contiguous tensor shaped like ``x``; half types are computed in float32.
         Differentiable; double backward raises.
     """
-    return _silu(x) if is_compiling() else _silu_c(x)
+    return _callable(_overloads.silu)(x)
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
@@ -126,7 +135,7 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     same and trains faster: autograd turns the gradients of ``x.chunk(2, -1)`` into the gradient of
     ``x`` by concatenating them, one more pass over memory, which swiglu's backward does not need.
     """
-    return _silu_mul(gate, up) if is_compiling() else _silu_mul_c(gate, up)
+    return _callable(_overloads.silu_mul)(gate, up)
 
 
 def swiglu(x: Tensor) -> Tensor:
@@ -141,7 +150,7 @@ def swiglu(x: Tensor) -> Tensor:
         for half types. Differentiable; the backward writes x's gradient in one pass (no
         concatenation of the two halves' gradients); double backward raises.
     """
-    return _swiglu(x) if is_compiling() else _swiglu_c(x)
+    return _callable(_overloads.swiglu)(x)
 
 
 def scale_clamp(x: Tensor, scale: float, lo: float, hi: float) -> Tensor:
@@ -157,7 +166,7 @@ def scale_clamp(x: Tensor, scale: float, lo: float, hi: float) -> Tensor:
         A new contiguous tensor shaped like ``x``. Its gradient is ``grad * scale`` where
         ``lo < x * scale < hi`` and 0 elsewhere; double backward works.
     """
-    return _scale_clamp(x, scale, lo, hi) if is_compiling() else _scale_clamp_c(x, scale, lo, hi)
+    return _callable(_overloads.scale_clamp)(x, scale, lo, hi)
 
 
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = False) -> tuple[Tensor, Tensor]:
@@ -180,7 +189,7 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = 
         sin are not differentiable (they come from positions; passing ones that require grad
         raises).
     """
-    return tuple(_rope(q, k, cos, sin, interleaved) if is_compiling() else _rope_c(q, k, cos, sin, interleaved))
+    return tuple(_callable(_overloads.rope)(q, k, cos, sin, interleaved))
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None,
@@ -206,7 +215,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: f
         through out and lse (the backward reuses lse; ``d lse_i / d s_ij = p_ij``); double
         backward raises. :func:`merge_attention` combines attentions over disjoint key sets.
     """
-    out, lse = (_attention(q, k, v, causal, scale) if is_compiling() else _attention_c(q, k, v, causal, scale))
+    out, lse = _callable(_overloads.attention)(q, k, v, causal, scale)
     return (out, lse) if return_lse else out
 
 
@@ -226,8 +235,7 @@ def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) 
         ``(out, lse)`` in out_a's and lse_a's dtypes; rows empty on both sides (lse -inf) give out
         0 and lse -inf. Differentiable, to any order.
     """
-    out, lse = (_merge_attention(out_a, lse_a, out_b, lse_b) if is_compiling()
-                else _merge_attention_c(out_a, lse_a, out_b, lse_b))
+    out, lse = _callable(_overloads.merge_attention)(out_a, lse_a, out_b, lse_b)
     return out, lse
 
 
@@ -262,8 +270,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, l
         The loss (float32; per row for reduction "none"), or ``(loss, lse)``. The backward reuses
         lse and reads the logits once; double backward raises.
     """
-    loss, lse = (_cross_entropy(logits, target, ignore_index, label_smoothing) if is_compiling()
-                 else _cross_entropy_c(logits, target, ignore_index, label_smoothing))
+    loss, lse = _callable(_overloads.cross_entropy)(logits, target, ignore_index, label_smoothing)
     loss = _reduce(loss, target, ignore_index, reduction)
     return (loss, lse) if return_lse else loss
 
@@ -305,5 +312,5 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     # is, which names it in its error
     h = hidden.flatten(0, -2) if hidden.dim() > 1 else hidden.unsqueeze(0) if hidden.dim() == 1 else hidden
     t = target.reshape(-1)
-    args = (h, weight, t, bias, ignore_index, label_smoothing, reduction, tile_rows, tile_classes)
-    return _linear_cross_entropy(*args) if is_compiling() else _linear_cross_entropy_c(*args)
+    return _callable(_overloads.linear_cross_entropy)(h, weight, t, bias, ignore_index, label_smoothing, reduction,
+                                             tile_rows, tile_classes)

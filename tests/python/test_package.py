@@ -1,6 +1,9 @@
-"""The package around the ops: loading, build info, the torch version check, linking, wrappers."""
+"""The package around the ops: loading, build info, the torch version check, linking, wrappers,
+the op table's coverage, and the Python package's own shape (cheap import, no import cycle)."""
 
+import ast
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -10,6 +13,13 @@ import pytest
 import torch
 
 import customops
+from customops import testing
+
+
+def _library_ops() -> set[str]:
+    """The public overloads of the library ("mul", "muladd.out", ...), read from the dispatcher."""
+    return {n.removeprefix("customops::") for n in torch._C._dispatch_get_all_op_names()
+            if n.startswith("customops::") and not n.startswith("customops::_")}
 
 
 def test_library_path_is_the_loaded_library():
@@ -58,10 +68,17 @@ def test_cmake_prefix_path_has_the_package_config():
 
 
 def test_wrappers_are_documented_and_exported():
-    for name in ["muladd", "mul", "rms_norm", "silu", "silu_mul", "scale_clamp"]:
+    names = {op.partition(".")[0] for op in _library_ops()}
+    assert "muladd" in names
+    for name in sorted(names):
         fn = getattr(customops, name)
         assert name in customops.__all__
         assert fn.__doc__ and "Returns" in fn.__doc__, name
+
+
+def test_op_table_has_a_row_per_op():
+    # every overload of the library gets every check (the tests and the matrix loop over the table)
+    assert {info.name for info in testing.OPS} == _library_ops()
 
 
 def test_wrappers_match_torch_ops():
@@ -91,3 +108,78 @@ def test_torch_version_mismatch_is_a_clear_import_error():
     msg = out.stdout
     assert "0.0.1+other" in msg and customops.build_info()["torch_version"] in msg
     assert "pip install --no-build-isolation" in msg
+
+
+def test_import_leaves_the_commands_and_the_op_table_alone():
+    # import customops stays cheap: the CLI, benchmarks, support matrix and op table load on use
+    code = "import sys, customops; print(' '.join(sorted(m for m in sys.modules if m.startswith('customops'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd="/")
+    loaded = set(out.stdout.split())
+    assert "customops._ops" in loaded
+    assert not loaded & {"customops.__main__", "customops._cli", "customops.bench", "customops.matrix",
+                         "customops.testing", "customops.compile"}, loaded
+
+
+def _runtime_nodes(node):
+    """node and what it holds, but not the body of an `if TYPE_CHECKING:` (never run)."""
+    yield node
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            for grandchild in child.orelse:
+                yield from _runtime_nodes(grandchild)
+        else:
+            yield from _runtime_nodes(child)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each Python module of the customops package -> the package's modules it imports anywhere
+    (lazy imports in functions included) or names as a dotted string (tables of modules to import)."""
+    files, modules = {}, set()
+    for location in map(pathlib.Path, customops.__path__):  # the source tree and, if editable, the install
+        for path in location.rglob("*"):
+            if path.suffix in (".py", ".so"):
+                parts = (location.name, *path.relative_to(location).parts)
+                parts = (*parts[:-1], parts[-1].split(".")[0])
+                name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+                modules.add(name)
+                if path.suffix == ".py":
+                    files.setdefault(name, path)
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parent = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(parent + ([node.module] if node.module else []))
+                # `from P import m` of a submodule m imports m (P, its parent, is loaded before m)
+                targets |= {f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names}
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value:
+                targets.add(node.value)
+        graph[name] = {t for t in targets if t in files and t != name}
+    return graph
+
+
+def test_no_import_cycle_in_customops():
+    graph = _import_graph()
+    assert graph["customops.__main__"] >= {"customops.matrix", "customops.bench"}  # the command table is seen
+    state, path = {}, []
+
+    def visit(module):
+        state[module] = "open"
+        path.append(module)
+        for dep in sorted(graph[module]):
+            if state.get(dep) == "open":
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(dep):] + [dep]))
+            if dep not in state:
+                visit(dep)
+        path.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
