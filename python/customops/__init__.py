@@ -33,6 +33,9 @@ from . import export  # noqa: E402
 from .hf import optimize  # noqa: E402
 from ._ops import (add_rms_norm, attention, cross_entropy, linear_cross_entropy, merge_attention, mul,  # noqa: E402
                    muladd, rms_norm, rope, scale_clamp, silu, silu_mul, swiglu)
+from .distributed import _when_dtensor_loads  # noqa: E402
+
+_when_dtensor_loads()  # DTensor sharding rules, registered when torch.distributed.tensor loads
 
 __version__ = _build_info.version
 

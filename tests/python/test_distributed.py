@@ -1,0 +1,173 @@
+"""customops ops on DTensors: every sharding rule against the single-device op, forward and
+backward, on a 2-rank mesh and a 2x2 mesh (gloo, CPU processes; NCCL on the GPU machine where a
+multi-GPU kind is lent). Each mesh runs all its cases in one set of processes (starting one costs
+seconds); a failing case names itself and its placements."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
+def _cases():
+    """(name, fn, inputs, placements per input on each mesh dim, differentiable inputs). A case
+    whose name says "redistributed" has no rule for its placements: DTensor redistributes and the
+    result must still be right; every other case must keep its first input's placement on its
+    outputs (its rule applied, nothing gathered)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    import customops
+
+    R, S = Replicate(), Shard
+    g = torch.Generator().manual_seed(0)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+    x, y = r(4, 6, 8), r(4, 6, 8)
+    q, k, v = r(4, 8, 6, 8), r(4, 4, 6, 8), r(4, 4, 6, 8)  # B and Hkv shard over the 2x2 mesh too
+    cos, sin = r(6, 8), r(6, 8)
+    q3, k3, v3 = r(2, 6, 4, 8), r(2, 3, 4, 8), r(2, 3, 4, 8)  # 3 key/value heads: not on 2 ranks
+    logits, target = r(8, 10), torch.randint(0, 10, (8,), generator=g)
+    w = r(8)
+    out = []
+    for d in (0, 1):
+        out += [
+            (f"muladd Shard({d})", lambda a, b: customops.muladd(a, b, 0.5), (x, y), (S(d), S(d)), (0, 1)),
+            (f"mul Shard({d})", customops.mul, (x, y), (S(d), S(d)), (0, 1)),
+            (f"silu Shard({d})", customops.silu, (x,), (S(d),), (0,)),
+            (f"silu_mul Shard({d})", customops.silu_mul, (x, y), (S(d), S(d)), (0, 1)),
+            (f"swiglu Shard({d})", customops.swiglu, (x,), (S(d),), (0,)),
+            (f"scale_clamp Shard({d})", lambda a: customops.scale_clamp(a, 2.0, -1.0, 1.0), (x,), (S(d),), (0,)),
+            (f"rms_norm Shard({d})", lambda a, b: customops.rms_norm(a, b), (x, w), (S(d), R), (0, 1)),
+            (f"rms_norm no weight Shard({d})", customops.rms_norm, (x,), (S(d),), (0,)),
+            (f"add_rms_norm Shard({d})", lambda a, b, c: customops.add_rms_norm(a, b, c), (x, y, w), (S(d), S(d), R),
+             (0, 1, 2)),
+            (f"attention Shard({d})", lambda a, b, c: customops.attention(a, b, c, causal=True, return_lse=True),
+             (q, k, v), (S(d), S(d), S(d)), (0, 1, 2)),
+        ]
+    out += [
+        ("mul Shard(2)", customops.mul, (x, y), (S(2), S(2)), (0, 1)),
+        ("rms_norm frozen weight", lambda a, b: customops.rms_norm(a, b), (x, w), (S(0), R), (0,)),
+        ("add_rms_norm frozen weight, sum unused", lambda a, b, c: customops.add_rms_norm(a, b, c)[0], (x, y, w),
+         (S(1), S(1), R), (0, 1)),
+        ("swiglu last dim (redistributed)", customops.swiglu, (x,), (S(2),), (0,)),
+        ("rms_norm last dim (redistributed)", lambda a, b: customops.rms_norm(a, b), (x, w), (S(2), R), (0, 1)),
+        ("rope batch", lambda a, b, c, s: customops.rope(a, b, c, s), (q, k, cos, sin), (S(0), S(0), R, R), (0, 1)),
+        ("rope heads", lambda a, b, c, s: customops.rope(a, b, c, s), (q, k, cos, sin), (S(1), S(1), R, R), (0, 1)),
+        ("rope sequence", lambda a, b, c, s: customops.rope(a, b, c, s), (q, k, cos, sin), (S(2), S(2), S(0), S(0)),
+         (0, 1)),
+        ("cross_entropy rows", lambda a, t: customops.cross_entropy(a, t, reduction="none"), (logits, target),
+         (S(0), S(0)), (0,)),
+        ("cross_entropy classes (redistributed)", lambda a, t: customops.cross_entropy(a, t, reduction="none"),
+         (logits, target), (S(1), S(0)), (0,)),
+        ("attention sequence (redistributed)", lambda a, b, c: customops.attention(a, b, c, return_lse=True),
+         (q, k, v), (S(2), S(2), S(2)), (0, 1, 2)),
+        ("attention heads that do not divide (redistributed)",
+         lambda a, b, c: customops.attention(a, b, c, causal=True, return_lse=True), (q3, k3, v3), (S(1), S(1), S(1)),
+         (0, 1, 2)),
+        ("rope batch-wise cos", lambda a, b, c, s: customops.rope(a, b, c, s), (q, k, r(4, 6, 8), r(4, 6, 8)),
+         (S(0), S(0), S(0), S(0)), (0, 1)),
+        ("merge_attention heads",
+         lambda a, la, b, lb: customops.merge_attention(a, la, b, lb),
+         (q, r(4, 8, 6), r(4, 8, 6, 8), r(4, 8, 6)), (S(1), S(1), S(1), S(1)), (0, 1, 2, 3)),
+    ]
+    return out
+
+
+def _outputs(o):
+    return list(o) if isinstance(o, (tuple, list)) else [o]
+
+
+def _worker(rank: int, world: int, store: str, mesh_shape: tuple, errors: str):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    # a rank that fails inside a collective leaves the others waiting: a minute, not gloo's 30
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
+
+        mesh = init_device_mesh("cpu", mesh_shape)
+        failures = []
+        for name, fn, inputs, placements, diff in _cases():
+            if os.environ.get("DBG"):
+                print(rank, name, flush=True)
+            try:
+                want = _outputs(fn(*inputs))
+                ref_in = [t.clone().requires_grad_(i in diff) for i, t in enumerate(inputs)]
+                ref_out = _outputs(fn(*ref_in))
+                gen = torch.Generator().manual_seed(1)  # the same upstream gradients on every rank
+                grads = [torch.randn(o.shape, generator=gen, dtype=o.dtype) if o.is_floating_point() else None
+                         for o in ref_out]
+                ref_loss = sum((o * gr).sum() for o, gr in zip(ref_out, grads) if gr is not None)
+                ref_grads = torch.autograd.grad(ref_loss, [ref_in[i] for i in diff])
+
+                # The same placement on every mesh dim (Shard(d) twice shards d over the whole
+                # mesh). Every collective runs before any comparison, so a failing comparison on
+                # one rank leaves the ranks in step.
+                dt_in = [distribute_tensor(t, mesh, [p] * mesh.ndim).requires_grad_(i in diff)
+                         for i, (t, p) in enumerate(zip(inputs, placements))]
+                got = _outputs(fn(*dt_in))
+                kinds = [type(o).__name__ for o in got]
+                placed = [tuple(o.placements) for o in got if kinds == ["DTensor"] * len(got)]
+                dt_grads = [None if gr is None else distribute_tensor(gr, mesh, [Replicate()] * mesh.ndim)
+                            for gr in grads]
+                loss = sum((o * gr).sum() for o, gr in zip(got, dt_grads) if gr is not None)
+                got_grads = [a.full_tensor() for a in torch.autograd.grad(loss, [dt_in[i] for i in diff])]
+                got = [o.full_tensor() for o in got]
+                assert all(k == "DTensor" for k in kinds), f"outputs {kinds}"
+                if "redistributed" not in name:
+                    want_placed = (placements[0],) * mesh.ndim
+                    assert all(p == want_placed for p in placed), f"outputs placed {placed}, not {want_placed}"
+                for a, b in zip(got, want):
+                    torch.testing.assert_close(a, b)
+                for i, a, b in zip(diff, got_grads, ref_grads):
+                    torch.testing.assert_close(a, b, msg=lambda m, i=i: f"grad of input {i}: {m}")
+            except Exception:
+                failures.append(f"{name} on mesh {mesh_shape}: {traceback.format_exc(limit=-3)}")
+        if failures:
+            with open(f"{errors}.{rank}", "w") as f:
+                f.write("\n".join(failures))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(mesh_shape: tuple, tmp_path):
+    world = 1
+    for s in mesh_shape:
+        world *= s
+    errors = tmp_path / "errors"
+    mp.start_processes(_worker, args=(world, str(tmp_path / "store"), mesh_shape, str(errors)), nprocs=world,
+                       start_method="spawn")
+    found = sorted(tmp_path.glob("errors.*"))
+    if found:
+        pytest.fail("\n".join(f"rank {f.suffix[1:]}: {f.read_text()}" for f in found), pytrace=False)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["2-ranks", "2x2-mesh"])
+def test_every_rule_matches_the_single_device_op(mesh_shape, tmp_path):
+    _run(mesh_shape, tmp_path)
+
+
+def test_import_customops_leaves_dtensor_unloaded_and_registers_on_its_import():
+    code = ("import sys, customops; assert 'torch.distributed.tensor' not in sys.modules; "
+            "import torch.distributed.tensor; "
+            "from torch.distributed.tensor import DTensor; import torch; "
+            "op = torch.ops.customops.rms_norm.default; "
+            "assert op in DTensor._op_dispatcher.sharding_propagator.op_strategy_funcs, 'no rule'")
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
