@@ -115,12 +115,24 @@ def _decoder_layer_forward(self, hidden_states, attention_mask=None, position_id
                                       position_ids=position_ids, use_cache=use_cache,
                                       position_embeddings=position_embeddings, **kwargs)
     norm = self.post_attention_layernorm
-    if hidden_states.dtype == residual.dtype == norm.weight.dtype:
+    if hidden_states.dtype == residual.dtype == norm.weight.dtype and _called_plainly(norm):
         normed, hidden_states = add_rms_norm(hidden_states, residual, norm.weight, norm.variance_epsilon)
     else:
         hidden_states = residual + hidden_states
         normed = norm(hidden_states)
     return hidden_states + self.mlp(normed)
+
+
+def _called_plainly(module: nn.Module) -> bool:
+    """Whether a fused forward may compute past ``module`` (read its weight instead of calling it):
+    only when calling it would do nothing more. Forward hooks (DTensor's parallelize_module puts
+    its layout changes there: SequenceParallel on a norm, ColwiseParallel on the LM head, and
+    FSDP2 its all-gathers) or a weight of a tensor subclass (a DTensor) mean the module is called
+    as Hugging Face calls it."""
+    if module._forward_pre_hooks or module._forward_hooks or nn.modules.module._global_forward_hooks \
+            or nn.modules.module._global_forward_pre_hooks:
+        return False
+    return type(getattr(module, "weight", None)) in (nn.Parameter, torch.Tensor, type(None))
 
 
 def _rope_for(original):
@@ -163,7 +175,7 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     # with Liger-Kernel). Otherwise Hugging Face's forward runs. As there, shift_labels (labels
     # already shifted) is read only beside labels: alone it gives no loss. The cache stays in
     # kwargs under whichever name the caller used; self.model takes either.
-    if not (self.training and labels is not None):
+    if not (self.training and labels is not None and _called_plainly(self.lm_head)):
         return super(type(self), self).forward(input_ids=input_ids, attention_mask=attention_mask,
                                                position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels,
                                                use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)

@@ -180,6 +180,20 @@ def test_optimize_float32_model_under_autocast():
     assert_same_step(got, want, torch.bfloat16)
 
 
+def test_optimize_calls_the_norms_and_lm_head_that_have_hooks():
+    # Fused forwards compute past post_attention_layernorm and lm_head; hooks on them (a user's, or
+    # the ones DTensor's parallelize_module installs) must still run, so they are called instead.
+    m = model().train()
+    ref = copy.deepcopy(m)
+    ids = torch.randint(0, 256, (2, 16))
+    customops.optimize(m)
+    for mm in (m, ref):
+        for layer in mm.model.layers:
+            layer.post_attention_layernorm.register_forward_hook(lambda mod, args, out: out * 2)
+        mm.lm_head.register_forward_pre_hook(lambda mod, args: (args[0] / 2,))
+    assert_same_step(step(m, ids), step(ref, ids), torch.float32)
+
+
 @pytest.mark.parametrize("family", ["Llama", "Qwen3"])
 def test_optimize_generates_like_eager_with_a_kv_cache(family):
     # Decoding reads and fills the model's KV cache through the swapped decoder layers and
