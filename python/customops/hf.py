@@ -84,7 +84,7 @@ class _Swapped:
 
 def _rms_norm_forward(self, hidden_states):
     if hidden_states.dtype != self.weight.dtype:  # Hugging Face promotes; keep its arithmetic
-        return super(type(self), self).forward(hidden_states)
+        return self._customops_base.forward(self, hidden_states)
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
@@ -176,9 +176,9 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     # already shifted) is read only beside labels: alone it gives no loss. The cache stays in
     # kwargs under whichever name the caller used; self.model takes either.
     if not (self.training and labels is not None and _called_plainly(self.lm_head)):
-        return super(type(self), self).forward(input_ids=input_ids, attention_mask=attention_mask,
-                                               position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels,
-                                               use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+        return self._customops_base.forward(self, input_ids=input_ids, attention_mask=attention_mask,
+                                            position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels,
+                                            use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     shift_labels = kwargs.pop("shift_labels", None)
@@ -212,7 +212,10 @@ def _subclass(cls: type, forward) -> type:
     existing = getattr(sys.modules[__name__], name, None)
     if isinstance(existing, type) and existing.__mro__[1] is cls:
         return existing
-    sub = type(name, (cls, _Swapped), {"forward": forward, "__module__": __name__, "__qualname__": name})
+    # _customops_base: the class swapped out, whose forward a swapped one falls back on. Not
+    # super(type(self), self): FSDP2's fully_shard subclasses the module's class again.
+    sub = type(name, (cls, _Swapped), {"forward": forward, "_customops_base": cls, "__module__": __name__,
+                                       "__qualname__": name})
     setattr(sys.modules[__name__], name, sub)
     return sub
 
@@ -371,7 +374,7 @@ def optimize(model: nn.Module) -> tuple[nn.Module, Summary]:
     modules = sorted(model.modules(), key=lambda m: not type(m).__name__.endswith("RMSNorm"))
     for m in modules:
         if isinstance(m, _Swapped):
-            kind = next(k for k in _KIND_TEXT if type(m).__mro__[1].__name__.endswith(k))
+            kind = next(k for k in _KIND_TEXT if m._customops_base.__name__.endswith(k))
             summary.already[_KIND_TEXT[kind]] += 1
             continue
         plan = _plan(m, summary, warned)
