@@ -171,3 +171,126 @@ def test_import_customops_leaves_dtensor_unloaded_and_registers_on_its_import():
 
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+# ---- customops.optimize on a Hugging Face Llama under FSDP2 and tensor + sequence parallelism ----
+
+def _llama():
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=2, vocab_size=256, attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def _tensor_and_sequence_parallel(model, mesh):
+    """torchtitan's Llama plan on Hugging Face's module names: column/row-parallel projections,
+    SequenceParallel norms, the residual stream sharded on the sequence (kept as DTensors: Hugging
+    Face reads the sequence length and positions off it), logits replicated."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    parallelize_module(model, mesh, {
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
+        "model.norm": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh, {
+            "input_layernorm": SequenceParallel(),
+            "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                            desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            "self_attn.q_proj": ColwiseParallel(),
+            "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(),
+            "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+            "post_attention_layernorm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        })
+
+
+def _fsdp(model, mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _model_worker(rank: int, world: int, store: str, plan: str, compiled: bool, errors: str):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        from torch.distributed.tensor import DTensor, init_device_mesh
+
+        import customops
+
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+        ref = _llama()
+        ref_loss = ref(ids, labels=ids).loss
+        ref_loss.backward()
+
+        model, summary = customops.optimize(_llama())
+        assert summary.replaced["RMSNorm -> rms_norm"] == 5, summary
+        dp = None  # the data-parallel group: a sequence per rank of it, gradients averaged
+        if plan == "fsdp2":
+            dp = init_device_mesh("cpu", (world,))
+        elif plan == "tensor+sequence":
+            _tensor_and_sequence_parallel(model, init_device_mesh("cpu", (world,)))
+        else:  # 2-D: FSDP2 across "dp", tensor + sequence parallel within "tp", as torchtitan composes them
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+            _tensor_and_sequence_parallel(model, mesh["tp"])
+            dp = mesh["dp"]
+        if compiled:
+            for layer in model.model.layers:
+                layer.compile()
+        if dp is not None:
+            _fsdp(model, dp)
+        mine = ids if dp is None else ids[dp.get_local_rank():dp.get_local_rank() + 1]
+        loss = model(mine, labels=mine).loss
+        loss.backward()
+        loss = loss.detach()
+        if dp is not None:
+            dist.all_reduce(loss, group=dp.get_group())
+            loss /= dp.size()
+        grads = {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) for n, p in model.named_parameters()}
+        failures = []
+        try:
+            torch.testing.assert_close(loss, ref_loss.detach(), atol=1e-5, rtol=1e-4)
+        except AssertionError as e:
+            failures.append(f"loss: {e}")
+        for n, p in ref.named_parameters():
+            try:
+                torch.testing.assert_close(grads[n], p.grad, atol=1e-5, rtol=1e-4)
+            except AssertionError as e:
+                failures.append(f"grad of {n}: {e}")
+        if failures:
+            with open(f"{errors}.{rank}", "w") as f:
+                f.write(f"{plan}: " + "\n".join(failures))
+        dist.barrier()
+    except Exception:
+        with open(f"{errors}.{rank}", "w") as f:
+            f.write(f"{plan}: {traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled-layers"])
+@pytest.mark.parametrize("plan,world", [("fsdp2", 2), ("tensor+sequence", 2), ("2-D", 4)])
+def test_optimized_llama_trains_like_one_device(plan, world, compiled, tmp_path):
+    pytest.importorskip("transformers")
+    errors = tmp_path / "errors"
+    try:
+        mp.start_processes(_model_worker, args=(world, str(tmp_path / "store"), plan, compiled, str(errors)),
+                           nprocs=world, start_method="spawn")
+    finally:
+        found = sorted(tmp_path.glob("errors.*"))
+        if found:
+            pytest.fail("\n".join(f"rank {f.suffix[1:]}: {f.read_text()}" for f in found), pytrace=False)
