@@ -101,8 +101,6 @@ def _worker(rank: int, world: int, store: str, mesh_shape: tuple, errors: str):
         mesh = init_device_mesh("cpu", mesh_shape)
         failures = []
         for name, fn, inputs, placements, diff in _cases():
-            if os.environ.get("DBG"):
-                print(rank, name, flush=True)
             try:
                 want = _outputs(fn(*inputs))
                 ref_in = [t.clone().requires_grad_(i in diff) for i, t in enumerate(inputs)]

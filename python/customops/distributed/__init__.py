@@ -19,9 +19,7 @@ _DTENSOR = "torch.distributed.tensor"
 def register_sharding_rules() -> None:
     """Registers the DTensor sharding rules of every customops op (idempotent). Imports
     ``torch.distributed.tensor``."""
-    from . import sharding
-
-    sharding.register()
+    from . import sharding  # noqa: F401  (importing it registers them)
 
 
 def _register_quietly() -> None:

@@ -20,6 +20,8 @@ the arguments', None where an argument is not a tensor (or is None).
 
 merge_attention is composite (its pointwise ATen ops have DTensor's own rules).
 linear_cross_entropy has no rule yet: DTensor raises its own error for it.
+
+Importing this module registers the rules (once: Python imports a module once).
 """
 
 from __future__ import annotations
@@ -32,9 +34,6 @@ from torch.distributed.tensor.experimental import register_sharding
 
 _ops = torch.ops.customops
 R, P = Replicate(), Partial()
-
-_registered = False
-
 
 def _spec_or_none(x, placement):
     """placement for a tensor argument, None for an absent one."""
@@ -151,8 +150,9 @@ def _add_rms_norm_backward(grad_y, grad_sum, sum_, weight, rstd, output_mask):
 
 # ---- rope --------------------------------------------------------------------------------------
 
-def _rope_strategies(a, b, cos, n_extra: int, linear: bool):
-    """q/k-like a and b [B, H, S, D] with cos and sin [S, R] or [B, S, R]: batch, heads or sequence."""
+def _rope_strategies(cos, n_extra: int, linear: bool):
+    """q and k (or their gradients) [B, H, S, D] with cos and sin [S, R] or [B, S, R]: sharded on
+    batch, heads or sequence."""
     cos_batch = cos.ndim == 3 and cos.shape[0] != 1
     none = [None] * n_extra
     out = [([R, R], [R, R, R, R] + none)]
@@ -166,12 +166,12 @@ def _rope_strategies(a, b, cos, n_extra: int, linear: bool):
 
 @register_sharding(_ops.rope.default)
 def _rope(q, k, cos, sin, interleaved=False):
-    return _rope_strategies(q, k, cos, 1, linear=False)
+    return _rope_strategies(cos, 1, linear=False)
 
 
 @register_sharding(_ops._rope_backward.default)
 def _rope_backward(grad_q, grad_k, cos, sin, interleaved):
-    return _rope_strategies(grad_q, grad_k, cos, 1, linear=True)
+    return _rope_strategies(cos, 1, linear=True)
 
 
 # ---- cross_entropy -----------------------------------------------------------------------------
@@ -220,9 +220,3 @@ def _attention_backward(grad_out, grad_lse, q, k, v, out_, lse, causal, scale):
     if _heads_divide(k):
         out.append(([Shard(1)] * 3, args(Shard(1))))
     return out
-
-
-def register() -> None:
-    """The rules are registered when this module is imported; this marks it done (idempotent)."""
-    global _registered
-    _registered = True
