@@ -292,3 +292,76 @@ def test_optimized_llama_trains_like_one_device(plan, world, compiled, tmp_path)
         found = sorted(tmp_path.glob("errors.*"))
         if found:
             pytest.fail("\n".join(f"rank {f.suffix[1:]}: {f.read_text()}" for f in found), pytrace=False)
+
+
+# ---- ring attention ----------------------------------------------------------------------------
+
+def _ring_worker(rank: int, world: int, store: str, errors: str):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        import customops
+        from customops.distributed import gather_sequence, ring_attention, shard_sequence
+
+        g = torch.Generator().manual_seed(0)
+        failures = []
+        # (causal, seq_dim, dtype, Hq, Hkv, tolerance against float64's result on the whole sequence)
+        cases = [(causal, 2, torch.float64, 4, 2, None) for causal in (False, True)]
+        cases += [(True, 1, torch.float64, 2, 2, None), (True, 2, torch.float32, 4, 1, dict(atol=1e-5, rtol=1e-4)),
+                  (True, 2, torch.bfloat16, 4, 2, dict(atol=2e-2, rtol=2e-2))]
+        for causal, seq_dim, dtype, hq, hkv, tol in cases:
+            name = f"causal={causal} seq_dim={seq_dim} {dtype} Hq={hq} Hkv={hkv} on {world} ranks"
+            try:
+                s = 4 * world  # 2 chunks of 2 rows a rank with causal
+                shape = (lambda h: (2, h, s, 8)) if seq_dim == 2 else (lambda h: (2, s, h, 8))
+                q, k, v = (torch.randn(shape(h), generator=g, dtype=torch.float64) for h in (hq, hkv, hkv))
+                grad_out = torch.randn(q.shape, generator=g, dtype=torch.float64)
+                grad_lse = torch.randn(q.shape[:3], generator=g, dtype=torch.float64)
+                ref = [t.clone().requires_grad_() for t in (q, k, v)]
+                as_bhsd = (lambda t: t) if seq_dim == 2 else (lambda t: t.transpose(1, 2))
+                o, lse = customops.attention(*(as_bhsd(t) for t in ref), causal=causal, return_lse=True)
+                o, lse = as_bhsd(o), as_bhsd(lse)
+                ((o * grad_out).sum() + (lse * grad_lse).sum()).backward()
+
+                def mine(t):
+                    return shard_sequence(t, causal=causal, seq_dim=seq_dim)
+
+                local = [mine(t).to(dtype).requires_grad_() for t in (q, k, v)]
+                lo, llse = ring_attention(*local, causal=causal, seq_dim=seq_dim)
+                ((lo.double() * mine(grad_out)).sum() + (llse.double() * mine(grad_lse)).sum()).backward()
+                got = [gather_sequence(t.detach().double(), causal=causal, seq_dim=seq_dim)
+                       for t in (lo, llse, *(t.grad for t in local))]
+                for what, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, (o, lse, *(t.grad for t in ref))):
+                    torch.testing.assert_close(a, b.detach(), **(tol or {}), msg=lambda m, w=what: f"{w}: {m}")
+            except Exception:
+                failures.append(f"{name}: {traceback.format_exc(limit=-3)}")
+        if failures:
+            with open(f"{errors}.{rank}", "w") as f:
+                f.write("\n".join(failures))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_attention_matches_attention_on_the_whole_sequence(world, tmp_path):
+    """Forward (out and lse) and backward (through both) against attention on the gathered
+    sequence: causal (load-balanced layout) and not, grouped-query heads, [B, S, H, D] layout,
+    float32 and bfloat16 shards. Three ranks see shards from both a lower and a higher rank."""
+    mp.start_processes(_ring_worker, args=(world, str(tmp_path / "store"), str(tmp_path / "errors")), nprocs=world,
+                       start_method="spawn")
+    found = sorted(tmp_path.glob("errors.*"))
+    if found:
+        pytest.fail("\n".join(f"rank {f.suffix[1:]}: {f.read_text()}" for f in found), pytrace=False)
+
+
+def test_ring_attention_says_what_is_wrong():
+    import customops.distributed as cd
+
+    q = torch.randn(1, 2, 3, 8)
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="ring_attention: torch.distributed is not initialized"):
+            cd.ring_attention(q, q, q)
+    with pytest.raises(ValueError, match="seq_dim must be 2"):
+        cd.ring_attention(q, q, q, seq_dim=3)

@@ -1,4 +1,5 @@
-"""customops past one device: DTensor sharding rules for customops' ops (:mod:`.sharding`).
+"""customops past one device: DTensor sharding rules for customops' ops (:mod:`.sharding`) and
+ring attention over a sequence sharded across ranks (:mod:`.ring`).
 
 DTensor finds a sharding strategy for every op it runs; customops' are registered in
 :mod:`.sharding` once ``torch.distributed.tensor`` is imported (by the user, torch or anyone), so
@@ -12,6 +13,8 @@ import importlib.abc
 import importlib.util
 import sys
 import warnings
+
+from .ring import gather_sequence, ring_attention, shard_sequence
 
 _DTENSOR = "torch.distributed.tensor"
 
@@ -65,4 +68,4 @@ def _when_dtensor_loads() -> None:
         sys.meta_path.insert(0, _AfterDTensorImport())
 
 
-__all__ = ["register_sharding_rules"]
+__all__ = ["register_sharding_rules", "ring_attention", "shard_sequence", "gather_sequence"]
