@@ -24,7 +24,7 @@ def _cases():
     whose name says "redistributed" has no rule for its placements: DTensor redistributes and the
     result must still be right; every other case must keep its first input's placement on its
     outputs (its rule applied, nothing gathered)."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
 
     import customops
 
@@ -82,6 +82,28 @@ def _cases():
          lambda a, la, b, lb: customops.merge_attention(a, la, b, lb),
          (q, r(4, 8, 6), r(4, 8, 6, 8), r(4, 8, 6)), (S(1), S(1), S(1), S(1)), (0, 1, 2, 3)),
     ]
+    # Vocabulary-parallel cross_entropy: the classes sharded on one mesh dim (rows on the other of
+    # a 2x2 mesh), loss and lse replicated across it. Placements per mesh shape: {mesh ndim: (per
+    # input placements over the mesh dims)}, then the outputs' expected placements likewise.
+    t_ignored = target.clone()
+    t_ignored[::3] = -100
+    logits7, t7 = r(8, 7), torch.where(t_ignored < 0, t_ignored, t_ignored % 7)  # uneven: 4 and 3 classes
+    vocab = {1: ((S(1),), (R,)), 2: ((S(0), S(1)), (S(0), R))}
+    vocab_out = {1: (R,), 2: (S(0), R)}
+    reduced = {1: (R,), 2: (Partial(), R)}  # summed over the rows (a sum DTensor finishes when asked)
+    for smoothing in (0.0, 0.1):
+        out += [
+            (f"cross_entropy vocabulary-parallel, smoothing {smoothing}",
+             lambda a, t, e=smoothing: customops.cross_entropy(a, t, label_smoothing=e, reduction="none",
+                                                              return_lse=True),
+             (logits, t_ignored), vocab, (0,), vocab_out),
+            (f"cross_entropy vocabulary-parallel uneven, mean, smoothing {smoothing}",
+             lambda a, t, e=smoothing: customops.cross_entropy(a, t, label_smoothing=e), (logits7, t7),
+             vocab, (0,), reduced),
+        ]
+    out.append(("cross_entropy vocabulary-parallel loss only",
+                lambda a, t: customops.cross_entropy(a, t, reduction="sum"), (logits, target), vocab, (0,),
+                reduced))
     return out
 
 
@@ -100,8 +122,12 @@ def _worker(rank: int, world: int, store: str, mesh_shape: tuple, errors: str):
 
         mesh = init_device_mesh("cpu", mesh_shape)
         failures = []
-        for name, fn, inputs, placements, diff in _cases():
+        for name, fn, inputs, placements, diff, *expected in _cases():
             try:
+                if isinstance(placements, dict):  # per mesh dim, per mesh shape
+                    placements = placements[mesh.ndim]
+                else:  # the same placement on every mesh dim (Shard(d) twice shards d over the whole mesh)
+                    placements = [(p,) * mesh.ndim for p in placements]
                 want = _outputs(fn(*inputs))
                 ref_in = [t.clone().requires_grad_(i in diff) for i, t in enumerate(inputs)]
                 ref_out = _outputs(fn(*ref_in))
@@ -111,10 +137,9 @@ def _worker(rank: int, world: int, store: str, mesh_shape: tuple, errors: str):
                 ref_loss = sum((o * gr).sum() for o, gr in zip(ref_out, grads) if gr is not None)
                 ref_grads = torch.autograd.grad(ref_loss, [ref_in[i] for i in diff])
 
-                # The same placement on every mesh dim (Shard(d) twice shards d over the whole
-                # mesh). Every collective runs before any comparison, so a failing comparison on
-                # one rank leaves the ranks in step.
-                dt_in = [distribute_tensor(t, mesh, [p] * mesh.ndim).requires_grad_(i in diff)
+                # Every collective runs before any comparison, so a failing comparison on one rank
+                # leaves the ranks in step.
+                dt_in = [distribute_tensor(t, mesh, list(p)).requires_grad_(i in diff)
                          for i, (t, p) in enumerate(zip(inputs, placements))]
                 got = _outputs(fn(*dt_in))
                 kinds = [type(o).__name__ for o in got]
@@ -126,7 +151,7 @@ def _worker(rank: int, world: int, store: str, mesh_shape: tuple, errors: str):
                 got = [o.full_tensor() for o in got]
                 assert all(k == "DTensor" for k in kinds), f"outputs {kinds}"
                 if "redistributed" not in name:
-                    want_placed = (placements[0],) * mesh.ndim
+                    want_placed = expected[0][mesh.ndim] if expected else placements[0]
                     assert all(p == want_placed for p in placed), f"outputs placed {placed}, not {want_placed}"
                 for a, b in zip(got, want):
                     torch.testing.assert_close(a, b)

@@ -14,14 +14,15 @@ the arguments', None where an argument is not a tensor (or is None).
   DTensor's reduction when it is redistributed).
 - rope shards on batch, heads or sequence; cos and sin follow the sequence (and the batch when
   they have one).
-- cross_entropy shards on rows.
+- cross_entropy shards on rows, and on the classes (vocabulary-parallel, as loss parallel: the
+  handlers below reduce the log-sum-exp across ranks; loss and lse come back replicated there).
 - attention shards on batch and on heads, the latter only where every mesh dimension divides the
   key/value heads (so each query head's key/value head is on its rank).
 
 merge_attention is composite (its pointwise ATen ops have DTensor's own rules).
 linear_cross_entropy has no rule yet: DTensor raises its own error for it.
 
-Importing this module registers the rules (once: Python imports a module once).
+Importing this module registers the rules and handlers (once: Python imports a module once).
 """
 
 from __future__ import annotations
@@ -193,6 +194,156 @@ def _cross_entropy_backward(grad_loss, grad_lse, logits, target, lse, ignore_ind
     for d in range(logits.ndim - 1):
         out.append(([Shard(d)], rows(Shard(d))))
     return out
+
+
+# ---- cross_entropy over a sharded vocabulary ----------------------------------------------------
+#
+# Logits sharded on the class dim (the LM head's output under column parallelism, as loss parallel
+# keeps it) need the log-sum-exp reduced across ranks, which a placement rule cannot say: these
+# handlers compute it. Each rank runs the op on its shard (its log-sum-exp, read once); two
+# all-reduces of one value a row (a max, then sums) give the whole row's log-sum-exp, the target's
+# logit from the rank that holds it and, with label smoothing, the row's logit sum. The backward
+# runs the backward op on each shard with the whole row's log-sum-exp: the softmax of a shard is
+# exp(x - lse) there. Other placements go the way of the rules above.
+
+_SENTINEL = -1  # the local target of a row whose target another rank holds: never a class index
+
+
+def _vocab_mesh_dim(logits, target):
+    """The mesh dim that shards logits on its class dim when the handler applies: exactly one,
+    every other one Shard on a row dim or Replicate, target a DTensor on the same mesh. Else None."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(logits, DTensor) or not isinstance(target, DTensor) or target.device_mesh != logits.device_mesh:
+        return None
+    c = logits.ndim - 1
+    dims = [i for i, p in enumerate(logits.placements) if p.is_shard(c)]
+    if len(dims) != 1 or not all(p.is_replicate() or p.is_shard() for p in logits.placements):
+        return None
+    return dims[0]
+
+
+def _vocab_local(logits, target, mesh_dim):
+    """(local logits, local targets with rows placed as logits', this rank's first class, the
+    whole vocabulary)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    rows = list(logits.placements)
+    rows[mesh_dim] = R
+    target = target.redistribute(target.device_mesh, rows)  # no-op when placed as logits' rows
+    _, offset = compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)
+    return logits.to_local(), target.to_local(), offset[-1], logits.shape[-1]
+
+
+def _without_handler(op, args, kwargs):
+    """op through DTensor's placement rules (its handler lifted for the call)."""
+    from torch.distributed.tensor import DTensor
+
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handler = handlers.pop(op)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        handlers[op] = handler
+
+
+def _wrap_rows(t, logits, mesh_dim):
+    """a per-row result as a DTensor: logits' row placements, Replicate on the vocabulary's dim."""
+    from torch.distributed.tensor import DTensor
+
+    placements = list(logits.placements)
+    placements[mesh_dim] = R
+    return DTensor.from_local(t, logits.device_mesh, placements, run_check=False, shape=logits.shape[:-1],
+                              stride=torch.empty(logits.shape[:-1], device="meta").stride())
+
+
+def _cross_entropy_vocab_parallel(op, args, kwargs):
+    from torch.distributed import _functional_collectives as funcol
+
+    logits, target, ignore_index, label_smoothing = _args(op, args, kwargs)
+    mesh_dim = _vocab_mesh_dim(logits, target)
+    if mesh_dim is None:
+        return _without_handler(op, args, kwargs)
+    group = (logits.device_mesh, mesh_dim)
+    x, t, first, vocab = _vocab_local(logits, target, mesh_dim)
+    local = t - first
+    valid = t != ignore_index
+    mine = valid & (local >= 0) & (local < x.shape[-1])
+    _, lse_r = op(x, torch.where(mine, local, _SENTINEL), _SENTINEL, 0.0)
+    top = funcol.all_reduce(lse_r, "max", group)
+    top = torch.where(torch.isfinite(top), top, 0.0)
+    picked = x.gather(-1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1).to(lse_r.dtype)
+    parts = [torch.exp(lse_r - top), torch.where(mine, picked, 0.0)]
+    if label_smoothing:
+        parts.append(x.sum(-1, dtype=lse_r.dtype))
+    sums = funcol.all_reduce(torch.stack(parts), "sum", group)
+    lse = top + torch.log(sums[0])
+    loss = lse - (1 - label_smoothing) * sums[1]
+    if label_smoothing:
+        loss = loss - label_smoothing * sums[2] / vocab
+    # A target outside the vocabulary is on no rank: as the op, an error on the CPU and NaN (no
+    # device sync) elsewhere, never the loss of a row without its target.
+    outside = valid & ((t < 0) | (t >= vocab))
+    if x.device.type == "cpu" and bool(outside.any()):
+        i = int(outside.nonzero()[0, 0])
+        raise RuntimeError(f"customops::cross_entropy: target holds {int(t.flatten()[i])} at local row {i}, outside "
+                           f"[0, {vocab}) and not ignore_index ({ignore_index})")
+    loss = torch.where(valid, torch.where(outside, torch.nan, loss), 0.0)
+    return _wrap_rows(loss, logits, mesh_dim), _wrap_rows(lse, logits, mesh_dim)
+
+
+def _cross_entropy_backward_vocab_parallel(op, args, kwargs):
+    from torch.distributed.tensor import DTensor
+
+    grad_loss, grad_lse, logits, target, lse, ignore_index, label_smoothing = _args(op, args, kwargs)
+    mesh_dim = _vocab_mesh_dim(logits, target)
+    if mesh_dim is None:
+        return _without_handler(op, args, kwargs)
+    x, t, first, vocab = _vocab_local(logits, target, mesh_dim)
+    rows = list(logits.placements)
+    rows[mesh_dim] = R
+
+    def local_rows(g):
+        return None if g is None else g.redistribute(g.device_mesh, rows).to_local()
+
+    grad_loss, grad_lse, lse = local_rows(grad_loss), local_rows(grad_lse), local_rows(lse)
+    local = t - first
+    valid = t != ignore_index
+    mine = valid & (local >= 0) & (local < x.shape[-1])
+    # The op gives a row whose target it holds (g_loss + g_lse) p - g_loss ((1 - e) onehot + e / V_local),
+    # and an ignored row g_lse p. A row whose target another rank holds needs (g_loss + g_lse) p -
+    # g_loss e / V: its g_loss goes in with g_lse; the e / V terms are set right after.
+    if grad_loss is not None:
+        g_loss = torch.where(valid, grad_loss, 0.0)
+        elsewhere = torch.where(valid & ~mine, g_loss, 0.0)
+        grad_lse = elsewhere if grad_lse is None else grad_lse + elsewhere
+        grad_loss = torch.where(mine, g_loss, 0.0)
+    grad = op(grad_loss, grad_lse, x, torch.where(mine, local, _SENTINEL), lse, _SENTINEL, label_smoothing)
+    if label_smoothing and grad_loss is not None:
+        fix = label_smoothing * (grad_loss / x.shape[-1] - g_loss / vocab)
+        grad = grad + fix.unsqueeze(-1).to(grad.dtype)
+    return DTensor.from_local(grad, logits.device_mesh, logits.placements, run_check=False, shape=logits.shape,
+                              stride=logits.stride())
+
+
+def _args(op, args, kwargs):
+    """op's arguments in schema order, defaults filled in."""
+    out = list(args)
+    for a in op._schema.arguments[len(args):]:
+        out.append(kwargs[a.name] if a.name in kwargs else a.default_value)
+    return out
+
+
+def _register_handlers():
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher._custom_op_handlers.update({
+        _ops.cross_entropy.default: _cross_entropy_vocab_parallel,
+        _ops._cross_entropy_backward.default: _cross_entropy_backward_vocab_parallel,
+    })
+
+
+_register_handlers()
 
 
 # ---- attention ---------------------------------------------------------------------------------
