@@ -104,6 +104,17 @@ def _cases():
     out.append(("cross_entropy vocabulary-parallel loss only",
                 lambda a, t: customops.cross_entropy(a, t, reduction="sum"), (logits, target), vocab, (0,),
                 reduced))
+    hidden, weight, bias, t_lce = r(8, 6), r(10, 6), r(10), target.clone()
+    t_lce[1] = -100
+    lce_rows = {1: (S(0), R, S(0), R), 2: ((S(0), S(0)), (R, R), (S(0), S(0)), (R, R))}
+    lce_rows = {1: [(p,) for p in lce_rows[1]], 2: list(lce_rows[2])}
+    out += [
+        ("linear_cross_entropy rows, sum", lambda h, w, t, b: customops.linear_cross_entropy(h, w, t, b, reduction="sum"),
+         (hidden, weight, t_lce, bias), lce_rows, (0, 1, 3), {1: (Partial(),), 2: (Partial(), Partial())}),
+        ("linear_cross_entropy rows, mean (redistributed)",
+         lambda h, w, t, b: customops.linear_cross_entropy(h, w, t, b, label_smoothing=0.1),
+         (hidden, weight, t_lce, bias), lce_rows, (0, 1, 3)),
+    ]
     return out
 
 

@@ -19,8 +19,10 @@ the arguments', None where an argument is not a tensor (or is None).
 - attention shards on batch and on heads, the latter only where every mesh dimension divides the
   key/value heads (so each query head's key/value head is on its rank).
 
+- linear_cross_entropy shards on rows with a "sum" loss (Partial, as the weight's gradient); a
+  "mean" is replicated. A vocabulary-sharded weight has no rule yet (DTensor gathers it).
+
 merge_attention is composite (its pointwise ATen ops have DTensor's own rules).
-linear_cross_entropy has no rule yet: DTensor raises its own error for it.
 
 Importing this module registers the rules and handlers (once: Python imports a module once).
 """
@@ -193,6 +195,45 @@ def _cross_entropy_backward(grad_loss, grad_lse, logits, target, lse, ignore_ind
     out = [([R], rows(R))]
     for d in range(logits.ndim - 1):
         out.append(([Shard(d)], rows(Shard(d))))
+    return out
+
+
+# ---- linear_cross_entropy ----------------------------------------------------------------------
+#
+# Rows (hidden's and target's) sharded with the weight and bias replicated: a "sum" loss and the
+# weight's and bias's gradients are sums over rows, Partial; hidden's gradient stays sharded. A
+# "mean" divides by the count of rows that count on every rank, which a shard does not know: it
+# has the replicated strategy only (DTensor gathers the rows).
+
+def _lce_strategies(hidden, bias, reduction, n_extra: int, with_grads: bool):
+    """linear_cross_entropy's (or with the gradients, _linear_cross_entropy_with_grads's) strategies."""
+    none = [None] * n_extra
+    b = _spec_or_none(bias, R)
+    out = [([R] * (4 if with_grads else 1), [R, R, R, b] + none)]
+    if reduction == "sum":
+        for d in range(hidden.ndim - 1):
+            out.append(([P, Shard(d), P, P] if with_grads else [P], [Shard(d), R, Shard(d), b] + none))
+    return out
+
+
+@register_sharding(_ops.linear_cross_entropy.default)
+def _linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0, reduction="mean",
+                          tile_rows=None, tile_classes=None):
+    return _lce_strategies(hidden, bias, reduction, 5, with_grads=False)
+
+
+@register_sharding(_ops._linear_cross_entropy_with_grads.default)
+def _linear_cross_entropy_with_grads(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, tile_rows,
+                                     tile_classes, output_mask):
+    return _lce_strategies(hidden, bias, reduction, 6, with_grads=True)
+
+
+@register_sharding(_ops._linear_cross_entropy_backward.default)
+def _linear_cross_entropy_backward(grad_loss, grad_hidden, grad_weight, grad_bias):
+    # each gradient times the loss's (a scalar): linear in each
+    out = [([R] * 3, [R] * 4)]
+    for d in range(grad_hidden.ndim - 1):
+        out.append(([Shard(d), P, P], [R, Shard(d), P, P]))
     return out
 
 
