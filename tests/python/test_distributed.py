@@ -6,6 +6,7 @@ seconds); a failing case names itself and its placements."""
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import sys
 import traceback
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="needs torch.distributed with gloo")
 
 
-def _cases():
+def _cases(device: str = "cpu"):
     """(name, fn, inputs, placements per input on each mesh dim, differentiable inputs). A case
     whose name says "redistributed" has no rule for its placements: DTensor redistributes and the
     result must still be right; every other case must keep its first input's placement on its
@@ -32,13 +33,13 @@ def _cases():
     g = torch.Generator().manual_seed(0)
 
     def r(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float64)
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(device)
 
     x, y = r(4, 6, 8), r(4, 6, 8)
     q, k, v = r(4, 8, 6, 8), r(4, 4, 6, 8), r(4, 4, 6, 8)  # B and Hkv shard over the 2x2 mesh too
     cos, sin = r(6, 8), r(6, 8)
     q3, k3, v3 = r(2, 6, 4, 8), r(2, 3, 4, 8), r(2, 3, 4, 8)  # 3 key/value heads: not on 2 ranks
-    logits, target = r(8, 10), torch.randint(0, 10, (8,), generator=g)
+    logits, target = r(8, 10), torch.randint(0, 10, (8,), generator=g).to(device)
     w = r(8)
     out = []
     for d in (0, 1):
@@ -122,18 +123,26 @@ def _outputs(o):
     return list(o) if isinstance(o, (tuple, list)) else [o]
 
 
-def _worker(rank: int, world: int, store: str, mesh_shape: tuple, errors: str):
+def _init(rank: int, world: int, store: str, backend: str, timeout: int = 60) -> str:
+    """Joins the process group (gloo: CPU, nccl: a GPU a rank) and returns the ranks' device. A rank
+    that fails inside a collective leaves the others waiting: `timeout` seconds, not gloo's 30 min."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    # a rank that fails inside a collective leaves the others waiting: a minute, not gloo's 30
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
+    return "cuda" if backend == "nccl" else "cpu"
+
+
+def _worker(rank: int, world: int, store: str, errors: str, mesh_shape: tuple, backend: str = "gloo"):
+    device = _init(rank, world, store, backend)
     try:
         from torch.distributed.tensor import Replicate, distribute_tensor, init_device_mesh
 
-        mesh = init_device_mesh("cpu", mesh_shape)
+        mesh = init_device_mesh(device, mesh_shape)
         failures = []
-        for name, fn, inputs, placements, diff, *expected in _cases():
+        for name, fn, inputs, placements, diff, *expected in _cases(device):
             try:
                 if isinstance(placements, dict):  # per mesh dim, per mesh shape
                     placements = placements[mesh.ndim]
@@ -143,7 +152,7 @@ def _worker(rank: int, world: int, store: str, mesh_shape: tuple, errors: str):
                 ref_in = [t.clone().requires_grad_(i in diff) for i, t in enumerate(inputs)]
                 ref_out = _outputs(fn(*ref_in))
                 gen = torch.Generator().manual_seed(1)  # the same upstream gradients on every rank
-                grads = [torch.randn(o.shape, generator=gen, dtype=o.dtype) if o.is_floating_point() else None
+                grads = [torch.randn(o.shape, generator=gen, dtype=o.dtype).to(device) if o.is_floating_point() else None
                          for o in ref_out]
                 ref_loss = sum((o * gr).sum() for o, gr in zip(ref_out, grads) if gr is not None)
                 ref_grads = torch.autograd.grad(ref_loss, [ref_in[i] for i in diff])
@@ -169,7 +178,7 @@ def _worker(rank: int, world: int, store: str, mesh_shape: tuple, errors: str):
                 for i, a, b in zip(diff, got_grads, ref_grads):
                     torch.testing.assert_close(a, b, msg=lambda m, i=i: f"grad of input {i}: {m}")
             except Exception:
-                failures.append(f"{name} on mesh {mesh_shape}: {traceback.format_exc(limit=-3)}")
+                failures.append(f"{name} on mesh {mesh_shape}: {traceback.format_exc(limit=-12)}")
         if failures:
             with open(f"{errors}.{rank}", "w") as f:
                 f.write("\n".join(failures))
@@ -178,21 +187,21 @@ def _worker(rank: int, world: int, store: str, mesh_shape: tuple, errors: str):
         dist.destroy_process_group()
 
 
-def _run(mesh_shape: tuple, tmp_path):
-    world = 1
-    for s in mesh_shape:
-        world *= s
-    errors = tmp_path / "errors"
-    mp.start_processes(_worker, args=(world, str(tmp_path / "store"), mesh_shape, str(errors)), nprocs=world,
-                       start_method="spawn")
-    found = sorted(tmp_path.glob("errors.*"))
-    if found:
-        pytest.fail("\n".join(f"rank {f.suffix[1:]}: {f.read_text()}" for f in found), pytrace=False)
+def _spawn(worker, world: int, tmp_path, *args):
+    """worker(rank, world, store, errors, *args) on `world` processes; fails with what each rank
+    wrote to its errors file."""
+    try:
+        mp.start_processes(worker, args=(world, str(tmp_path / "store"), str(tmp_path / "errors"), *args),
+                           nprocs=world, start_method="spawn")
+    finally:
+        found = sorted(tmp_path.glob("errors.*"))
+        if found:
+            pytest.fail("\n".join(f"rank {f.suffix[1:]}: {f.read_text()}" for f in found), pytrace=False)
 
 
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["2-ranks", "2x2-mesh"])
 def test_every_rule_matches_the_single_device_op(mesh_shape, tmp_path):
-    _run(mesh_shape, tmp_path)
+    _spawn(_worker, math.prod(mesh_shape), tmp_path, mesh_shape)
 
 
 def test_import_customops_leaves_dtensor_unloaded_and_registers_on_its_import():
@@ -256,10 +265,8 @@ def _fsdp(model, mesh):
     fully_shard(model, mesh=mesh)
 
 
-def _model_worker(rank: int, world: int, store: str, plan: str, compiled: bool, errors: str):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+def _model_worker(rank: int, world: int, store: str, errors: str, plan: str, compiled: bool):
+    _init(rank, world, store, "gloo", timeout=300)
     try:
         from torch.distributed.tensor import DTensor, init_device_mesh
 
@@ -320,22 +327,13 @@ def _model_worker(rank: int, world: int, store: str, plan: str, compiled: bool, 
 @pytest.mark.parametrize("plan,world", [("fsdp2", 2), ("tensor+sequence", 2), ("2-D", 4)])
 def test_optimized_llama_trains_like_one_device(plan, world, compiled, tmp_path):
     pytest.importorskip("transformers")
-    errors = tmp_path / "errors"
-    try:
-        mp.start_processes(_model_worker, args=(world, str(tmp_path / "store"), plan, compiled, str(errors)),
-                           nprocs=world, start_method="spawn")
-    finally:
-        found = sorted(tmp_path.glob("errors.*"))
-        if found:
-            pytest.fail("\n".join(f"rank {f.suffix[1:]}: {f.read_text()}" for f in found), pytrace=False)
+    _spawn(_model_worker, world, tmp_path, plan, compiled)
 
 
 # ---- ring attention ----------------------------------------------------------------------------
 
-def _ring_worker(rank: int, world: int, store: str, errors: str):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
+def _ring_worker(rank: int, world: int, store: str, errors: str, backend: str = "gloo"):
+    device = _init(rank, world, store, backend)
     try:
         import customops
         from customops.distributed import gather_sequence, ring_attention, shard_sequence
@@ -351,9 +349,9 @@ def _ring_worker(rank: int, world: int, store: str, errors: str):
             try:
                 s = 4 * world  # 2 chunks of 2 rows a rank with causal
                 shape = (lambda h: (2, h, s, 8)) if seq_dim == 2 else (lambda h: (2, s, h, 8))
-                q, k, v = (torch.randn(shape(h), generator=g, dtype=torch.float64) for h in (hq, hkv, hkv))
-                grad_out = torch.randn(q.shape, generator=g, dtype=torch.float64)
-                grad_lse = torch.randn(q.shape[:3], generator=g, dtype=torch.float64)
+                q, k, v = (torch.randn(shape(h), generator=g, dtype=torch.float64).to(device) for h in (hq, hkv, hkv))
+                grad_out = torch.randn(q.shape, generator=g, dtype=torch.float64).to(device)
+                grad_lse = torch.randn(q.shape[:3], generator=g, dtype=torch.float64).to(device)
                 ref = [t.clone().requires_grad_() for t in (q, k, v)]
                 as_bhsd = (lambda t: t) if seq_dim == 2 else (lambda t: t.transpose(1, 2))
                 o, lse = customops.attention(*(as_bhsd(t) for t in ref), causal=causal, return_lse=True)
@@ -385,11 +383,7 @@ def test_ring_attention_matches_attention_on_the_whole_sequence(world, tmp_path)
     """Forward (out and lse) and backward (through both) against attention on the gathered
     sequence: causal (load-balanced layout) and not, grouped-query heads, [B, S, H, D] layout,
     float32 and bfloat16 shards. Three ranks see shards from both a lower and a higher rank."""
-    mp.start_processes(_ring_worker, args=(world, str(tmp_path / "store"), str(tmp_path / "errors")), nprocs=world,
-                       start_method="spawn")
-    found = sorted(tmp_path.glob("errors.*"))
-    if found:
-        pytest.fail("\n".join(f"rank {f.suffix[1:]}: {f.read_text()}" for f in found), pytrace=False)
+    _spawn(_ring_worker, world, tmp_path)
 
 
 def test_ring_attention_says_what_is_wrong():
@@ -401,3 +395,20 @@ def test_ring_attention_says_what_is_wrong():
             cd.ring_attention(q, q, q)
     with pytest.raises(ValueError, match="seq_dim must be 2"):
         cd.ring_attention(q, q, q, seq_dim=3)
+
+
+# ---- NCCL on the GPU machine ---------------------------------------------------------------------
+
+_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.skipif(_gpus == 0 or not dist.is_nccl_available(), reason="needs CUDA and NCCL")
+@pytest.mark.parametrize("what", ["rules", "ring"])
+def test_cuda_with_nccl(what, tmp_path):
+    """The rules (and vocabulary-parallel cross_entropy) and ring attention on CUDA tensors over
+    NCCL: on 2 GPUs where there are 2, else with world size 1 (every code path but the transfers)."""
+    world = min(2, _gpus)
+    if what == "rules":
+        _spawn(_worker, world, tmp_path, (world,), "nccl")
+    else:
+        _spawn(_ring_worker, world, tmp_path, "nccl")

@@ -1,7 +1,8 @@
 """``python -m customops bench``: the benchmarks, in families. The default one times each op against
 PyTorch eager, torch.compile and Liger-Kernel (:mod:`.ops`, its registry :mod:`.op_table`, its
 output :mod:`.report`); ``--model`` times a Hugging Face model's training step and inference
-forward (:mod:`.model`). The families share :mod:`.timers` and :mod:`.common`.
+forward (:mod:`.model`, with ``--fsdp`` under FSDP2); ``--ring`` times ring attention across GPUs
+against one (:mod:`.ring`). The families share :mod:`.timers` and :mod:`.common`.
 
 A family is a module whose ``main(argv) -> int`` parses its own options and runs it; a new family
 is that module and one line in :data:`FAMILIES`. Only the family that runs is imported.
@@ -15,6 +16,7 @@ import importlib
 FAMILIES = {
     None: "customops.bench.ops",
     "--model": "customops.bench.model",
+    "--ring": "customops.bench.ring",
 }
 
 

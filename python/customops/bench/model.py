@@ -8,6 +8,11 @@ Liger-Kernel's apply_liger_kernel_to_llama replaces transformers' module-level L
 forward for the whole process (every model built later would be Liger's), so it runs last.
 A variant whose piece is missing (Liger-Kernel, customops.optimize, the "customops" backend) is
 skipped with a note; one that fails, or a loss that differs from eager's, makes the exit status 1.
+
+With ``--fsdp`` every variant is sharded with FSDP2 as torchtitan does it (``fully_shard`` per
+decoder layer, then the root; torch.compile per decoder layer), each rank training on its own
+batch: run under ``torchrun --nproc-per-node N`` for N GPUs (tokens/s and peak memory are per GPU,
+rank 0 reports); a plain process forms a group of one.
 """
 
 from __future__ import annotations
@@ -47,9 +52,16 @@ class _Skip(Exception):
     """The variant's piece is not in this installation: reported as not measured, not as failed."""
 
 
-def _prepare(variant: str) -> Callable[[torch.nn.Module], torch.nn.Module]:
+def _prepare(variant: str, fsdp: bool = False) -> Callable[[torch.nn.Module], torch.nn.Module]:
     if variant.startswith(OPT) and not hasattr(customops, "optimize"):
         raise _Skip("this customops has no optimize")
+
+    def compile_(m, **kw):
+        if not fsdp:
+            return torch.compile(m, **kw)
+        for layer in m.model.layers:  # FSDP2's hooks stay outside the compiled layers, as torchtitan's
+            layer.compile(**kw)
+        return m
 
     def prep(m):
         if variant.startswith(OPT):
@@ -57,14 +69,38 @@ def _prepare(variant: str) -> Callable[[torch.nn.Module], torch.nn.Module]:
         if variant == "liger":
             m = _liger(m)
         if variant.endswith("+ torch.compile") or variant == "torch.compile":
-            m = torch.compile(m)
+            m = compile_(m)
         elif "backend=" in variant:
             try:
-                m = torch.compile(m, backend="customops")
+                torch._dynamo.lookup_backend("customops")
             except torch._dynamo.exc.InvalidBackend as e:
                 raise _Skip('torch.compile has no "customops" backend') from e
+            m = compile_(m, backend="customops")
+        if fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in m.model.layers:
+                fully_shard(layer)
+            fully_shard(m)
         return m
     return prep
+
+
+def _join_group(device: str) -> tuple[int, int]:
+    """(rank, world) of the FSDP2 group: torchrun's, or a group of one."""
+    import os
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "nccl" if device == "cuda" else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return dist.get_rank(), dist.get_world_size()
 
 
 def _measure(variant: str, args, cfg_kw: dict) -> dict:
@@ -75,8 +111,8 @@ def _measure(variant: str, args, cfg_kw: dict) -> dict:
     torch.manual_seed(0)
     with torch.device(dev):
         model = LlamaForCausalLM(cfg).to(dtype)
-    model = _prepare(variant)(model)
-    g = torch.Generator(device="cpu").manual_seed(1)
+    model = _prepare(variant, args.fsdp)(model)
+    g = torch.Generator(device="cpu").manual_seed(1 + args.rank)  # each rank its own batch
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).to(dev)
     amp = torch.autocast(dev, dtype=torch.bfloat16, enabled=args.amp)
     time_ms = iteration_timer(dev)
@@ -115,6 +151,9 @@ def _measure(variant: str, args, cfg_kw: dict) -> dict:
 
 
 def run(args) -> dict:
+    args.rank, args.world = _join_group(args.device) if args.fsdp else (0, 1)
+    if args.rank:
+        args.no_progress = True
     cfg_kw = dict(LLAMA_1B, num_hidden_layers=args.layers)
     for k in ("hidden", "intermediate", "heads", "kv_heads", "vocab", "head_dim"):
         v = getattr(args, k)
@@ -156,7 +195,7 @@ def run(args) -> dict:
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "versions": versions(args.device),
             "config": {**cfg_kw, "batch": args.batch, "seq": args.seq,
                        "dtype": "float32 + autocast bf16" if args.amp else str(args.dtype).removeprefix("torch.")},
-            "iters": args.iters}
+            "iters": args.iters, "fsdp": args.world if args.fsdp else None}
     try:
         import transformers
 
@@ -258,11 +297,13 @@ def _target_line(t: dict) -> str:
 
 def _header(report: dict) -> list[str]:
     m, c = report["meta"], report["meta"]["config"]
-    return [f"{m['device']}; " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ".",
+    return ([f"{m['device']}; " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ".",
             f"Llama: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, intermediate {c['intermediate_size']}, "
             f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, vocabulary {c['vocab_size']}; batch "
             f"{c['batch']} x {c['seq']} tokens, {c['dtype']}. Training step = forward with labels + backward; "
             f"median of {m['iters']}."]
+            + ([f"FSDP2 over {m['fsdp']} GPU(s) (fully_shard per decoder layer, then the root; compiled per layer), "
+               f"batch and tokens/s per GPU."] if m.get("fsdp") else []))
 
 
 def print_report(report: dict) -> None:
@@ -336,12 +377,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--doc", metavar="PATH", help="write the table between <!-- bench:SECTION --> markers")
     p.add_argument("--section", default="llama", help="the markers --doc writes between (default: llama)")
     p.add_argument("--no-progress", action="store_true", help="no per-variant progress lines")
+    p.add_argument("--fsdp", action="store_true", help="shard every variant with FSDP2 over the ranks of torchrun "
+                   "(tokens/s and peak memory per GPU), or a group of one without it")
     args = p.parse_args(argv)
     _cli.require("python -m customops bench --model llama", {"transformers": "hf"})
     args.device = pick_device(p, args.device)
     args.dtype = DTYPES[args.dtype]
     report = run(args)
     report["command"] = "python -m customops bench " + " ".join(argv)
+    if args.rank:  # rank 0 reports
+        return 1 if report["mismatches"] or report["failures"] else 0
     print_report(report)
     if args.json:
         with open(args.json, "w") as f:

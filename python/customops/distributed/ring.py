@@ -22,8 +22,6 @@ its autograd is a ``torch.autograd.Function`` (eager; under ``torch.compile`` it
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -80,9 +78,9 @@ class _Ring:
 
     def __init__(self, group):
         self.group = group
-        rank, self.world = _world(group)
+        self.rank, self.world = _world(group)
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world))
-        self.next, self.prev = ranks[(rank + 1) % self.world], ranks[(rank - 1) % self.world]
+        self.next, self.prev = ranks[(self.rank + 1) % self.world], ranks[(self.rank - 1) % self.world]
 
     def start(self, send: Tensor, tag: int):
         recv = torch.empty_like(send)
@@ -96,6 +94,21 @@ class _Ring:
         for w in works:
             w.wait()
         return recv
+
+
+class _Offline:
+    """The ring's computation for one rank of a ring of `world` without the transfers (each step
+    gets the rank's own shard back): the benchmark's measure of the compute to hide."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+
+    def start(self, send: Tensor, tag: int):
+        return send
+
+    @staticmethod
+    def wait(pending) -> Tensor:
+        return pending
 
 
 def _block(i: int, rank: int, world: int, causal: bool, s: int):
@@ -117,33 +130,35 @@ def _seq(x: Tensor, rows: slice) -> Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, group):
-        ring = _Ring(group)
-        rank, world = _world(group)
+    def forward(ctx, q, k, v, causal, scale, ring):
+        rank, world = ring.rank, ring.world
         s = q.shape[2]
         kv = torch.stack([k, v])
-        out = torch.zeros(q.shape, dtype=torch.float32 if q.dtype != torch.float64 else q.dtype, device=q.device)
-        lse = torch.full(q.shape[:3], -math.inf, dtype=out.dtype, device=q.device)
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # the running out, merged in
+        out = lse = None
         for i in range(world):
             pending = ring.start(kv, _KV) if i + 1 < world else None
             rows, keys, blk_causal = _block(i, rank, world, causal, s)
             o, l = attention(_seq(q, rows), _seq(kv[0], keys), _seq(kv[1], keys), causal=blk_causal, scale=scale,
                              return_lse=True)
-            o_acc, l_acc = merge_attention(_seq(out, rows), _seq(lse, rows), o.to(out.dtype), l.to(lse.dtype))
-            _seq(out, rows).copy_(o_acc)
-            _seq(lse, rows).copy_(l_acc)
+            if out is None:  # the first step attends every row
+                out, lse = (o, l) if world == 1 else (o.to(acc), l)
+            else:
+                o_acc, l_acc = merge_attention(_seq(out, rows), _seq(lse, rows), o.to(acc), l)
+                _seq(out, rows).copy_(o_acc)
+                _seq(lse, rows).copy_(l_acc)
             if pending is not None:
                 kv = ring.wait(pending)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.group = causal, scale, group
+        ctx.causal, ctx.scale, ctx.ring = causal, scale, ring
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        ring = _Ring(ctx.group)
-        rank, world = _world(ctx.group)
+        ring = ctx.ring
+        rank, world = ring.rank, ring.world
         s = q.shape[2]
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -206,7 +221,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sca
     if k.shape[2] != q.shape[2] or v.shape[2] != q.shape[2]:
         raise ValueError(f"customops.ring_attention: q, k and v must hold the same sequence shard, got lengths "
                          f"{q.shape[2]}, {k.shape[2]} and {v.shape[2]}")
-    out, lse = _RingAttention.apply(q, k, v, causal, scale, group)
+    out, lse = _RingAttention.apply(q, k, v, causal, scale, _Ring(group))
     if seq_dim == 1:
         out, lse = out.transpose(1, 2), lse.transpose(1, 2)
     return out, lse

@@ -271,9 +271,20 @@ def _vocab_local(logits, target, mesh_dim):
 
     rows = list(logits.placements)
     rows[mesh_dim] = R
-    target = target.redistribute(target.device_mesh, rows)  # no-op when placed as logits' rows
     _, offset = compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)
-    return logits.to_local(), target.to_local(), offset[-1], logits.shape[-1]
+    return logits._local_tensor, _local_as(target, rows), offset[-1], logits.shape[-1]
+
+
+def _local_as(t, placements):
+    """t's local tensor as it would be with `placements` (redistributed without DTensor's autograd
+    function, which must not run inside its dispatch: on torch 2.11 it detaches in place)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._redistribute import redistribute_local_tensor
+
+    if tuple(t.placements) == tuple(placements):
+        return t._local_tensor
+    spec = DTensorSpec(t.device_mesh, tuple(placements), tensor_meta=t._spec.tensor_meta)
+    return redistribute_local_tensor(t._local_tensor, t._spec, spec)
 
 
 def _without_handler(op, args, kwargs):
@@ -288,14 +299,21 @@ def _without_handler(op, args, kwargs):
         handlers[op] = handler
 
 
+def _wrap(t, mesh, placements, shape):
+    """a local result as a DTensor, from inside DTensor's dispatch (as its own handlers do: no
+    DTensor.from_local, an autograd function, there)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(torch.Size(shape), torch.empty(shape, device="meta").stride(), t.dtype)
+    return DTensor._op_dispatcher.wrap(t, DTensorSpec(mesh, tuple(placements), tensor_meta=meta))
+
+
 def _wrap_rows(t, logits, mesh_dim):
     """a per-row result as a DTensor: logits' row placements, Replicate on the vocabulary's dim."""
-    from torch.distributed.tensor import DTensor
-
     placements = list(logits.placements)
     placements[mesh_dim] = R
-    return DTensor.from_local(t, logits.device_mesh, placements, run_check=False, shape=logits.shape[:-1],
-                              stride=torch.empty(logits.shape[:-1], device="meta").stride())
+    return _wrap(t, logits.device_mesh, placements, logits.shape[:-1])
 
 
 def _cross_entropy_vocab_parallel(op, args, kwargs):
@@ -334,8 +352,6 @@ def _cross_entropy_vocab_parallel(op, args, kwargs):
 
 
 def _cross_entropy_backward_vocab_parallel(op, args, kwargs):
-    from torch.distributed.tensor import DTensor
-
     grad_loss, grad_lse, logits, target, lse, ignore_index, label_smoothing = _args(op, args, kwargs)
     mesh_dim = _vocab_mesh_dim(logits, target)
     if mesh_dim is None:
@@ -345,7 +361,7 @@ def _cross_entropy_backward_vocab_parallel(op, args, kwargs):
     rows[mesh_dim] = R
 
     def local_rows(g):
-        return None if g is None else g.redistribute(g.device_mesh, rows).to_local()
+        return None if g is None else _local_as(g, rows)
 
     grad_loss, grad_lse, lse = local_rows(grad_loss), local_rows(grad_lse), local_rows(lse)
     local = t - first
@@ -363,8 +379,7 @@ def _cross_entropy_backward_vocab_parallel(op, args, kwargs):
     if label_smoothing and grad_loss is not None:
         fix = label_smoothing * (grad_loss / x.shape[-1] - g_loss / vocab)
         grad = grad + fix.unsqueeze(-1).to(grad.dtype)
-    return DTensor.from_local(grad, logits.device_mesh, logits.placements, run_check=False, shape=logits.shape,
-                              stride=logits.stride())
+    return _wrap(grad, logits.device_mesh, logits.placements, logits.shape)
 
 
 def _args(op, args, kwargs):
