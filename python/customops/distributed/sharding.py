@@ -6,7 +6,7 @@ mesh dimension and redistributes inputs that match none (at worst to Replicate),
 without a rule costs communication, never a wrong result. A placement list is the outputs' then
 the arguments', None where an argument is not a tensor (or is None).
 
-- Pointwise ops (muladd, mul, silu, silu_mul, swiglu, scale_clamp, their backward ops) shard on
+- Pointwise ops (muladd and muladd.out, mul, silu, silu_mul, swiglu, scale_clamp, their backward ops) shard on
   any dim (swiglu not on its last, whose halves are gate and up) and take ``Partial`` where they are
   linear in it: mul in either input, silu_mul in up, every backward op in its incoming gradient.
 - rms_norm and add_rms_norm shard on any dim but the normalized (last) one with the weight
@@ -63,6 +63,12 @@ def _pointwise(n_out: int, tensors: list, extra: int = 0, shard_dims=None, linea
 @register_sharding(_ops.muladd.default)
 def _muladd(a, b, c):
     return _pointwise(1, [a, b], extra=1)
+
+
+@register_sharding(_ops.muladd.out)
+def _muladd_out(a, b, c, out=None):
+    # out is written in place: it must already be placed as the result (DTensor raises otherwise)
+    return [(outs, ins + [outs[0]]) for outs, ins in _pointwise(1, [a, b], extra=1)]
 
 
 @register_sharding(_ops.mul.default)
