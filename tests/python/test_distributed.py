@@ -296,8 +296,22 @@ def _model_worker(rank: int, world: int, store: str, errors: str, plan: str, com
         if dp is not None:
             _fsdp(model, dp)
         mine = ids if dp is None else ids[dp.get_local_rank():dp.get_local_rank() + 1]
-        loss = model(mine, labels=mine).loss
-        loss.backward()
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        comms = CommDebugMode()
+        with comms:
+            loss = model(mine, labels=mine).loss
+            loss.backward()
+        if plan == "tensor+sequence" and not compiled:
+            # no customops op gathers what its rule keeps sharded: the step's collectives are
+            # those of Hugging Face's model under the same plan
+            plain = _llama()
+            _tensor_and_sequence_parallel(plain, init_device_mesh("cpu", (world,)))
+            plain_comms = CommDebugMode()
+            with plain_comms:
+                plain(ids, labels=ids).loss.backward()
+            assert comms.get_comm_counts() == plain_comms.get_comm_counts(), \
+                f"collectives {comms.get_comm_counts()}, Hugging Face's {plain_comms.get_comm_counts()}"
         loss = loss.detach()
         if dp is not None:
             dist.all_reduce(loss, group=dp.get_group())
