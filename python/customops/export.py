@@ -7,6 +7,9 @@ process runs the package once libcustomops.so is loaded, e.g.::
     customops.export.package(model, (x,), "model.pt2", dynamic_shapes=({0: Dim("batch")},))
     customops.export.save_inputs((x,), "inputs.pt")
     # customops-run model.pt2 inputs.pt outputs.pt   (then torch.load("outputs.pt"))
+
+:func:`package_causal_lm` packages a Hugging Face causal LM with its KV cache for text generation
+(``customops-run generate``).
 """
 
 from __future__ import annotations
@@ -67,6 +70,12 @@ def package(
     """
     import torch.fx.experimental._config as fx_config
 
+    if getattr(getattr(model, "config", None), "model_type", None) and hasattr(model, "lm_head") \
+            and hasattr(model, "generate"):
+        raise TypeError(f"customops.export.package: {type(model).__name__} is a Hugging Face causal LM, whose forward "
+                        "returns its cache as an object export cannot write; package it with "
+                        "customops.export.package_causal_lm(model, path), which keeps a static KV cache inside "
+                        "the package for customops-run generate")
     if optimize:
         from .hf import optimize as optimize_model
 
@@ -75,6 +84,69 @@ def package(
     with fx_config.patch(backed_size_oblivious=size_oblivious):
         ep = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic_shapes)
         return _compile(ep, path, inductor_configs)
+
+
+def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_batch: int = 1, max_seq_len: int = 2048,
+                      optimize: bool = True, inductor_configs: dict[str, Any] | None = None) -> str:
+    """Packages a Hugging Face causal LM (Llama, Mistral, Qwen2, Qwen3) with a static KV cache into
+    one AOTInductor package for ``customops-run generate`` and the C++ generation API.
+
+    The package holds the weights once and, per layer, a key and a value cache ``[max_batch,
+    kv_heads, max_seq_len, head_dim]`` that its graph updates in place. Its forward takes
+    ``input_ids [B, T]`` (int64, ``1 <= B <= max_batch``, ``T`` dynamic: a whole prompt, or 1 to
+    decode), ``start [B]`` (each sequence's tokens already cached) and ``count [B]`` (how many of the
+    ``T`` ids are the sequence's own; prompts of different lengths are right-padded) and returns
+    the float32 logits of each sequence's last new token, ``[B, vocab]``
+    (:class:`customops.causal_lm.CachedCausalLM`). Its metadata names the family, ``max_batch``,
+    ``max_seq_len``, the vocabulary size, bos/eos/pad ids and the customops and torch versions.
+
+    Args:
+        model: A Hugging Face ``*ForCausalLM`` of those families, on the device and in the dtype the
+            package is for (put it in eval mode; it is not modified).
+        path: Where to write the package (``.pt2``).
+        max_batch: Most sequences a call takes.
+        max_seq_len: Most tokens (prompt and generated) a sequence holds.
+        optimize: Call customops ops (rms_norm, rope, silu_mul) in the graph; always on (the
+            package's layers are customops' own), kept for the signature's symmetry with
+            :func:`package`.
+        inductor_configs: Extra Inductor options, as for :func:`package`.
+
+    Returns:
+        The package's path, as a string.
+    """
+    import torch.fx.experimental._config as fx_config
+
+    from .causal_lm import CachedCausalLM
+
+    if max_batch < 1 or max_seq_len < 2:
+        raise ValueError(f"customops.export.package_causal_lm: max_batch must be >= 1 and max_seq_len >= 2, "
+                         f"got {max_batch} and {max_seq_len}")
+    lm = CachedCausalLM(model, max_batch=max_batch, max_seq_len=max_seq_len).eval()
+    device = next(model.parameters()).device
+    cfg = model.config
+    b = torch.export.Dim("batch", min=1, max=max_batch)
+    t = torch.export.Dim("tokens", min=1, max=max_seq_len)
+    example = (torch.zeros(min(2, max_batch), 2, dtype=torch.long, device=device),
+               torch.zeros(min(2, max_batch), dtype=torch.long, device=device),
+               torch.full((min(2, max_batch),), 2, dtype=torch.long, device=device))
+
+    def token(name):
+        v = getattr(cfg, name, None)
+        if v is None:
+            v = getattr(getattr(model, "generation_config", None), name, None)
+        v = v[0] if isinstance(v, (list, tuple)) and v else v
+        return "" if v is None else str(int(v))
+
+    configs = dict(inductor_configs or {})
+    configs["aot_inductor.metadata"] = {
+        **configs.get("aot_inductor.metadata", {}),
+        "customops_causal_lm": "1", "family": lm.family, "max_batch": str(max_batch),
+        "max_seq_len": str(max_seq_len), "vocab_size": str(cfg.vocab_size), "bos_token_id": token("bos_token_id"),
+        "eos_token_id": token("eos_token_id"), "pad_token_id": token("pad_token_id"),
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": device.type}
+    with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
+        ep = torch.export.export(lm, example, dynamic_shapes=({0: b, 1: t}, {0: b}, {0: b}))
+        return _compile(ep, path, configs)
 
 
 def _compile(ep: torch.export.ExportedProgram, path, inductor_configs) -> str:
