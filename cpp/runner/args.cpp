@@ -15,6 +15,7 @@ namespace {
 
 constexpr const char* kUsage = R"(usage: customops-run [options] PACKAGE.pt2 INPUTS.pt OUTPUTS.pt
        customops-run --info PACKAGE.pt2
+       customops-run generate PACKAGE.pt2 --prompt "ID ID ..." [options]   (see generate --help)
 
 Runs an AOTInductor package that may call customops operators, without Python.
 

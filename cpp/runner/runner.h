@@ -31,6 +31,10 @@ struct UsageError : UserError {
   using UserError::UserError;
 };
 
+// ---- generate.cpp
+// customops-run generate ARGS (argv[0] is "generate"): its own command line and run.
+int generate_main(int argc, char** argv);
+
 // ---- errors.cpp
 // A c10::Error or std::exception as one line: without the C++ backtrace torch appends, its lines
 // joined, and with '?' for bytes that would garble a terminal (an error about a corrupt file can

@@ -1,0 +1,200 @@
+// customops::CausalLM (customops/generate.h): prefill and decode loop over a causal-LM package,
+// and sampling on the package's device.
+//
+// The package's forward (customops.export.package_causal_lm) is (input_ids [B, T], start [B],
+// count [B]) -> float32 logits [B, vocab] of each sequence's last new token, its KV cache updated
+// in place. A call prefills with start 0 and count the prompts' lengths (right-padded to the
+// longest), then decodes with T = 1, start each sequence's length and count 1.
+#include "customops/generate.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+
+#include <algorithm>
+#include <chrono>
+#include <filesystem>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+
+namespace customops {
+
+struct CausalLM::Impl {
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader;
+  c10::Device device = c10::kCPU;
+  int64_t max_batch = 0, max_seq_len = 0, vocab = 0, pad = 0;
+  std::optional<int64_t> eos;
+
+  void synchronize() const {
+    if (!device.is_cpu()) c10::impl::getDeviceGuardImpl(device.type())->synchronizeDevice(device.index());
+  }
+};
+
+namespace {
+
+int64_t metadata_int(const std::unordered_map<std::string, std::string>& meta, const std::string& key,
+                     const std::string& path) {
+  auto it = meta.find(key);
+  if (it == meta.end() || it->second.empty()) {
+    throw std::invalid_argument(path + ": the causal-LM package's metadata has no " + key);
+  }
+  return std::stoll(it->second);
+}
+
+std::optional<int64_t> metadata_optional(const std::unordered_map<std::string, std::string>& meta,
+                                         const std::string& key) {
+  auto it = meta.find(key);
+  if (it == meta.end() || it->second.empty()) return std::nullopt;
+  return std::stoll(it->second);
+}
+
+double ms_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The next id of each row of logits [B, vocab], on their device.
+at::Tensor sample(const at::Tensor& logits, const GenerateOptions& o, at::Generator& gen) {
+  if (o.temperature <= 0) return logits.argmax(-1);
+  at::Tensor l = logits / o.temperature;
+  const double inf = std::numeric_limits<double>::infinity();
+  if (o.top_k > 0 && o.top_k < l.size(-1)) {
+    at::Tensor kth = std::get<0>(l.topk(o.top_k, -1)).narrow(-1, o.top_k - 1, 1);
+    l = l.masked_fill(l < kth, -inf);
+  }
+  if (o.top_p < 1) {
+    auto [sorted, order] = l.sort(-1, /*descending=*/true);
+    at::Tensor probs = sorted.softmax(-1);
+    // drop an id when the ids before it already reach top_p (the first id always stays)
+    at::Tensor drop = (probs.cumsum(-1) - probs) > o.top_p;
+    l = at::full_like(l, -inf).scatter(-1, order, sorted.masked_fill(drop, -inf));
+  }
+  return at::multinomial(l.softmax(-1), 1, /*replacement=*/false, gen).squeeze(-1);
+}
+
+at::Generator make_generator(const c10::Device& device, uint64_t seed) {
+  at::Generator gen = device.is_cuda() ? at::detail::getCUDAHooks().getNewGenerator(device.index())
+                                       : at::make_generator<at::CPUGeneratorImpl>(seed);
+  gen.set_current_seed(seed);
+  return gen;
+}
+
+}  // namespace
+
+CausalLM::CausalLM(const std::string& package_path, std::optional<c10::Device> device) : impl_(new Impl) {
+  auto& m = *impl_;
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(package_path, ec)) {
+    throw std::invalid_argument("package not found: " + package_path);
+  }
+  const c10::DeviceIndex index = device && !device->is_cpu() ? device->index() : c10::DeviceIndex(-1);
+  m.loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(package_path, "model",
+                                                                       /*run_single_threaded=*/false,
+                                                                       /*num_runners=*/1, index);
+  const auto meta = m.loader->get_metadata();
+  auto kind = meta.find("customops_causal_lm");
+  if (kind == meta.end() || kind->second != "1") {
+    throw std::invalid_argument(package_path +
+                                " is not a causal-LM package (write one with customops.export.package_causal_lm)");
+  }
+  auto key = meta.find("AOTI_DEVICE_KEY");
+  const std::string type = key == meta.end() || key->second.empty() ? "cpu" : key->second;
+  m.device = type == "cpu" ? c10::Device(c10::kCPU) : c10::Device(type + ":" + std::to_string(std::max<int>(index, 0)));
+  m.max_batch = metadata_int(meta, "max_batch", package_path);
+  m.max_seq_len = metadata_int(meta, "max_seq_len", package_path);
+  m.vocab = metadata_int(meta, "vocab_size", package_path);
+  m.eos = metadata_optional(meta, "eos_token_id");
+  m.pad = metadata_optional(meta, "pad_token_id").value_or(m.eos.value_or(0));
+}
+
+CausalLM::~CausalLM() = default;
+
+int64_t CausalLM::max_batch() const { return impl_->max_batch; }
+int64_t CausalLM::max_seq_len() const { return impl_->max_seq_len; }
+int64_t CausalLM::vocab_size() const { return impl_->vocab; }
+std::optional<int64_t> CausalLM::eos_token_id() const { return impl_->eos; }
+c10::Device CausalLM::device() const { return impl_->device; }
+
+GenerateResult CausalLM::generate(const std::vector<std::vector<int64_t>>& prompts, const GenerateOptions& o) {
+  auto& m = *impl_;
+  const int64_t b = static_cast<int64_t>(prompts.size());
+  if (b < 1 || b > m.max_batch) {
+    throw std::invalid_argument(std::to_string(b) + " prompts, but the package takes 1 to " +
+                                std::to_string(m.max_batch) + " (its max_batch)");
+  }
+  if (o.max_new_tokens < 1) throw std::invalid_argument("max_new_tokens must be at least 1");
+  if (o.top_k < 0) throw std::invalid_argument("top_k must be >= 0");
+  if (!(o.top_p > 0 && o.top_p <= 1)) throw std::invalid_argument("top_p must be in (0, 1]");
+  if (!(o.temperature >= 0)) throw std::invalid_argument("temperature must be >= 0");
+  int64_t longest = 0;
+  for (int64_t i = 0; i < b; ++i) {
+    const auto& p = prompts[i];
+    const std::string which = "prompt " + std::to_string(i);
+    if (p.empty()) throw std::invalid_argument(which + " is empty");
+    if (static_cast<int64_t>(p.size()) > m.max_seq_len) {
+      throw std::invalid_argument(which + " has " + std::to_string(p.size()) + " ids, more than the package's max_seq_len (" +
+                                  std::to_string(m.max_seq_len) + ")");
+    }
+    for (size_t j = 0; j < p.size(); ++j) {
+      if (p[j] < 0 || p[j] >= m.vocab) {
+        throw std::invalid_argument(which + " holds id " + std::to_string(p[j]) + " at position " + std::to_string(j) +
+                                    ", outside the vocabulary [0, " + std::to_string(m.vocab) + ")");
+      }
+    }
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(p.size()));
+  }
+
+  const auto ids_options = at::TensorOptions().dtype(at::kLong);
+  at::Tensor input = at::full({b, longest}, m.pad, ids_options);
+  std::vector<int64_t> lengths(b);
+  GenerateResult r;
+  r.ids.resize(b);
+  for (int64_t i = 0; i < b; ++i) {
+    lengths[i] = static_cast<int64_t>(prompts[i].size());
+    input[i].narrow(0, 0, lengths[i]).copy_(at::tensor(prompts[i], ids_options));
+    r.prefill_tokens += lengths[i];
+  }
+  at::Generator gen = make_generator(m.device, o.seed);
+  auto run = [&](const at::Tensor& ids, const std::vector<int64_t>& start, const at::Tensor& count) {
+    std::vector<at::Tensor> inputs = {ids.to(m.device), at::tensor(start, ids_options).to(m.device), count.to(m.device)};
+    return sample(m.loader->run(inputs).at(0), o, gen).cpu();  // .cpu() waits for the device
+  };
+
+  auto t0 = std::chrono::steady_clock::now();
+  at::Tensor next = run(input, std::vector<int64_t>(b, 0), at::tensor(lengths, ids_options));
+  r.prefill_ms = ms_since(t0);
+
+  std::vector<bool> done(b, false);
+  auto take = [&](const at::Tensor& next_ids) {
+    auto acc = next_ids.accessor<int64_t, 1>();
+    bool all_done = true;
+    for (int64_t i = 0; i < b; ++i) {
+      if (!done[i]) {
+        r.ids[i].push_back(acc[i]);
+        if ((o.stop_at_eos && m.eos && acc[i] == *m.eos) || static_cast<int64_t>(r.ids[i].size()) >= o.max_new_tokens ||
+            lengths[i] >= m.max_seq_len) {
+          done[i] = true;
+        }
+      }
+      all_done = all_done && done[i];
+    }
+    return all_done;
+  };
+  t0 = std::chrono::steady_clock::now();
+  const at::Tensor ones = at::ones({b}, ids_options);
+  while (!take(next)) {
+    // The new id goes in at each sequence's length; a finished one is fed its last id again at its
+    // last position (its cache row is its own, and its ids are no longer read).
+    std::vector<int64_t> start(b);
+    for (int64_t i = 0; i < b; ++i) start[i] = done[i] ? std::min(lengths[i], m.max_seq_len - 1) : lengths[i]++;
+    next = run(next.view({b, 1}), start, ones);
+    ++r.decode_steps;
+  }
+  r.decode_ms = ms_since(t0);
+  return r;
+}
+
+}  // namespace customops

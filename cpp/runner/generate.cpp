@@ -1,0 +1,168 @@
+// customops-run generate: text generation from a causal-LM package through customops::CausalLM
+// (customops/generate.h). Ids in and out: one prompt a line of space-separated ids, one line of
+// new ids a prompt on stdout, timings on stderr.
+#include <customops/generate.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "runner/runner.h"
+
+namespace customops::runner {
+namespace {
+
+constexpr const char* kGenerateUsage = R"(usage: customops-run generate PACKAGE.pt2 (--prompt "ID ID ..." | --prompts FILE) [options]
+
+Generates token ids from a causal-LM package (customops.export.package_causal_lm), with no Python:
+prefills every prompt in one run, decodes until each has produced the package's eos id or
+--max-new-tokens ids, and prints one line of new ids per prompt (space-separated) on stdout and
+the timings on stderr. Ids in and out: tokenize and detokenize with the model's tokenizer.
+
+  --prompt "ID ..."      one prompt (repeat for several; they form one batch)
+  --prompts FILE         one prompt a line (ids separated by spaces; no empty lines)
+  --max-new-tokens N     at most N new ids per prompt (default: 32)
+  --temperature T        0 (default): greedy; otherwise sample from softmax(logits / T)
+  --top-k K              sample among the K largest logits (default: 0, all)
+  --top-p P              sample among the fewest ids whose probability reaches P (default: 1)
+  --seed S               the sampler's seed (default: 0); the same seed gives the same ids
+  --ignore-eos           do not stop at the eos id
+  --device DEVICE        cpu, cuda or cuda:N (default: the package's device, index 0)
+  -h, --help             print this help
+)";
+
+std::vector<int64_t> parse_ids(const std::string& text, const std::string& where) {
+  std::vector<int64_t> ids;
+  std::istringstream in(text);
+  std::string word;
+  while (in >> word) {
+    size_t used = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(word, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != word.size() || used == 0) throw UserError(where + ": '" + word + "' is not a token id (an integer)");
+    ids.push_back(v);
+  }
+  if (ids.empty()) throw UserError(where + " holds no ids");
+  return ids;
+}
+
+template <typename T>
+T parse_number(const std::string& flag, const std::string& value) {
+  try {
+    size_t used = 0;
+    T v;
+    if constexpr (std::is_floating_point_v<T>) {
+      v = static_cast<T>(std::stod(value, &used));
+    } else {
+      v = static_cast<T>(std::stoll(value, &used));
+    }
+    if (used == value.size()) return v;
+  } catch (const std::exception&) {
+  }
+  throw UsageError(flag + " expects a number, got '" + value + "'");
+}
+
+}  // namespace
+
+int generate_main(int argc, char** argv) {
+  std::string package;
+  std::vector<std::vector<int64_t>> prompts;
+  std::optional<std::string> prompts_file, device;
+  GenerateOptions o;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw UsageError(a + " expects a value");
+      return argv[++i];
+    };
+    if (a == "-h" || a == "--help") {
+      std::cout << kGenerateUsage;
+      return 0;
+    } else if (a == "--prompt") {
+      prompts.push_back(parse_ids(value(), "--prompt " + std::to_string(prompts.size() + 1)));
+    } else if (a == "--prompts") {
+      prompts_file = value();
+    } else if (a == "--max-new-tokens") {
+      o.max_new_tokens = parse_number<int64_t>(a, value());
+    } else if (a == "--temperature") {
+      o.temperature = parse_number<double>(a, value());
+    } else if (a == "--top-k") {
+      o.top_k = parse_number<int64_t>(a, value());
+    } else if (a == "--top-p") {
+      o.top_p = parse_number<double>(a, value());
+    } else if (a == "--seed") {
+      o.seed = parse_number<uint64_t>(a, value());
+    } else if (a == "--ignore-eos") {
+      o.stop_at_eos = false;
+    } else if (a == "--device") {
+      device = value();
+    } else if (a.size() > 1 && a[0] == '-') {
+      throw UsageError("unknown option " + a + " (see generate --help)");
+    } else if (package.empty()) {
+      package = a;
+    } else {
+      throw UsageError("generate expects one PACKAGE.pt2, got also '" + a + "' (see generate --help)");
+    }
+  }
+  if (package.empty()) throw UsageError("generate expects PACKAGE.pt2 (see generate --help)");
+  if (prompts_file && !prompts.empty()) throw UsageError("give --prompt or --prompts, not both");
+  if (prompts_file) {
+    require_regular_file(*prompts_file, "the prompts file");
+    std::ifstream in(*prompts_file);
+    std::string line;
+    for (int n = 1; std::getline(in, line); ++n) {
+      prompts.push_back(parse_ids(line, *prompts_file + " line " + std::to_string(n)));
+    }
+  }
+  if (prompts.empty()) throw UsageError("generate expects --prompt \"ID ...\" or --prompts FILE");
+  require_regular_file(package, "the package");
+  verify_package(package);
+
+  std::optional<c10::Device> dev;
+  if (device) {
+    try {
+      dev = c10::Device(*device);
+    } catch (const std::exception&) {
+      throw UsageError("--device expects cpu, cuda or cuda:N, got '" + *device + "'");
+    }
+  }
+  std::unique_ptr<CausalLM> lm;
+  try {
+    lm = std::make_unique<CausalLM>(package, dev);
+  } catch (const std::invalid_argument& e) {
+    throw UserError(e.what());
+  } catch (const std::exception& e) {
+    throw UserError("cannot load " + package + ": " + message_of(e));
+  }
+  if (dev && dev->type() != lm->device().type()) {
+    throw UserError(package + " was compiled for " + lm->device().str() + ", not " + dev->str());
+  }
+  GenerateResult r;
+  try {
+    r = lm->generate(prompts, o);
+  } catch (const std::invalid_argument& e) {
+    throw UserError(e.what());
+  }
+  for (const auto& ids : r.ids) {
+    for (size_t j = 0; j < ids.size(); ++j) std::cout << (j ? " " : "") << ids[j];
+    std::cout << "\n";
+  }
+  std::cout.flush();
+  std::fprintf(stderr, "prefill: %lld tokens in %.3f ms (%.1f tokens/s)\n", static_cast<long long>(r.prefill_tokens),
+               r.prefill_ms, r.prefill_tokens / (r.prefill_ms / 1e3));
+  std::fprintf(stderr, "decode: %lld steps of %zu sequence(s) in %.3f ms (%.3f ms/token)\n",
+               static_cast<long long>(r.decode_steps), prompts.size(), r.decode_ms,
+               r.decode_steps ? r.decode_ms / r.decode_steps : 0.0);
+  return 0;
+}
+
+}  // namespace customops::runner

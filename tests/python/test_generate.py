@@ -1,0 +1,165 @@
+"""Generation without Python: a Hugging Face Llama packaged with its KV cache
+(customops.export.package_causal_lm) agrees with Hugging Face's eager forward at every position,
+and ``customops-run generate`` gives the ids of ``model.generate``; bad input gets one line and a
+non-zero exit. One small float32 model, packaged once (about 20 s here)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import customops
+
+transformers = pytest.importorskip("transformers")
+
+from test_aoti import clean_env, run  # noqa: E402  (the runner's environment: no Python on its path)
+
+MAX_BATCH, MAX_SEQ_LEN, VOCAB = 2, 24, 256
+
+
+def _model():
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=256,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # well-separated logits: greedy ids do not hinge on rounding
+        model.lm_head.weight.mul_(20)
+    return model
+
+
+@pytest.fixture(scope="module")
+def packaged(tmp_path_factory):
+    model = _model()
+    path = customops.export.package_causal_lm(model, tmp_path_factory.mktemp("lm") / "llama.pt2",
+                                              max_batch=MAX_BATCH, max_seq_len=MAX_SEQ_LEN)
+    return model, path
+
+
+def _prompts(*lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def _hf_generate(model, prompt, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
+def _generate(path, *args):
+    return run([customops.runner_path(), "generate", path, *args])
+
+
+def test_teacher_forced_logits_match_hugging_face_at_every_position(packaged):
+    model, path = packaged
+    lm = torch._inductor.aoti_load_package(path)
+    ids = torch.tensor(_prompts(MAX_SEQ_LEN, MAX_SEQ_LEN))
+    with torch.no_grad():
+        want = model(ids).logits
+    longs = dict(dtype=torch.long)
+    # a prefill of 5 tokens, then one token a call up to a full cache
+    got = [lm(ids[:, :5].contiguous(), torch.zeros(2, **longs), torch.full((2,), 5, **longs))]
+    for t in range(5, MAX_SEQ_LEN):
+        got.append(lm(ids[:, t:t + 1].contiguous(), torch.full((2,), t, **longs), torch.ones(2, **longs)))
+    got = torch.stack(got, 1)
+    torch.testing.assert_close(got, want[:, 4:], atol=1e-4, rtol=1e-4)
+    # prompts of different lengths in one batch, right-padded: each gives its own last logits
+    got = lm(ids[:, :7].contiguous(), torch.zeros(2, **longs), torch.tensor([7, 3]))
+    torch.testing.assert_close(got, torch.stack([want[0, 6], want[1, 2]]), atol=1e-4, rtol=1e-4)
+
+
+def test_a_failed_call_leaves_nothing_the_next_call_reads(packaged):
+    model, path = packaged
+    lm = torch._inductor.aoti_load_package(path)
+    ids = torch.tensor(_prompts(6))
+    longs = dict(dtype=torch.long)
+    with pytest.raises(Exception):  # too many tokens for the cache: the package's own input check
+        lm(torch.zeros(1, MAX_SEQ_LEN + 1, **longs), torch.zeros(1, **longs), torch.ones(1, **longs))
+    with torch.no_grad():
+        want = model(ids).logits[0, -1]
+    torch.testing.assert_close(lm(ids, torch.zeros(1, **longs), torch.full((1,), 6, **longs))[0], want,
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_runner_generates_hugging_face_greedy_ids_for_a_batch_of_unequal_prompts(packaged):
+    model, path = packaged
+    prompts = _prompts(9, 4)
+    r = _generate(path, "--prompt", " ".join(map(str, prompts[0])), "--prompt", " ".join(map(str, prompts[1])),
+                  "--max-new-tokens", "8")
+    assert r.returncode == 0, r.stderr
+    got = [list(map(int, line.split())) for line in r.stdout.splitlines()]
+    assert got == [_hf_generate(model, p, 8) for p in prompts]
+    assert "prefill: 13 tokens" in r.stderr and "ms/token" in r.stderr, r.stderr
+
+
+def test_runner_fills_the_cache_to_max_seq_len(packaged, tmp_path):
+    model, path = packaged
+    # a prompt one short of the cache: its first new id is decoded into the last position, and
+    # the sequence ends there, however many new ids were asked for
+    prompt = _prompts(MAX_SEQ_LEN - 1)[0]
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(" ".join(map(str, prompt)) + "\n")
+    r = _generate(path, "--prompts", prompts, "--max-new-tokens", "5", "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    assert list(map(int, r.stdout.split())) == _hf_generate(model, prompt, 2)
+    full = _prompts(MAX_SEQ_LEN)[0]
+    r = _generate(path, "--prompt", " ".join(map(str, full)), "--max-new-tokens", "5")
+    assert r.returncode == 0, r.stderr
+    assert list(map(int, r.stdout.split())) == _hf_generate(model, full, 1)
+
+
+def test_seeded_sampling_is_reproducible(packaged):
+    _, path = packaged
+    prompt = " ".join(map(str, _prompts(5)[0]))
+    args = ["--prompt", prompt, "--prompt", prompt, "--max-new-tokens", "10", "--temperature", "3", "--top-k", "50",
+            "--top-p", "0.95", "--ignore-eos"]
+    a, b, c = (_generate(path, *args, "--seed", s) for s in ("7", "7", "8"))
+    assert a.returncode == b.returncode == c.returncode == 0, a.stderr + c.stderr
+    assert a.stdout == b.stdout
+    assert a.stdout != c.stdout  # 20 draws at temperature 3 from ~50 ids
+    assert all(len(line.split()) == 10 for line in a.stdout.splitlines())
+
+
+@pytest.mark.parametrize("args,error", [
+    (["--prompt", " ".join(["5"] * (MAX_SEQ_LEN + 1))], r"prompt 0 has 25 ids, more than the package's max_seq_len \(24\)"),
+    (["--prompt", "5", "--prompt", "6", "--prompt", "7"], r"3 prompts, but the package takes 1 to 2"),
+    (["--prompt", "5 256"], r"prompt 0 holds id 256 at position 1, outside the vocabulary \[0, 256\)"),
+    (["--prompt", "5 x"], r"--prompt 1: 'x' is not a token id"),
+    (["--prompt", "5", "--top-p", "0"], r"top_p must be in \(0, 1\]"),
+    (["--prompt", "5", "--max-new-tokens", "0"], r"max_new_tokens must be at least 1"),
+    ([], r"generate expects --prompt"),
+])
+def test_runner_says_what_is_wrong(packaged, args, error):
+    import re
+
+    r = _generate(packaged[1], *args)
+    assert r.returncode in (1, 2), r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.search(error, lines[0]), r.stderr
+
+
+def test_runner_rejects_bad_prompt_files_and_packages(packaged, tmp_path):
+    bad = tmp_path / "prompts.txt"
+    bad.write_text("5 6\n\n7\n")
+    r = _generate(packaged[1], "--prompts", bad)
+    assert r.returncode == 1 and "prompts.txt line 2 holds no ids" in r.stderr, r.stderr
+    not_lm = tmp_path / "not.pt2"
+    not_lm.write_bytes(b"not a zip file")
+    r = _generate(not_lm, "--prompt", "5")
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_package_metadata_names_the_model(packaged):
+    r = run([customops.runner_path(), "--info", packaged[1]])
+    assert r.returncode == 0, r.stderr
+    meta = dict(line.split(": ", 1) for line in r.stdout.splitlines())
+    assert meta["customops_causal_lm"] == "1" and meta["family"] == "llama"
+    assert (meta["max_batch"], meta["max_seq_len"], meta["vocab_size"]) == ("2", "24", "256")
+    assert meta["eos_token_id"] == "2" and meta["customops_version"] == customops.__version__
+
+
+def test_package_points_a_causal_lm_at_package_causal_lm(tmp_path):
+    with pytest.raises(TypeError, match="package_causal_lm"):
+        customops.export.package(_model(), (torch.zeros(1, 4, dtype=torch.long),), tmp_path / "x.pt2")
