@@ -163,3 +163,23 @@ def test_package_metadata_names_the_model(packaged):
 def test_package_points_a_causal_lm_at_package_causal_lm(tmp_path):
     with pytest.raises(TypeError, match="package_causal_lm"):
         customops.export.package(_model(), (torch.zeros(1, 4, dtype=torch.long),), tmp_path / "x.pt2")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not customops.build_info()["cuda"], reason="needs CUDA")
+def test_cuda_bfloat16_package_generates_hugging_face_greedy_ids(tmp_path):
+    model = _model().to("cuda", torch.bfloat16)
+    path = customops.export.package_causal_lm(model, tmp_path / "llama-cuda.pt2", max_batch=MAX_BATCH,
+                                              max_seq_len=MAX_SEQ_LEN)
+    lm = torch._inductor.aoti_load_package(path)
+    ids = torch.tensor(_prompts(12, 12), device="cuda")
+    longs = dict(dtype=torch.long, device="cuda")
+    with torch.no_grad():
+        want = model(ids).logits.float()
+    got = lm(ids[:, :8].contiguous(), torch.zeros(2, **longs), torch.full((2,), 8, **longs))
+    torch.testing.assert_close(got, want[:, 7], atol=0.5, rtol=5e-2)  # bf16 through 2 layers and a x20 head
+    prompts = _prompts(9, 4)
+    r = _generate(path, "--prompt", " ".join(map(str, prompts[0])), "--prompt", " ".join(map(str, prompts[1])),
+                  "--max-new-tokens", "8")
+    assert r.returncode == 0, r.stderr
+    got = [list(map(int, line.split())) for line in r.stdout.splitlines()]
+    assert got == [_hf_generate(model, p, 8) for p in prompts]

@@ -1,0 +1,202 @@
+"""``python -m customops bench --generate``: text generation with a Hugging Face Llama, Python's
+``generate`` against ``customops-run generate`` on a package_causal_lm package, side by side.
+
+Every variant generates greedily from the same random-weight model (Llama-3.2-1B shapes on CUDA,
+16 layers; a small config on CPU) for prompts of ``--prompt-len`` random ids, batch 1 and 8.
+Prefill tokens/s comes from a generation of one token; decode ms/token from the difference between
+``--new-tokens`` tokens and one, over the extra tokens. The runner reports its own prefill and
+decode times (stderr). The floor is the bytes a decode step must read (the weights once, plus the
+KV cache at the mean length) at the device-to-device copy speed measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import tempfile
+import time
+
+import torch
+
+import customops
+
+from .. import _cli
+from .common import pick_device, versions
+from .model import LLAMA_1B
+
+SMALL = dict(hidden_size=256, intermediate_size=768, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+             vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=4096)
+VARIANTS = ("eager", "customops.optimize", "static cache + torch.compile", "customops-run generate")
+
+
+def _model(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(LLAMA_1B, num_hidden_layers=args.layers) if args.device == "cuda" else dict(SMALL, num_hidden_layers=args.layers)
+    cfg = LlamaConfig(**kw, attn_implementation="sdpa", eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(args.device):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16 if args.device == "cuda" else torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _hf_times(model, ids, new_tokens, device, **kw) -> tuple[float, float]:
+    """(prefill tokens/s, decode ms/token) of model.generate, the better of 2 after a warm-up."""
+
+    def timed(n):
+        ts = []
+        for _ in range(3):
+            _sync(device)
+            t = time.perf_counter()
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                               attention_mask=torch.ones_like(ids), **kw)
+            _sync(device)
+            ts.append(time.perf_counter() - t)
+        return min(ts[1:])  # the first is a warm-up
+
+    one, many = timed(1), timed(new_tokens)
+    return ids.numel() / one, (many - one) / (new_tokens - 1) * 1e3
+
+
+def _runner_times(path, ids, new_tokens) -> tuple[float, float]:
+    cmd = [customops.runner_path(), "generate", path, "--max-new-tokens", str(new_tokens), "--ignore-eos"]
+    for row in ids.tolist():
+        cmd += ["--prompt", " ".join(map(str, row))]
+    best = None
+    for _ in range(2):  # each run loads the package: its times are its own prefill and decode
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}")
+        prefill = float(re.search(r"\(([\d.]+) tokens/s\)", r.stderr).group(1))
+        decode = float(re.search(r"\(([\d.]+) ms/token\)", r.stderr).group(1))
+        if best is None or decode < best[1]:
+            best = (prefill, decode)
+    return best
+
+
+def _copy_speed(device) -> float:
+    """Memory bandwidth (read + write bytes a second) of a large copy on the device."""
+    a = torch.ones(2**28 if device == "cuda" else 2**25, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    _sync(device)
+    t = time.perf_counter()
+    for _ in range(20):
+        b.copy_(a)
+    _sync(device)
+    return 2 * a.numel() * 4 * 20 / (time.perf_counter() - t)
+
+
+def run(args) -> dict:
+    model = _model(args)
+    cfg = model.config
+    wanted = [v.strip() for v in args.variants.split(",")] if args.variants else list(VARIANTS)
+    batches = [int(b) for b in args.batches.split(",")]
+    max_seq_len = args.prompt_len + args.new_tokens
+    g = torch.Generator().manual_seed(1)
+    # parameters() counts a tied embedding once: the LM head reads it whole, the lookup a row a token
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    speed = _copy_speed(args.device)
+    rows, notes = [], []
+    package = None
+    if "customops-run generate" in wanted:
+        t = time.perf_counter()
+        package = customops.export.package_causal_lm(model, tempfile.mkdtemp() + "/llama.pt2", max_batch=max(batches),
+                                                     max_seq_len=max_seq_len)
+        notes.append(f"package_causal_lm: {time.perf_counter() - t:.0f} s (max_batch {max(batches)}, "
+                     f"max_seq_len {max_seq_len})")
+    for b in batches:
+        ids = torch.randint(1, cfg.vocab_size, (b, args.prompt_len), generator=g).to(args.device)
+        # keys and values of every layer at the mean length, in the model's dtype
+        kv = 2 * cfg.num_hidden_layers * b * cfg.num_key_value_heads * cfg.head_dim * (args.prompt_len + args.new_tokens / 2) \
+            * next(model.parameters()).element_size()
+        floor_ms = (weight_bytes + kv) / speed * 1e3
+        for v in wanted:
+            if not args.no_progress:
+                print(f"... batch {b}: {v}", flush=True)
+            try:
+                if v == "eager":
+                    pre, dec = _hf_times(model, ids, args.new_tokens, args.device)
+                elif v == "customops.optimize":
+                    opt, _ = customops.optimize(_model(args))
+                    pre, dec = _hf_times(opt.eval(), ids, args.new_tokens, args.device)
+                    del opt
+                elif v == "static cache + torch.compile":
+                    m = _model(args)
+                    m.forward = torch.compile(m.forward, mode="reduce-overhead", fullgraph=True)
+                    pre, dec = _hf_times(m, ids, args.new_tokens, args.device, cache_implementation="static")
+                    del m
+                else:
+                    pre, dec = _runner_times(package, ids.cpu(), args.new_tokens)
+                rows.append({"variant": v, "batch": b, "prefill_tokens_per_s": pre, "decode_ms": dec,
+                             "floor_ms": floor_ms})
+            except Exception as e:  # noqa: BLE001  (a variant that fails is reported, the others run)
+                msg = (str(e).strip().splitlines() or [""])[0][:200]
+                rows.append({"variant": v, "batch": b, "error": f"{type(e).__name__}: {msg}", "floor_ms": floor_ms})
+            torch._dynamo.reset()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "versions": versions(args.device),
+            "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
+            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "weight_gb": weight_bytes / 1e9,
+            "copy_gb_s": speed / 1e9}
+    return {"meta": meta, "rows": rows, "notes": notes}
+
+
+def print_report(report: dict) -> None:
+    m = report["meta"]
+    print(f"{m['device']}; " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
+    print(f"Llama {m['layers']} layers, hidden {m['hidden']}, vocabulary {m['vocab']}, {m['weight_gb']:.2f} GB of "
+          f"weights; prompt {m['prompt_len']}, {m['new_tokens']} greedy new tokens; copy speed "
+          f"{m['copy_gb_s']:.0f} GB/s")
+    print(f"{'variant':32s} {'batch':>5s} {'prefill tok/s':>14s} {'decode ms/tok':>14s} {'x floor':>8s} {'vs eager':>9s}")
+    eager = {r["batch"]: r.get("decode_ms") for r in report["rows"] if r["variant"] == "eager"}
+    for r in report["rows"]:
+        if "error" in r:
+            print(f"{r['variant']:32s} {r['batch']:5d}  {r['error']}")
+            continue
+        e = eager.get(r["batch"])
+        print(f"{r['variant']:32s} {r['batch']:5d} {r['prefill_tokens_per_s']:14,.0f} {r['decode_ms']:14.2f} "
+              f"{r['decode_ms'] / r['floor_ms']:7.2f}x {(e / r['decode_ms']) if e else float('nan'):8.2f}x")
+    floors = {r["batch"]: r["floor_ms"] for r in report["rows"]}
+    print("floor (weights + mean KV at the copy speed): " + ", ".join(f"batch {b} {f:.2f} ms" for b, f in floors.items()))
+    for n in report["notes"]:
+        print(n)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m customops bench --generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--generate", action="store_true", required=True)
+    p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument("--layers", type=int, help="decoder layers (default: 16 on CUDA, 4 on CPU)")
+    p.add_argument("--prompt-len", type=int, help="default: 512 on CUDA, 64 on CPU")
+    p.add_argument("--new-tokens", type=int, help="default: 256 on CUDA, 32 on CPU")
+    p.add_argument("--batches", default=None, help="comma-separated (default: 1,8 on CUDA, 1 on CPU)")
+    p.add_argument("--variants", help=f"comma-separated subset of: {', '.join(VARIANTS)}")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    _cli.require("python -m customops bench --generate", {"transformers": "hf"})
+    args.device = pick_device(p, args.device)
+    cuda = args.device == "cuda"
+    args.layers = args.layers or (16 if cuda else 4)
+    args.prompt_len = args.prompt_len or (512 if cuda else 64)
+    args.new_tokens = args.new_tokens or (256 if cuda else 32)
+    args.batches = args.batches or ("1,8" if cuda else "1")
+    report = run(args)
+    print_report(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 1 if any("error" in r for r in report["rows"] if r["variant"] != "static cache + torch.compile") else 0
