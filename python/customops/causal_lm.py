@@ -11,19 +11,18 @@ its own (prompts of different lengths are right-padded to one ``T``); it returns
 sequence's last new token, ``[B, vocab]``, in float32.
 
 A sequence's queries see its keys at positions up to their own (causal), so the padding after a
-short prompt is written to the cache but never read: the next call starts that sequence at
-``start + count`` and overwrites it.
+short prompt is written to the cache but never read by its own tokens: the next call starts that
+sequence at ``start + count`` and overwrites it.
 
 The decoder layers are written here with the model's own modules and customops ops (rms_norm,
 rope, silu_mul), the layer structure of Hugging Face's Llama family: this is what lets the cache be
-static and the graph have one dynamic length. The attention over the cache is written with ATen
-(a masked ``scaled_dot_product_attention`` over the whole cache) until customops has its cache ops.
+static and the graph have one dynamic length. Attention reads each sequence's filled part of the
+cache only (customops' private _cache_attention op).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._ops import rms_norm, rope, silu_mul
@@ -82,9 +81,7 @@ class CachedCausalLM(nn.Module):
         positions = start[:, None] + steps  # [B, T]
         h = self.embed(input_ids)
         cos, sin = self.rotary(h, positions)  # [B, T, D]
-        # key j is visible to query i of sequence b when j <= positions[b, i]
-        visible = torch.arange(self.max_seq_len, device=h.device)[None, None, :] <= positions[:, :, None]
-        visible = visible[:, None]  # [B, 1, T, max_seq_len]
+        lengths = start + t  # each sequence's filled length once the T new tokens are written
         # where the new keys and values go: cache[batch, head, position] (an index_put_ on the whole
         # buffer, which export keeps as the buffer's mutation; a write through a view is not)
         write = (torch.arange(b, device=h.device)[:, None, None], torch.arange(self.n_kv, device=h.device)[None, :, None],
@@ -93,14 +90,14 @@ class CachedCausalLM(nn.Module):
             k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
             h = h + self._attention(layer.self_attn, rms_norm(h, layer.input_layernorm.weight,
                                                               layer.input_layernorm.variance_epsilon),
-                                    cos, sin, k_cache, v_cache, write, visible)
+                                    cos, sin, k_cache, v_cache, write, lengths)
             x = rms_norm(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
             mlp = layer.mlp
             h = h + mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
         last = h[torch.arange(b, device=h.device), count - 1]  # [B, hidden]: each sequence's last new token
         return self.lm_head(rms_norm(last, self.norm.weight, self.norm.variance_epsilon)).float()
 
-    def _attention(self, attn, x, cos, sin, k_cache, v_cache, write, visible):
+    def _attention(self, attn, x, cos, sin, k_cache, v_cache, write, lengths):
         b, t, _ = x.shape
         q = attn.q_proj(x).view(b, t, self.n_heads, self.head_dim)
         k = attn.k_proj(x).view(b, t, self.n_kv, self.head_dim)
@@ -112,6 +109,5 @@ class CachedCausalLM(nn.Module):
         v = v.transpose(1, 2)
         k_cache.index_put_(write, k)
         v_cache.index_put_(write, v)
-        o = F.scaled_dot_product_attention(q, k_cache[:b], v_cache[:b], attn_mask=visible, scale=attn.scaling,
-                                           enable_gqa=self.n_heads != self.n_kv)
+        o, _ = torch.ops.customops._cache_attention(q, k_cache, v_cache, lengths, attn.scaling)
         return attn.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))

@@ -183,3 +183,25 @@ def test_cuda_bfloat16_package_generates_hugging_face_greedy_ids(tmp_path):
     assert r.returncode == 0, r.stderr
     got = [list(map(int, line.split())) for line in r.stdout.splitlines()]
     assert got == [_hf_generate(model, p, 8) for p in prompts]
+
+
+def test_cache_attention_reads_each_sequence_filled_part_only():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 3, 8, generator=g)
+    k_cache, v_cache = (torch.randn(3, 2, 10, 8, generator=g) for _ in range(2))
+    k_cache[0, :, 5:] = float("nan")  # past sequence 0's length: never read
+    lengths = torch.tensor([5, 10])
+    op = torch.ops.customops._cache_attention.default
+    out, lse = op(q, k_cache, v_cache, lengths, None)
+    for b, n in enumerate(lengths.tolist()):
+        o, l = customops.attention(q[b:b + 1], k_cache[b:b + 1, :, :n], v_cache[b:b + 1, :, :n], causal=True,
+                                   return_lse=True)
+        torch.testing.assert_close(out[b:b + 1], o)
+        torch.testing.assert_close(lse[b:b + 1], l)
+    torch.library.opcheck(op, (q, k_cache.nan_to_num(), v_cache, lengths, 0.5))
+    with pytest.raises(RuntimeError, match=r"_cache_attention: lengths\[0\] is 2; it must be at least the 3 new"):
+        op(q, k_cache, v_cache, torch.tensor([2, 10]), None)
+    with pytest.raises(RuntimeError, match=r"_cache_attention: the cache holds 1 sequences, fewer than q's batch"):
+        op(q, k_cache[:1], v_cache[:1], lengths, None)
+    with pytest.raises(RuntimeError, match="_cache_attention is not differentiable"):
+        op(q.requires_grad_(), k_cache, v_cache, lengths, None)
