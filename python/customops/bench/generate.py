@@ -141,6 +141,8 @@ def run(args) -> dict:
                     pre, dec = _runner_times(package, ids.cpu(), args.new_tokens)
                 rows.append({"variant": v, "batch": b, "prefill_tokens_per_s": pre, "decode_ms": dec,
                              "floor_ms": floor_ms})
+                if not args.no_progress:
+                    print(f"    prefill {pre:,.0f} tokens/s, decode {dec:.2f} ms/token (floor {floor_ms:.2f})", flush=True)
             except Exception as e:  # noqa: BLE001  (a variant that fails is reported, the others run)
                 msg = (str(e).strip().splitlines() or [""])[0][:200]
                 rows.append({"variant": v, "batch": b, "error": f"{type(e).__name__}: {msg}", "floor_ms": floor_ms})
