@@ -57,15 +57,17 @@ int parse_count(const std::string& flag, const std::string& value, int min) {
 
 }  // namespace
 
+std::string option_value(int argc, char** argv, int& i) {
+  if (i + 1 >= argc) throw UsageError(std::string(argv[i]) + " expects a value");
+  return argv[++i];
+}
+
 Options parse_args(int argc, char** argv) {
   Options o;
   std::vector<std::string> positional;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw UsageError(a + " expects a value");
-      return argv[++i];
-    };
+    auto value = [&] { return option_value(argc, argv, i); };
     if (a == "-h" || a == "--help") {
       std::cout << kUsage;
       std::exit(0);

@@ -80,10 +80,7 @@ int generate_main(int argc, char** argv) {
   GenerateOptions o;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw UsageError(a + " expects a value");
-      return argv[++i];
-    };
+    auto value = [&] { return option_value(argc, argv, i); };
     if (a == "-h" || a == "--help") {
       std::cout << kGenerateUsage;
       return 0;

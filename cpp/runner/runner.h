@@ -52,6 +52,8 @@ struct Options {
 
 // The command line; prints the help or the version and exits for -h, --help and --version.
 Options parse_args(int argc, char** argv);
+// The value of the option at argv[i] (argv[i + 1], and i moves past it); a UsageError if none.
+std::string option_value(int argc, char** argv, int& i);
 
 // ---- package_checks.cpp
 // A UserError naming `what` unless path is a regular file.

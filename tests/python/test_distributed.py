@@ -181,12 +181,17 @@ def _worker(rank: int, world: int, store: str, errors: str, mesh_shape: tuple, b
                     torch.testing.assert_close(a, b, msg=lambda m, i=i: f"grad of input {i}: {m}")
             except Exception:
                 failures.append(f"{name} on mesh {mesh_shape}: {traceback.format_exc(limit=-12)}")
-        if failures:
-            with open(f"{errors}.{rank}", "w") as f:
-                f.write("\n".join(failures))
+        _report(errors, rank, failures)
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _report(errors: str, rank: int, failures: list) -> None:
+    """Writes a rank's failures where _spawn reads them (nothing when there are none)."""
+    if failures:
+        with open(f"{errors}.{rank}", "w") as f:
+            f.write("\n".join(failures))
 
 
 def _spawn(worker, world: int, tmp_path, *args):
@@ -327,9 +332,7 @@ def _model_worker(rank: int, world: int, store: str, errors: str, plan: str, com
                 torch.testing.assert_close(grads[n], p.grad, atol=1e-5, rtol=1e-4)
             except AssertionError as e:
                 failures.append(f"grad of {n}: {e}")
-        if failures:
-            with open(f"{errors}.{rank}", "w") as f:
-                f.write(f"{plan}: " + "\n".join(failures))
+        _report(errors, rank, [f"{plan}: {f}" for f in failures])
         dist.barrier()
     except Exception:
         with open(f"{errors}.{rank}", "w") as f:
@@ -386,9 +389,7 @@ def _ring_worker(rank: int, world: int, store: str, errors: str, backend: str = 
                     torch.testing.assert_close(a, b.detach(), **(tol or {}), msg=lambda m, w=what: f"{w}: {m}")
             except Exception:
                 failures.append(f"{name}: {traceback.format_exc(limit=-3)}")
-        if failures:
-            with open(f"{errors}.{rank}", "w") as f:
-                f.write("\n".join(failures))
+        _report(errors, rank, failures)
         dist.barrier()
     finally:
         dist.destroy_process_group()

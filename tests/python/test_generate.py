@@ -52,6 +52,16 @@ def _generate(path, *args):
     return run([customops.runner_path(), "generate", path, *args])
 
 
+def _generates_hf_greedy_ids(model, path, prompts, n):
+    """customops-run generate of prompts (one batch) against model.generate of each; the run."""
+    args = [a for p in prompts for a in ("--prompt", " ".join(map(str, p)))]
+    r = _generate(path, *args, "--max-new-tokens", str(n))
+    assert r.returncode == 0, r.stderr
+    got = [list(map(int, line.split())) for line in r.stdout.splitlines()]
+    assert got == [_hf_generate(model, p, n) for p in prompts]
+    return r
+
+
 def test_teacher_forced_logits_match_hugging_face_at_every_position(packaged):
     model, path = packaged
     lm = torch._inductor.aoti_load_package(path)
@@ -85,12 +95,7 @@ def test_a_failed_call_leaves_nothing_the_next_call_reads(packaged):
 
 def test_runner_generates_hugging_face_greedy_ids_for_a_batch_of_unequal_prompts(packaged):
     model, path = packaged
-    prompts = _prompts(9, 4)
-    r = _generate(path, "--prompt", " ".join(map(str, prompts[0])), "--prompt", " ".join(map(str, prompts[1])),
-                  "--max-new-tokens", "8")
-    assert r.returncode == 0, r.stderr
-    got = [list(map(int, line.split())) for line in r.stdout.splitlines()]
-    assert got == [_hf_generate(model, p, 8) for p in prompts]
+    r = _generates_hf_greedy_ids(model, path, _prompts(9, 4), 8)
     assert "prefill: 13 tokens" in r.stderr and "ms/token" in r.stderr, r.stderr
 
 
@@ -177,12 +182,7 @@ def test_cuda_bfloat16_package_generates_hugging_face_greedy_ids(tmp_path):
         want = model(ids).logits.float()
     got = lm(ids[:, :8].contiguous(), torch.zeros(2, **longs), torch.full((2,), 8, **longs))
     torch.testing.assert_close(got, want[:, 7], atol=0.5, rtol=5e-2)  # bf16 through 2 layers and a x20 head
-    prompts = _prompts(9, 4)
-    r = _generate(path, "--prompt", " ".join(map(str, prompts[0])), "--prompt", " ".join(map(str, prompts[1])),
-                  "--max-new-tokens", "8")
-    assert r.returncode == 0, r.stderr
-    got = [list(map(int, line.split())) for line in r.stdout.splitlines()]
-    assert got == [_hf_generate(model, p, 8) for p in prompts]
+    _generates_hf_greedy_ids(model, path, _prompts(9, 4), 8)
 
 
 def test_cache_attention_reads_each_sequence_filled_part_only():

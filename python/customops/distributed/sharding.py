@@ -270,15 +270,20 @@ def _vocab_mesh_dim(logits, target):
     return dims[0]
 
 
-def _vocab_local(logits, target, mesh_dim):
-    """(local logits, local targets with rows placed as logits', this rank's first class, the
-    whole vocabulary)."""
+def _vocab_local(logits, target, mesh_dim, ignore_index):
+    """(local logits x, local targets t with rows placed as logits', t in this rank's classes,
+    which rows count (t != ignore_index), which of those have their target here, the whole
+    vocabulary)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     rows = list(logits.placements)
     rows[mesh_dim] = R
     _, offset = compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)
-    return logits._local_tensor, _local_as(target, rows), offset[-1], logits.shape[-1]
+    x, t = logits._local_tensor, _local_as(target, rows)
+    local = t - offset[-1]
+    valid = t != ignore_index
+    mine = valid & (local >= 0) & (local < x.shape[-1])
+    return x, t, local, valid, mine, logits.shape[-1]
 
 
 def _local_as(t, placements):
@@ -330,10 +335,7 @@ def _cross_entropy_vocab_parallel(op, args, kwargs):
     if mesh_dim is None:
         return _without_handler(op, args, kwargs)
     group = (logits.device_mesh, mesh_dim)
-    x, t, first, vocab = _vocab_local(logits, target, mesh_dim)
-    local = t - first
-    valid = t != ignore_index
-    mine = valid & (local >= 0) & (local < x.shape[-1])
+    x, t, local, valid, mine, vocab = _vocab_local(logits, target, mesh_dim, ignore_index)
     _, lse_r = op(x, torch.where(mine, local, _SENTINEL), _SENTINEL, 0.0)
     top = funcol.all_reduce(lse_r, "max", group)
     top = torch.where(torch.isfinite(top), top, 0.0)
@@ -362,7 +364,7 @@ def _cross_entropy_backward_vocab_parallel(op, args, kwargs):
     mesh_dim = _vocab_mesh_dim(logits, target)
     if mesh_dim is None:
         return _without_handler(op, args, kwargs)
-    x, t, first, vocab = _vocab_local(logits, target, mesh_dim)
+    x, t, local, valid, mine, vocab = _vocab_local(logits, target, mesh_dim, ignore_index)
     rows = list(logits.placements)
     rows[mesh_dim] = R
 
@@ -370,9 +372,6 @@ def _cross_entropy_backward_vocab_parallel(op, args, kwargs):
         return None if g is None else _local_as(g, rows)
 
     grad_loss, grad_lse, lse = local_rows(grad_loss), local_rows(grad_lse), local_rows(lse)
-    local = t - first
-    valid = t != ignore_index
-    mine = valid & (local >= 0) & (local < x.shape[-1])
     # The op gives a row whose target it holds (g_loss + g_lse) p - g_loss ((1 - e) onehot + e / V_local),
     # and an ignored row g_lse p. A row whose target another rank holds needs (g_loss + g_lse) p -
     # g_loss e / V: its g_loss goes in with g_lse; the e / V terms are set right after.
