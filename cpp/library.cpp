@@ -83,9 +83,14 @@ TORCH_LIBRARY(customops, m) {
         {at::Tag::needs_fixed_stride_order});
   // The attention over the union of two disjoint key sets from the attentions (out, lse) over each.
   m.def("merge_attention(Tensor out_a, Tensor lse_a, Tensor out_b, Tensor lse_b) -> (Tensor, Tensor)");
+  // ---- a static KV cache (decoding; customops.export.package_causal_lm) ----
   // attention of q [B, Hq, T, D] against a KV cache [Bc >= B, Hkv, S, D] that reads only each
   // sequence's filled length: sequence b's keys are positions [0, lengths[b]) and its T queries the
-  // last T of them (causal, bottom-right). Returns (out [B, Hq, T, D], lse [B, Hq, T]) as attention.
-  // Private until it has its op-table row and a split-KV CUDA kernel; package_causal_lm calls it.
-  m.def("_cache_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, float? scale=None) -> (Tensor, Tensor)");
+  // last T of them (causal, bottom-right). Returns (out [B, Hq, T, D], lse [B, Hq, T]) as attention
+  // (out in q's memory order, hence needs_fixed_stride_order).
+  m.def("cache_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, float? scale=None) -> (Tensor, Tensor)",
+        {at::Tag::needs_fixed_stride_order});
+  // k, v [B, Hkv, T, D] written into the caches at positions [start[b], start[b] + T) of each
+  // sequence b, in place (the mutation is in the schema, so export and AOTInductor keep it there).
+  m.def("cache_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor start) -> ()");
 }

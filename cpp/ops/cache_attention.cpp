@@ -1,9 +1,13 @@
-// _cache_attention: attention of new queries against a static KV cache (the decode and prefill
-// steps of a causal LM packaged with customops.export.package_causal_lm), reading each sequence's
-// filled length only. Meta kernel and a device-generic kernel (CPU and CUDA): each sequence's
-// filled prefix goes through customops::attention (causal, bottom-right aligned), so it runs the
-// fused attention kernels of either device. The lengths are read on the host (a device sync on
-// CUDA); a split-KV decoding kernel that reads them on the device is to come.
+// cache_attention and cache_write: a static KV cache (the decode and prefill steps of a causal LM
+// packaged with customops.export.package_causal_lm), device-independent parts: argument checks,
+// Meta kernels, the device-generic kernels (every CPU input; the CUDA inputs the split-KV kernel
+// of cuda/cache_attention.cu does not take), Autograd kernels that refuse gradients (inference
+// ops), a vmap rule for cache_attention, and the typed C++ API.
+//
+// The generic kernels read lengths / start on the host, which on CUDA waits for the device; the
+// CUDA kernels read them on the device (no sync, so a CUDA graph can capture a decode step).
+#include "ops/cache_attention.h"
+
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/GradMode.h>
@@ -11,61 +15,164 @@
 
 #include "customops/customops.h"
 #include "ops/attention.h"
+#include "ops/autocast.h"
+#include "ops/batching.h"
 #include "ops/checks.h"
 
 namespace customops {
+
 namespace {
+constexpr const char* kAttn = "customops::cache_attention";
+constexpr const char* kWrite = "customops::cache_write";
 
-constexpr const char* kOp = "customops::_cache_attention";
+using Pair = std::tuple<at::Tensor, at::Tensor>;
 
-void check_cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& lengths) {
-  checks::float_dtype(kOp, "q", q);
-  checks::defined(kOp, "k_cache", k_cache);
-  checks::defined(kOp, "v_cache", v_cache);
-  checks::same_dtype(kOp, "k_cache", k_cache, "q", q);
-  checks::same_dtype(kOp, "v_cache", v_cache, "q", q);
-  checks::same_device(kOp, "k_cache", k_cache, "q", q);
-  checks::same_device(kOp, "v_cache", v_cache, "q", q);
-  TORCH_CHECK(q.dim() == 4, kOp, ": expected q of shape [B, Hq, T, D], but got ", q.sym_sizes());
-  TORCH_CHECK(k_cache.dim() == 4, kOp, ": expected k_cache of shape [Bc, Hkv, S, D], but got ", k_cache.sym_sizes());
-  checks::same_shape(kOp, "v_cache", v_cache, "k_cache", k_cache);
-  TORCH_SYM_CHECK(k_cache.sym_size(0).sym_ge(q.sym_size(0)), kOp, ": the cache holds ", k_cache.sym_size(0),
-                  " sequences, fewer than q's batch (", q.sym_size(0), ")");
-  TORCH_SYM_CHECK(k_cache.sym_size(3).sym_eq(q.sym_size(3)), kOp, ": expected k_cache's head dim to be q's (",
-                  q.sym_size(3), "), but got ", k_cache.sym_sizes());
-  TORCH_SYM_CHECK(k_cache.sym_size(1).sym_ge(1), kOp, ": k_cache must have at least one head, but got ",
-                  k_cache.sym_sizes());
-  TORCH_SYM_CHECK((q.sym_size(1) % k_cache.sym_size(1)).sym_eq(0), kOp, ": q's heads (", q.sym_size(1),
-                  ") must be a multiple of the cache's (", k_cache.sym_size(1), ") for grouped-query attention");
-  checks::defined(kOp, "lengths", lengths);
-  TORCH_CHECK(lengths.scalar_type() == at::kLong, kOp, ": expected lengths of dtype int64, but got ",
-              lengths.scalar_type());
-  TORCH_CHECK(lengths.dim() == 1, kOp, ": expected lengths of shape [B], but got ", lengths.sym_sizes());
-  TORCH_SYM_CHECK(lengths.sym_size(0).sym_eq(q.sym_size(0)), kOp, ": expected lengths of shape [B] = [",
-                  q.sym_size(0), "], but got ", lengths.sym_sizes());
-  checks::same_device(kOp, "lengths", lengths, "q", q);
+const auto& cache_attention_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("customops::cache_attention", "")
+                       .typed<Pair(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   std::optional<double>)>();
+  return op;
 }
 
-std::tuple<at::Tensor, at::Tensor> cache_attention_meta(const at::Tensor& q, const at::Tensor& k_cache,
-                                                        const at::Tensor& v_cache, const at::Tensor& lengths,
-                                                        std::optional<double>) {
+const auto& cache_write_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("customops::cache_write", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&)>();
+  return op;
+}
+
+// A [Bc, Hkv, S, D] cache pair of one dtype and device.
+void check_cache(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  checks::float_dtype(op, "k_cache", k_cache);
+  checks::defined(op, "v_cache", v_cache);
+  TORCH_CHECK(k_cache.dim() == 4, op, ": expected k_cache of shape [Bc, Hkv, S, D], but got ", k_cache.sym_sizes());
+  checks::same_shape(op, "v_cache", v_cache, "k_cache", k_cache);
+  checks::same_dtype(op, "v_cache", v_cache, "k_cache", k_cache);
+  checks::same_device(op, "v_cache", v_cache, "k_cache", k_cache);
+  TORCH_SYM_CHECK(k_cache.sym_size(1).sym_ge(1), op, ": k_cache must have at least one head, but got ",
+                  k_cache.sym_sizes());
+}
+
+// An int64 [B] tensor of positions on the cache's device.
+void check_positions(const char* op, const char* name, const at::Tensor& t, const c10::SymInt& b,
+                     const at::Tensor& cache) {
+  checks::defined(op, name, t);
+  TORCH_CHECK(t.scalar_type() == at::kLong, op, ": expected ", name, " of dtype int64, but got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == 1, op, ": expected ", name, " of shape [B], but got ", t.sym_sizes());
+  TORCH_SYM_CHECK(t.sym_size(0).sym_eq(b), op, ": expected ", name, " of shape [B] = [", b, "], but got ",
+                  t.sym_sizes());
+  checks::same_device(op, name, t, "k_cache", cache);
+}
+
+// Not differentiable (inference ops): refuse inputs that require grad while grad mode is on rather
+// than return outputs that silently do not.
+void refuse_grad(const char* op, std::initializer_list<at::Tensor> ts) {
+  if (!at::GradMode::is_enabled()) return;
+  for (const auto& t : ts) {
+    TORCH_CHECK(!t.requires_grad(), op, " is not differentiable (an inference op): call it under torch.no_grad() or "
+                "on tensors that do not require grad");
+  }
+}
+
+Pair cache_attention_meta(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& lengths, std::optional<double>) {
   check_cache_attention(q, k_cache, v_cache, lengths);
   return attention_outputs(q);
 }
 
-std::tuple<at::Tensor, at::Tensor> cache_attention_impl(const at::Tensor& q, const at::Tensor& k_cache,
-                                                        const at::Tensor& v_cache, const at::Tensor& lengths,
-                                                        std::optional<double> scale) {
+Pair cache_attention_autograd(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                              const at::Tensor& lengths, std::optional<double> scale) {
+  refuse_grad(kAttn, {q, k_cache, v_cache});
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return cache_attention_op().call(q, k_cache, v_cache, lengths, scale);
+}
+
+// vmap: entries fold into the batch (each entry's B sequences read the first B of its own cache).
+Pair cache_attention_batched(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& lengths, std::optional<double> scale) {
+  batching::Level level({q, k_cache, v_cache, lengths});
+  auto batch = level.batch_size({q, k_cache, v_cache, lengths});
+  if (!batch) return cache_attention_op().call(q, k_cache, v_cache, lengths, scale);
+  const c10::SymInt& e = *batch;
+  const at::Tensor qf = level.front(q, e);
+  const c10::SymInt b = qf.sym_size(1);
+  auto cache = [&](const at::Tensor& c) { return level.front(c, e).narrow_symint(1, 0, b).flatten(0, 1); };
+  auto [out, lse] = cache_attention_op().call(qf.flatten(0, 1), cache(k_cache), cache(v_cache),
+                                              level.front(lengths, e).flatten(0, 1), scale);
+  return {level.wrap(out.unflatten_symint(0, {e, b})), level.wrap(lse.unflatten_symint(0, {e, b}))};
+}
+
+// vmap: the caches must be batched wherever the new values or positions are (an in-place write of
+// batched values, as ATen's in-place rules require); each entry writes its own caches, which stay
+// views of the batched ones.
+void cache_write_batched(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
+                         const at::Tensor& v, const at::Tensor& start) {
+  batching::Level level({k_cache, v_cache, k, v, start});
+  auto batch = level.batch_size({k_cache, v_cache, k, v, start});
+  if (!batch) return cache_write_op().call(k_cache, v_cache, k, v, start);
+  TORCH_CHECK(level.batched(k_cache) && level.batched(v_cache), kWrite,
+              ": vmap: k_cache and v_cache must be batched where k, v or start is (they are written in place)");
+  const c10::SymInt& e = *batch;
+  const at::Tensor kc = level.front(k_cache, e), vc = level.front(v_cache, e), kf = level.front(k, e),
+                   vf = level.front(v, e), sf = level.front(start, e);
+  for (int64_t i = 0, n = e.guard_int(__FILE__, __LINE__); i < n; ++i) {
+    cache_write_op().call(kc[i], vc[i], kf[i], vf[i], sf[i]);
+  }
+}
+
+void cache_write_meta(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& start) {
+  check_cache_write(k_cache, v_cache, k, v, start);
+}
+
+// As ATen's in-place ops under autograd: refuse what would need a gradient, bump the versions of
+// what was written (ADInplaceOrView's job, which this kernel takes over).
+void cache_write_autograd(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
+                          const at::Tensor& v, const at::Tensor& start) {
+  refuse_grad(kWrite, {k_cache, v_cache, k, v});
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    cache_write_op().call(k_cache, v_cache, k, v, start);
+  }
+  k_cache.unsafeGetTensorImpl()->bump_version();
+  v_cache.unsafeGetTensorImpl()->bump_version();
+}
+
+}  // namespace
+
+void check_cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& lengths) {
+  checks::float_dtype(kAttn, "q", q);
+  check_cache(kAttn, k_cache, v_cache);
+  checks::same_dtype(kAttn, "k_cache", k_cache, "q", q);
+  checks::same_device(kAttn, "k_cache", k_cache, "q", q);
+  TORCH_CHECK(q.dim() == 4, kAttn, ": expected q of shape [B, Hq, T, D], but got ", q.sym_sizes());
+  TORCH_SYM_CHECK(k_cache.sym_size(0).sym_ge(q.sym_size(0)), kAttn, ": the cache holds ", k_cache.sym_size(0),
+                  " sequences, fewer than q's batch (", q.sym_size(0), ")");
+  TORCH_SYM_CHECK(k_cache.sym_size(3).sym_eq(q.sym_size(3)), kAttn, ": expected k_cache's head dim to be q's (",
+                  q.sym_size(3), "), but got ", k_cache.sym_sizes());
+  TORCH_SYM_CHECK((q.sym_size(1) % k_cache.sym_size(1)).sym_eq(0), kAttn, ": q's heads (", q.sym_size(1),
+                  ") must be a multiple of the cache's (", k_cache.sym_size(1), ") for grouped-query attention");
+  TORCH_SYM_CHECK(q.sym_size(2).sym_le(k_cache.sym_size(2)), kAttn, ": q has ", q.sym_size(2),
+                  " new queries a sequence, more than the cache's ", k_cache.sym_size(2), " positions");
+  check_positions(kAttn, "lengths", lengths, q.sym_size(0), k_cache);
+}
+
+Pair cache_attention_generic(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& lengths, std::optional<double> scale) {
   check_cache_attention(q, k_cache, v_cache, lengths);
   auto [out, lse] = attention_outputs(q);
   const int64_t b = q.size(0), t = q.size(2), s = k_cache.size(2);
-  const at::Tensor host = lengths.cpu();
+  const at::Tensor host = lengths.cpu().contiguous();
   const int64_t* len = host.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < b; ++i) {
-    TORCH_CHECK(len[i] >= t && len[i] <= s, kOp, ": lengths[", i, "] is ", len[i], "; it must be at least the ", t,
+    TORCH_CHECK(len[i] >= t && len[i] <= s, kAttn, ": lengths[", i, "] is ", len[i], "; it must be at least the ", t,
                 " new queries and at most the cache's ", s, " positions");
   }
+  // attention of the input dtype, as the op's (autocast would run a float32 call in half precision)
+  autocast::Below below;
   for (int64_t i = 0; i < b; ++i) {
     auto [o, l] = customops::attention(q.narrow(0, i, 1), k_cache.narrow(0, i, 1).narrow(2, 0, len[i]),
                                        v_cache.narrow(0, i, 1).narrow(2, 0, len[i]), /*causal=*/true, scale);
@@ -75,28 +182,78 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_impl(const at::Tensor& q, con
   return {out, lse};
 }
 
-// Not differentiable (inference): refuses inputs that require grad while grad mode is on, rather
-// than returning outputs that silently do not.
-std::tuple<at::Tensor, at::Tensor> cache_attention_autograd(const at::Tensor& q, const at::Tensor& k_cache,
-                                                            const at::Tensor& v_cache, const at::Tensor& lengths,
-                                                            std::optional<double> scale) {
-  TORCH_CHECK(!at::GradMode::is_enabled() || !(q.requires_grad() || k_cache.requires_grad() || v_cache.requires_grad()),
-              kOp, " is not differentiable (an inference op): call it under torch.no_grad() or on tensors that do "
-              "not require grad");
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("customops::_cache_attention", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                                 const at::Tensor&, std::optional<double>)>();
-  at::AutoDispatchBelowADInplaceOrView guard;
-  return op.call(q, k_cache, v_cache, lengths, scale);
+void check_cache_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& start) {
+  check_cache(kWrite, k_cache, v_cache);
+  checks::defined(kWrite, "k", k);
+  checks::defined(kWrite, "v", v);
+  TORCH_CHECK(k.dim() == 4, kWrite, ": expected k of shape [B, Hkv, T, D], but got ", k.sym_sizes());
+  checks::same_shape(kWrite, "v", v, "k", k);
+  checks::same_dtype(kWrite, "k", k, "k_cache", k_cache);
+  checks::same_dtype(kWrite, "v", v, "k_cache", k_cache);
+  checks::same_device(kWrite, "k", k, "k_cache", k_cache);
+  checks::same_device(kWrite, "v", v, "k_cache", k_cache);
+  TORCH_SYM_CHECK(k_cache.sym_size(0).sym_ge(k.sym_size(0)), kWrite, ": the cache holds ", k_cache.sym_size(0),
+                  " sequences, fewer than k's batch (", k.sym_size(0), ")");
+  TORCH_SYM_CHECK(k.sym_size(1).sym_eq(k_cache.sym_size(1)).sym_and(k.sym_size(3).sym_eq(k_cache.sym_size(3))), kWrite,
+                  ": expected k of shape [B, Hkv, T, D] with the cache's Hkv and D ", k_cache.sym_sizes(),
+                  ", but got ", k.sym_sizes());
+  TORCH_SYM_CHECK(k.sym_size(2).sym_le(k_cache.sym_size(2)), kWrite, ": k has ", k.sym_size(2),
+                  " new positions a sequence, more than the cache's ", k_cache.sym_size(2));
+  check_positions(kWrite, "start", start, k.sym_size(0), k_cache);
 }
 
-}  // namespace
+void cache_write_generic(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& start) {
+  check_cache_write(k_cache, v_cache, k, v, start);
+  const int64_t b = k.size(0), t = k.size(2), s = k_cache.size(2);
+  const at::Tensor host = start.cpu().contiguous();
+  const int64_t* pos = host.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < b; ++i) {
+    TORCH_CHECK(pos[i] >= 0 && pos[i] <= s - t, kWrite, ": start[", i, "] is ", pos[i], "; its ", t,
+                " new positions must fit in the cache's ", s, " (start in [0, ", s - t, "])");
+  }
+  for (int64_t i = 0; i < b; ++i) {
+    k_cache[i].narrow(1, pos[i], t).copy_(k[i]);
+    v_cache[i].narrow(1, pos[i], t).copy_(v[i]);
+  }
+}
 
-// Registrations: Meta, the device-generic kernel on CPU and CUDA, and Autograd.
-TORCH_LIBRARY_IMPL(customops, Meta, m) { m.impl("_cache_attention", &cache_attention_meta); }
-TORCH_LIBRARY_IMPL(customops, CPU, m) { m.impl("_cache_attention", &cache_attention_impl); }
-TORCH_LIBRARY_IMPL(customops, CUDA, m) { m.impl("_cache_attention", &cache_attention_impl); }
-TORCH_LIBRARY_IMPL(customops, Autograd, m) { m.impl("_cache_attention", &cache_attention_autograd); }
+std::tuple<at::Tensor, at::Tensor> cache_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                   const at::Tensor& v_cache, const at::Tensor& lengths,
+                                                   std::optional<double> scale) {
+  return cache_attention_op().call(q, k_cache, v_cache, lengths, scale);
+}
+
+void cache_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+                 const at::Tensor& start) {
+  cache_write_op().call(k_cache, v_cache, k, v, start);
+}
+
+// Meta, CPU (the generic kernels; cuda/cache_attention.cu registers the CUDA ones), Autograd and
+// vmap registrations.
+TORCH_LIBRARY_IMPL(customops, Meta, m) {
+  m.impl("cache_attention", &cache_attention_meta);
+  m.impl("cache_write", &cache_write_meta);
+}
+TORCH_LIBRARY_IMPL(customops, CPU, m) {
+  m.impl("cache_attention", &cache_attention_generic);
+  m.impl("cache_write", &cache_write_generic);
+}
+#ifndef CUSTOMOPS_WITH_CUDA
+// A build without the CUDA kernels still runs CUDA tensors (a CUDA torch, no CUDA compiler).
+TORCH_LIBRARY_IMPL(customops, CUDA, m) {
+  m.impl("cache_attention", &cache_attention_generic);
+  m.impl("cache_write", &cache_write_generic);
+}
+#endif
+TORCH_LIBRARY_IMPL(customops, Autograd, m) {
+  m.impl("cache_attention", &cache_attention_autograd);
+  m.impl("cache_write", &cache_write_autograd);
+}
+TORCH_LIBRARY_IMPL(customops, FuncTorchBatched, m) {
+  m.impl("cache_attention", &cache_attention_batched);
+  m.impl("cache_write", &cache_write_batched);
+}
 
 }  // namespace customops

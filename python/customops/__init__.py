@@ -31,8 +31,9 @@ _check_torch_version()
 from . import _C  # noqa: E402  (loads libcustomops.so and registers the ops)
 from . import export  # noqa: E402
 from .hf import optimize  # noqa: E402
-from ._ops import (add_rms_norm, attention, cross_entropy, linear_cross_entropy, merge_attention, mul,  # noqa: E402
-                   muladd, rms_norm, rope, scale_clamp, silu, silu_mul, swiglu)
+from ._ops import (add_rms_norm, attention, cache_attention, cache_write, cross_entropy,  # noqa: E402
+                   linear_cross_entropy, merge_attention, mul, muladd, rms_norm, rope, scale_clamp, silu, silu_mul,
+                   swiglu)
 from .distributed import _when_dtensor_loads  # noqa: E402
 
 _when_dtensor_loads()  # DTensor sharding rules, registered when torch.distributed.tensor loads
@@ -109,6 +110,8 @@ __all__ = [
     "linear_cross_entropy",
     "attention",
     "merge_attention",
+    "cache_attention",
+    "cache_write",
     "explain",
     "optimize",
     "library_path", "build_info", "runner_path", "export", "cmake_prefix_path", "__version__"]

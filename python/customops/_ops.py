@@ -239,6 +239,41 @@ def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) 
     return out, lse
 
 
+def cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, *,
+                    scale: float | None = None) -> tuple[Tensor, Tensor]:
+    """Attention of a few new queries a sequence against a static KV cache, reading each
+    sequence's filled length only (decoding and prefill of a causal LM).
+
+    Args:
+        q: ``[B, Hq, T, D]``, the T new queries of each sequence (float32, float64, float16 or
+            bfloat16; any strides with a contiguous last dim).
+        k_cache, v_cache: ``[Bc, Hkv, S, D]`` with ``Bc >= B`` (sequence b reads row b), q's dtype,
+            device and D; Hq a multiple of Hkv (grouped-query attention).
+        lengths: int64 ``[B]`` on q's device: sequence b's keys are cache positions
+            ``[0, lengths[b])``, its new tokens included (``T <= lengths[b] <= S``); its queries
+            are the last T of them, causal.
+        scale: Defaults to ``1 / sqrt(D)``.
+
+    Returns:
+        ``(out, lse)`` as :func:`attention` with ``return_lse=True``. Inference only: inputs that
+        require grad raise under grad mode. On CUDA (float16/bfloat16, D of 64, 128 or 256,
+        ``T <= 16``) a split-KV kernel reads ``lengths`` on the device, so a CUDA graph can capture
+        it; there a length out of range gives NaN rows, elsewhere an error.
+    """
+    out, lse = _callable(_overloads.cache_attention)(q, k_cache, v_cache, lengths, scale)
+    return out, lse
+
+
+def cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, start: Tensor) -> None:
+    """Writes new keys and values into a static KV cache in place: ``k[b]`` and ``v[b]``
+    (``[B, Hkv, T, D]``) go to positions ``[start[b], start[b] + T)`` of sequence b of
+    ``k_cache`` and ``v_cache`` (``[Bc >= B, Hkv, S, D]``, k's dtype and device); ``start`` is int64
+    ``[B]`` on their device. The mutation is declared in the op's schema, so torch.export and
+    AOTInductor keep the caches updated in place. A position outside the cache raises, except on
+    CUDA, where ``start`` is read on the device and rows outside the cache are not written."""
+    _callable(_overloads.cache_write)(k_cache, v_cache, k, v, start)
+
+
 def _reduce(loss: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
     if reduction == "none":
         return loss

@@ -49,6 +49,22 @@ CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, 
 // differentiable. out [..., D], lse out.shape[:-1].
 CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> merge_attention(const at::Tensor& out_a, const at::Tensor& lse_a,
                                                                  const at::Tensor& out_b, const at::Tensor& lse_b);
+// Attention of q [B, Hq, T, D] against a KV cache k_cache, v_cache [Bc >= B, Hkv, S, D] that reads
+// only each sequence's filled length: sequence b's keys are positions [0, lengths[b]) (lengths:
+// int64 [B] on q's device, T <= lengths[b] <= S) and its T queries are the last T of them
+// (causal). Returns (out, lse) as attention. Inference only (refuses inputs that require grad).
+// On CUDA (float16/bfloat16, head dim 64/128/256, T <= 16) a split-KV kernel reads lengths on the
+// device, so a CUDA graph can capture it; a length out of range gives NaN rows there, an error
+// elsewhere.
+CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> cache_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                                 const at::Tensor& v_cache, const at::Tensor& lengths,
+                                                                 std::optional<double> scale = std::nullopt);
+// Writes k, v [B, Hkv, T, D] into k_cache, v_cache [Bc >= B, Hkv, S, D] at positions
+// [start[b], start[b] + T) of each sequence b (start: int64 [B] on the cache's device), in place.
+// A position outside the cache is an error, except on CUDA, where the kernel reads start on the
+// device and writes no row outside the cache.
+CUSTOMOPS_API void cache_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
+                               const at::Tensor& v, const at::Tensor& start);
 // Cross-entropy of logits [N, V] (float32/64, float16, bfloat16; computed in float32) against
 // target [N] (int64; rows whose target is ignore_index give 0). Returns (loss [N], lse [N]), both
 // float32 (float64 for float64): lse, the rows' log-sum-exp, is differentiable (a z-loss needs no

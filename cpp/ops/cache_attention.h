@@ -1,0 +1,43 @@
+// Internal: cache_attention and cache_write (the ops of a static KV cache) shared by their Meta,
+// CPU and CUDA kernels: argument checks, the device-generic kernels that the CUDA ones fall back
+// on, and which inputs the CUDA kernels take without reading lengths or positions on the host.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace customops {
+
+void check_cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& lengths);
+
+// Reads lengths on the host (a device sync on CUDA), checks them, then attends each sequence's
+// filled prefix through customops::attention: the kernel of every device and dtype.
+std::tuple<at::Tensor, at::Tensor> cache_attention_generic(const at::Tensor& q, const at::Tensor& k_cache,
+                                                           const at::Tensor& v_cache, const at::Tensor& lengths,
+                                                           std::optional<double> scale);
+
+// The most new queries a sequence the CUDA split-KV kernel takes (decoding, speculative drafts);
+// longer ones (a prefill) go through cache_attention_generic.
+constexpr int64_t kCacheAttentionMaxQueries = 16;
+
+// Whether cache_attention's CUDA kernel reads lengths on the device for q of this dtype, head dim
+// and number of new queries (with a positive finite scale): no host sync, so a CUDA graph can
+// capture it. customops::CausalLM asks before it captures a decode step.
+inline bool cache_attention_on_device(c10::ScalarType dtype, int64_t head_dim, int64_t queries) {
+  return (dtype == c10::kHalf || dtype == c10::kBFloat16) && (head_dim == 64 || head_dim == 128 || head_dim == 256) &&
+         queries >= 1 && queries <= kCacheAttentionMaxQueries;
+}
+
+void check_cache_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& start);
+
+// Reads start on the host, checks it, then copies each sequence's new rows: every device.
+void cache_write_generic(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
+                         const at::Tensor& v, const at::Tensor& start);
+
+}  // namespace customops

@@ -1,0 +1,502 @@
+// The CUDA kernels of cache_attention and cache_write, which read each sequence's length and start
+// position on the device: no host sync, so a CUDA graph can capture a decode step.
+//
+// cache_attention (float16/bfloat16, head dims 64/128/256, up to kCacheAttentionMaxQueries new
+// queries a sequence; other inputs go through cache_attention_generic) is split-KV attention
+// ("flash-decoding"): decoding reads a long cache for a handful of query rows, so the keys, not the
+// rows, are spread over the GPU. A block owns one (sequence, kv head, split) and the grouped query
+// rows of that kv head (Hq / Hkv heads x T queries, 16 rows a block, padded with zero rows): k and
+// v are read once for all the heads of a group. Its split is an equal share of the sequence's
+// filled length, read on the device, in whole tiles of kKeys keys, so the work follows each
+// sequence's length while the grid depends only on shapes. The block's 4 warps each take 16 keys
+// of every tile (loaded by cp.async, the next tile in flight while this one is computed) with
+// their own online softmax: the tensor cores compute S = Q K^T and O += P V (mma.sync m16n8k16, the
+// rows in the M dimension), and the warps' partials merge through shared memory at the end. With
+// one split the block writes out and lse; otherwise it writes a float32 partial (out normalized,
+// lse) and a second kernel merges the splits of each row.
+//
+// A length outside [T, S] makes its sequence's rows NaN (the generic kernel raises; raising here
+// would need the host to wait). Other inputs go through the generic kernel, or, while a CUDA graph
+// is captured, cache_attention_masked: every path of the op can be captured.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraphsUtils.cuh>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <tuple>
+
+#include "attention.cuh"
+#include "cp_async.cuh"
+#include "ops/attention.h"
+#include "ops/cache_attention.h"
+
+namespace customops {
+namespace {
+
+using namespace cuda::attention;
+using cuda::cp_async16;
+using cuda::cp_async_commit;
+using cuda::cp_async_wait;
+using cuda::smem_addr;
+
+constexpr int kWarps = 4, kThreads = kWarps * 32;
+constexpr int kRows = 16;               // query rows a block (one mma M tile)
+constexpr int kKeys = 16 * kWarps;      // keys a tile: 16 a warp
+constexpr int kMaxSplits = 64;
+
+struct CacheParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  const int64_t* lengths;
+  void* out;          // q's sizes, unit last stride
+  float* lse;         // contiguous [B, Hq, T]
+  float* part_o;      // [splits, B * Hq * T, D] (splits > 1)
+  float* part_lse;    // [splits, B * Hq * T]
+  int64_t qs[3], ks[3], vs[3], os[3];  // strides of B, H, T/S (D's is 1)
+  int64_t hq, hkv, group, t, s, rows;  // rows = group * t: the query rows of one kv head
+  int splits;
+  float scale_log2;
+};
+
+template <int D>
+constexpr int smem_bytes() {
+  return (kRows + 4 * kKeys) * D * 2;  // q, then k and v in two stages
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x) {
+  if constexpr (std::is_same_v<T, __half>) {
+    return __float2half_rn(x);
+  } else {
+    return __float2bfloat16_rn(x);
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p) {
+  constexpr int kDT = D / 8;
+  constexpr uint32_t kTileBytes = kKeys * D * 2;
+  extern __shared__ __align__(128) char smem[];
+  const uint32_t s0 = smem_addr(smem);
+  const Tile<D> sq{s0};
+  const uint32_t kvbase = s0 + kRows * D * 2;
+  auto k_tile = [&](int st) { return Tile<D>{kvbase + st * 2 * kTileBytes}; };
+  auto v_tile = [&](int st) { return Tile<D>{kvbase + st * 2 * kTileBytes + kTileBytes}; };
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int split = blockIdx.x;
+  const int64_t r0 = int64_t(blockIdx.y) * kRows;  // this block's first row of the kv head's rows
+  const int64_t b = blockIdx.z / p.hkv, hk = blockIdx.z % p.hkv;
+  const int64_t len = p.lengths[b];
+  const int64_t total = int64_t(gridDim.z / p.hkv) * p.hq * p.t;  // rows of out: B * Hq * T
+
+  // Where row i of this block goes: (head, query) -> the row index in [B, Hq, T], or -1 (padding).
+  auto out_row = [&](int i) -> int64_t {
+    const int64_t r = r0 + i;
+    if (r >= p.rows) return -1;
+    const int64_t h = hk * p.group + r / p.t;
+    return (b * p.hq + h) * p.t + r % p.t;
+  };
+  // Writes the block's result for row i, column c: out and lse directly with one split, else the
+  // split's partial.
+  auto store = [&](int i, int c, float o, float l, bool with_lse) {
+    const int64_t row = out_row(i);
+    if (row < 0) return;
+    if (p.splits == 1) {
+      const int64_t bh = row / p.t, tq = row % p.t;
+      T* dst = static_cast<T*>(p.out) + (bh / p.hq) * p.os[0] + (bh % p.hq) * p.os[1] + tq * p.os[2] + c;
+      *dst = from_float<T>(o);
+      if (with_lse) p.lse[row] = l;
+    } else {
+      p.part_o[(int64_t(split) * total + row) * D + c] = o;
+      if (with_lse) p.part_lse[int64_t(split) * total + row] = l;
+    }
+  };
+
+  if (len < p.t || len > p.s) {  // no valid keys to read: NaN rows, which the merge keeps
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (int idx = threadIdx.x; idx < kRows * D; idx += kThreads) store(idx / D, idx % D, nan, nan, idx % D == 0);
+    return;
+  }
+  // This split's keys [k0, k1): an equal share of the filled length, in whole tiles.
+  const int64_t per = ((len + p.splits - 1) / p.splits + kKeys - 1) / kKeys * kKeys;
+  const int64_t k0 = std::min<int64_t>(len, split * per), k1 = std::min<int64_t>(len, k0 + per);
+  const int nblocks = static_cast<int>((k1 - k0 + kKeys - 1) / kKeys);
+  const T* kp = static_cast<const T*>(p.k) + b * p.ks[0] + hk * p.ks[1];
+  const T* vp = static_cast<const T*>(p.v) + b * p.vs[0] + hk * p.vs[1];
+
+  float o[kDT][4];
+  float row_max[2] = {-kInfF, -kInfF}, row_sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+
+  if (nblocks > 0) {
+    // q's rows (gathered from their heads and positions; padding rows zero), then the first tile.
+#pragma unroll
+    for (int it = 0; it < kRows * (D / 8) / kThreads; ++it) {
+      const int idx = it * kThreads + threadIdx.x;
+      const int i = idx / (D / 8), c = idx % (D / 8);
+      const int64_t r = r0 + i;
+      const bool valid = r < p.rows;
+      const int64_t h = valid ? hk * p.group + r / p.t : 0, tq = valid ? r % p.t : 0;
+      const T* src = static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1] + tq * p.qs[2] + c * 8;
+      cp_async16(sq.at(i, c * 8), src, valid);
+    }
+    load_tile<kKeys, D, kThreads>(k_tile(0), kp, p.ks[2], k0, k1);
+    load_tile<kKeys, D, kThreads>(v_tile(0), vp, p.vs[2], k0, k1);
+    cp_async_commit();
+  }
+
+  // q's A fragments stay in registers for D <= 128; at D = 256 they would spill (with o's 128
+  // accumulators), so each tile reads them again from shared memory.
+  constexpr bool kQInRegisters = D <= 128;
+  uint32_t qa[kQInRegisters ? D / 16 : 1][4];
+  // Row i of the block (i = lane / 4 + 8 e) sees keys up to len - T + its query's position.
+  int64_t limit[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int64_t r = r0 + lane / 4 + 8 * e;
+    limit[e] = len - p.t + (r < p.rows ? r % p.t : p.t - 1);
+  }
+  for (int j = 0; j < nblocks; ++j) {
+    const int st = j & 1;
+    cp_async_wait<0>();
+    __syncthreads();
+    if constexpr (kQInRegisters) {
+      if (j == 0) {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qa[kk], a_frag(sq, 0, kk * 16, lane));
+      }
+    }
+    if (j + 1 < nblocks) {
+      const int64_t next = k0 + int64_t(j + 1) * kKeys;
+      load_tile<kKeys, D, kThreads>(k_tile(st ^ 1), kp, p.ks[2], next, k1);
+      load_tile<kKeys, D, kThreads>(v_tile(st ^ 1), vp, p.vs[2], next, k1);
+      cp_async_commit();
+    }
+    // s = q k^T over this warp's 16 keys of the tile.
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int qi = kQInRegisters ? kk : 0;
+      if constexpr (!kQInRegisters) ldmatrix_x4(qa[0], a_frag(sq, 0, kk * 16, lane));
+      uint32_t bf[4];
+      ldmatrix_x4(bf, b_frag(k_tile(st), warp * 16, kk * 16, lane));
+      mma<T>(s[0], qa[qi], bf[0], bf[1]);
+      mma<T>(s[1], qa[qi], bf[2], bf[3]);
+    }
+    const int64_t n0 = k0 + int64_t(j) * kKeys + warp * 16;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t col = n0 + nt * 8 + (lane % 4) * 2 + (e & 1);
+        if (col >= k1 || col > limit[e >> 1]) s[nt][e] = -kInfF;
+      }
+    float corr[2];
+    softmax_step(s, row_max, row_sum, corr, p.scale_log2);
+    scale_rows(o, corr);
+    // o += p v over the same 16 keys.
+    uint32_t a[4];
+    accumulators_to_a<T>(a, s[0], s[1]);
+#pragma unroll
+    for (int dt = 0; dt < kDT; dt += 2) {
+      uint32_t bf[4];
+      ldmatrix_x4_trans(bf, bt_frag(v_tile(st), warp * 16, dt * 8, lane));
+      mma<T>(o[dt], a, bf[0], bf[1]);
+      mma<T>(o[dt + 1], a, bf[2], bf[3]);
+    }
+  }
+
+  // The warps' partials (their own max and sum per row) merge through shared memory, which the
+  // tiles no longer need: o [warp][row][D] in float32, then max and sum [warp][row].
+  __syncthreads();
+  float* mo = reinterpret_cast<float*>(smem);
+  float* mm = mo + kWarps * kRows * D;
+  float* ml = mm + kWarps * kRows;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+    const int row = lane / 4 + r * 8;
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+      float* dst = mo + (warp * kRows + row) * D + dt * 8 + (lane % 4) * 2;
+      dst[0] = o[dt][2 * r];
+      dst[1] = o[dt][2 * r + 1];
+    }
+    if (lane % 4 == 0) {
+      mm[warp * kRows + row] = row_max[r];
+      ml[warp * kRows + row] = row_sum[r];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < kRows * D; idx += kThreads) {
+    const int i = idx / D, c = idx % D;
+    float m = -kInfF;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, mm[w * kRows + i]);
+    float sum = 0.f, acc = 0.f;
+    if (m == -kInfF) {  // no key seen: 0 and -inf, unless a NaN score made a sum NaN
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sum += ml[w * kRows + i];
+      store(i, c, sum == 0.f ? 0.f : sum, sum == 0.f ? -kInfF : sum, c == 0);
+      continue;
+    }
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float f = exp2_approx(mm[w * kRows + i] - m);
+      sum += ml[w * kRows + i] * f;
+      acc += mo[(w * kRows + i) * D + c] * f;
+    }
+    store(i, c, acc / sum, (m + __log2f(sum)) * kLn2, c == 0);
+  }
+}
+
+// Merges the splits of each row: a warp a row, D / 32 columns a lane.
+struct MergeParams {
+  const float* part_o;
+  const float* part_lse;
+  void* out;
+  float* lse;
+  int64_t os[3];
+  int64_t hq, t, rows;
+  int splits;
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(128) cache_attention_merge_kernel(MergeParams p) {
+  const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= p.rows) return;
+  float m = -kInfF;
+  bool nan = false;
+  for (int s = 0; s < p.splits; ++s) {
+    const float l = p.part_lse[int64_t(s) * p.rows + row];
+    nan = nan || isnan(l);
+    m = fmaxf(m, l);
+  }
+  constexpr int kPer = D / 32;
+  float acc[kPer] = {};
+  float sum = 0.f;
+  if (!nan && m != -kInfF) {
+    for (int s = 0; s < p.splits; ++s) {
+      const float w = __expf(p.part_lse[int64_t(s) * p.rows + row] - m);
+      sum += w;
+      const float* src = p.part_o + (int64_t(s) * p.rows + row) * D + lane;
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) acc[e] += w * src[e * 32];
+    }
+  }
+  const float nanf = std::numeric_limits<float>::quiet_NaN();
+  const int64_t bh = row / p.t, tq = row % p.t;
+  T* dst = static_cast<T*>(p.out) + (bh / p.hq) * p.os[0] + (bh % p.hq) * p.os[1] + tq * p.os[2] + lane;
+#pragma unroll
+  for (int e = 0; e < kPer; ++e) dst[e * 32] = from_float<T>(nan ? nanf : m == -kInfF ? 0.f : acc[e] / sum);
+  if (lane == 0) p.lse[row] = nan ? nanf : m == -kInfF ? -kInfF : m + __logf(sum);
+}
+
+// ---- host side ----------------------------------------------------------------------------------
+at::Tensor readable(const at::Tensor& t) {
+  const bool ok = t.stride(3) == 1 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0 &&
+                  reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+void strides_of(const at::Tensor& t, int64_t (&s)[3]) {
+  for (int d = 0; d < 3; ++d) s[d] = t.stride(d);
+}
+
+template <typename Fn>
+void with_types(const at::Tensor& q, Fn&& fn) {
+  auto with_d = [&](auto t) {
+    switch (q.size(3)) {
+      case 64: fn(t, std::integral_constant<int, 64>{}); break;
+      case 128: fn(t, std::integral_constant<int, 128>{}); break;
+      default: fn(t, std::integral_constant<int, 256>{}); break;
+    }
+  };
+  if (q.scalar_type() == at::kHalf) {
+    with_d(__half{});
+  } else {
+    with_d(__nv_bfloat16{});
+  }
+}
+
+// Splits a sequence's keys go in: enough blocks for about two waves of the GPU, at least a tile of
+// keys each (a split past a sequence's length does nothing).
+// Inputs the kernel does not take, while a CUDA graph is being captured (where the generic kernel's
+// host read of lengths cannot run): attention over each sequence's whole cache with the keys past
+// its length masked out, in ATen ops on the device. It reads every position of the cache, not the
+// filled ones only; a length out of range gives NaN rows, as the kernel does.
+std::tuple<at::Tensor, at::Tensor> cache_attention_masked(const at::Tensor& q, const at::Tensor& k_cache,
+                                                          const at::Tensor& v_cache, const at::Tensor& lengths,
+                                                          double scale) {
+  const int64_t b = q.size(0), hq = q.size(1), t = q.size(2), d = q.size(3), hkv = k_cache.size(1),
+                s = k_cache.size(2), g = hq / hkv;
+  const at::ScalarType acc = attention_lse_dtype(q.scalar_type());
+  const auto opts = q.options().dtype(at::kLong);
+  // [B, Hkv, G * T, D]: the rows of a kv head's group
+  const at::Tensor qg = q.to(acc).reshape({b, hkv, g * t, d});
+  const at::Tensor k = k_cache.narrow(0, 0, b).to(acc), v = v_cache.narrow(0, 0, b).to(acc);
+  at::Tensor scores = at::matmul(qg, k.transpose(-2, -1)) * scale;  // [B, Hkv, G * T, S]
+  const at::Tensor len = lengths.view({b, 1, 1, 1});
+  const at::Tensor query = at::arange(t, opts).repeat({g}).view({1, 1, g * t, 1});
+  const at::Tensor hidden = at::arange(s, opts).view({1, 1, 1, s}) > len - t + query;
+  scores = scores.masked_fill(hidden, -std::numeric_limits<double>::infinity());
+  at::Tensor lse = at::logsumexp(scores, -1, /*keepdim=*/true);
+  const at::Tensor empty = lse == -std::numeric_limits<double>::infinity();
+  const at::Tensor p = at::exp(scores - at::where(empty, at::zeros_like(lse), lse));
+  at::Tensor out = at::matmul(p, v);
+  const at::Tensor bad = ((lengths < t) | (lengths > s)).view({b, 1, 1, 1});
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  out = out.masked_fill(bad, nan);
+  lse = lse.masked_fill(bad, nan).squeeze(-1);
+  auto [o, l] = attention_outputs(q);
+  o.copy_(out.view({b, hq, t, d}));
+  l.copy_(lse.view({b, hq, t}));
+  return {o, l};
+}
+
+int choose_splits(const at::Tensor& q, int64_t work, int64_t s) {
+  const int sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+  const int64_t want = (2 * sms + work - 1) / work;
+  return static_cast<int>(std::clamp<int64_t>(want, 1, std::min<int64_t>(kMaxSplits, (s + kKeys - 1) / kKeys)));
+}
+
+std::tuple<at::Tensor, at::Tensor> cache_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                        const at::Tensor& v_in, const at::Tensor& lengths_in,
+                                                        std::optional<double> scale_in) {
+  check_cache_attention(q_in, k_in, v_in, lengths_in);
+  const double scale = attention_scale(scale_in, q_in.size(3));
+  const int64_t b = q_in.size(0), hq = q_in.size(1), t = q_in.size(2), hkv = k_in.size(1), s = k_in.size(2);
+  const int64_t rows = hq / hkv * t, groups = (rows + kRows - 1) / kRows;
+  if (!cache_attention_on_device(q_in.scalar_type(), q_in.size(3), t) || !(scale > 0.0) || !std::isfinite(scale) ||
+      b * hkv > 65535 || groups > 65535 || at::cuda::getDeviceProperties(q_in.get_device())->major < 8) {
+    if (at::cuda::currentStreamCaptureStatusMayInitCtx() != at::cuda::CaptureStatus::None) {
+      return cache_attention_masked(q_in, k_in, v_in, lengths_in, scale);
+    }
+    return cache_attention_generic(q_in, k_in, v_in, lengths_in, scale_in);
+  }
+  const c10::cuda::CUDAGuard guard(q_in.device());
+  auto [out, lse] = attention_outputs(q_in);
+  if (q_in.numel() == 0) return {out, lse};
+  const at::Tensor q = readable(q_in), k = readable(k_in), v = readable(v_in), lengths = lengths_in.contiguous();
+  CacheParams p{};
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.lengths = lengths.const_data_ptr<int64_t>();
+  p.out = out.data_ptr();
+  p.lse = lse.data_ptr<float>();
+  strides_of(q, p.qs);
+  strides_of(k, p.ks);
+  strides_of(v, p.vs);
+  strides_of(out, p.os);
+  p.hq = hq;
+  p.hkv = hkv;
+  p.group = hq / hkv;
+  p.t = t;
+  p.s = s;
+  p.rows = rows;
+  p.splits = choose_splits(q, b * hkv * groups, s);
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  at::Tensor part_o, part_lse;
+  if (p.splits > 1) {
+    part_o = at::empty({p.splits, b * hq * t, q.size(3)}, q.options().dtype(at::kFloat));
+    part_lse = at::empty({p.splits, b * hq * t}, q.options().dtype(at::kFloat));
+    p.part_o = part_o.data_ptr<float>();
+    p.part_lse = part_lse.data_ptr<float>();
+  }
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  with_types(q, [&](auto tag, auto d) {
+    using T = decltype(tag);
+    constexpr int D = decltype(d)::value;
+    auto kernel = cache_attention_kernel<T, D>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<D>()));
+    kernel<<<dim3(p.splits, groups, b * hkv), kThreads, smem_bytes<D>(), stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (p.splits > 1) {
+      MergeParams mp{part_o.data_ptr<float>(), part_lse.data_ptr<float>(), p.out, p.lse, {}, hq, t, b * hq * t,
+                     p.splits};
+      strides_of(out, mp.os);
+      cache_attention_merge_kernel<T, D><<<(mp.rows + 3) / 4, 128, 0, stream>>>(mp);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return {out, lse};
+}
+
+// ---- cache_write: a thread an element, start read on the device --------------------------------
+struct WriteParams {
+  const char* src[2];  // k, v
+  char* dst[2];        // k_cache, v_cache
+  const int64_t* start;
+  int64_t ss[2][4], ds[2][4];  // element strides of src and dst (B, H, T/S, D)
+  int64_t h, t, d, s, n;       // n = B * H * T * D
+};
+
+template <int kBytes>
+__global__ void cache_write_kernel(WriteParams p) {
+  using Word = std::conditional_t<kBytes == 2, uint16_t, std::conditional_t<kBytes == 4, uint32_t, uint64_t>>;
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= p.n) return;
+  const int which = blockIdx.y;
+  const int64_t d = idx % p.d, t = idx / p.d % p.t, h = idx / (p.d * p.t) % p.h, b = idx / (p.d * p.t * p.h);
+  const int64_t pos = p.start[b] + t;
+  if (pos < 0 || pos >= p.s) return;  // outside the cache: nothing written
+  const auto* src = reinterpret_cast<const Word*>(p.src[which]);
+  auto* dst = reinterpret_cast<Word*>(p.dst[which]);
+  dst[b * p.ds[which][0] + h * p.ds[which][1] + pos * p.ds[which][2] + d * p.ds[which][3]] =
+      src[b * p.ss[which][0] + h * p.ss[which][1] + t * p.ss[which][2] + d * p.ss[which][3]];
+}
+
+void cache_write_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& start_in) {
+  check_cache_write(k_cache, v_cache, k, v, start_in);
+  if (k.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(k.device());
+  const at::Tensor start = start_in.contiguous();
+  WriteParams p{};
+  const at::Tensor* srcs[2] = {&k, &v};
+  const at::Tensor* dsts[2] = {&k_cache, &v_cache};
+  for (int i = 0; i < 2; ++i) {
+    p.src[i] = static_cast<const char*>(srcs[i]->const_data_ptr());
+    p.dst[i] = static_cast<char*>(dsts[i]->data_ptr());
+    for (int d = 0; d < 4; ++d) {
+      p.ss[i][d] = srcs[i]->stride(d);
+      p.ds[i][d] = dsts[i]->stride(d);
+    }
+  }
+  p.start = start.const_data_ptr<int64_t>();
+  p.h = k.size(1);
+  p.t = k.size(2);
+  p.d = k.size(3);
+  p.s = k_cache.size(2);
+  p.n = k.numel();
+  const dim3 grid(static_cast<unsigned>((p.n + 255) / 256), 2);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  switch (k.element_size()) {
+    case 2: cache_write_kernel<2><<<grid, 256, 0, stream>>>(p); break;
+    case 4: cache_write_kernel<4><<<grid, 256, 0, stream>>>(p); break;
+    default: cache_write_kernel<8><<<grid, 256, 0, stream>>>(p); break;
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(customops, CUDA, m) {
+  m.impl("cache_attention", &cache_attention_cuda);
+  m.impl("cache_write", &cache_write_cuda);
+}
+
+}  // namespace customops
