@@ -41,7 +41,7 @@ class EveryOp(torch.nn.Module):
             positional = [a.name for a in info.op._schema.arguments]
             args = [("tensor", positional[i] in written) if _is_tensor(a) else ("const", a) for i, a in enumerate(s.args)]
             kwargs = {k: ("tensor", k in written) if _is_tensor(v) else ("const", v) for k, v in s.kwargs.items()}
-            self.plans.append((info.op, args, kwargs))
+            self.plans.append((info.op, args, kwargs, info.writes))
 
     def forward(self, *flat):
         it = iter(flat)
@@ -53,10 +53,12 @@ class EveryOp(torch.nn.Module):
             return t.clone() if x else t
 
         outs = []
-        for op, args, kwargs in self.plans:
+        for op, args, kwargs, writes in self.plans:
             # Positional first: in op(*gen, **{...}) Python builds the dict before it drains gen.
             a = [take(*x) for x in args]
             y = op(*a, **{k: take(*v) for k, v in kwargs.items()})
+            if writes:  # an op that returns nothing: what it wrote (clones of the inputs) is its output
+                y = tuple(a[i] for i in writes)
             outs.extend(y if isinstance(y, (tuple, list)) else (y,))
         return tuple(outs)
 

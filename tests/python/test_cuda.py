@@ -40,7 +40,7 @@ def test_non_default_stream(info):
 @pytest.mark.parametrize("info", [p for p in OPS if not p.values[0].name.endswith(".out")])
 def test_cuda_graphs_reduce_overhead(info):
     torch._dynamo.reset()
-    op = info.op
+    op = info.run
     compiled = torch.compile(lambda *a: op(*a), mode="reduce-overhead", fullgraph=True)
     for _ in range(4):  # warm-up, record, replays
         s = info.batch(torch.device("cuda"), torch.float32, 64)

@@ -163,7 +163,9 @@ def _agrees(got, want, aten, atol, rtol):
     multiply-add (x * cos - y * sin in one rounding) stays in range where separate products do
     not. Where the float64 reference is NaN, never a finite value (a 0 from an "empty" path, say),
     even where ATen's own rounding happens to give one; an infinity may stand for a NaN that the
-    reference got from its own overflow (inf - inf) where a fused op stays in range."""
+    reference got from its own overflow (inf - inf) where a fused op stays in range. And, where an
+    element is ill-conditioned (scores far apart enough that the dtype's rounding of them moves
+    the softmax), no further from the float64 reference than twice ATen's own error in that dtype."""
     overflow = aten.isfinite().logical_not() & got.isfinite().logical_not()
     if got.is_floating_point():
         top = torch.finfo(got.dtype).max / 16
@@ -171,6 +173,8 @@ def _agrees(got, want, aten, atol, rtol):
                  & (got.sign() == want.sign()))
         overflow |= fused
     ok = _close(got, want, atol, rtol) | _close(got, aten, atol, rtol) | overflow
+    if got.is_floating_point():
+        ok |= (got.double() - want.double()).abs() <= 2 * (aten.double() - want.double()).abs()
     if got.is_floating_point():
         ok &= ~got.isfinite() | ~want.isnan()
     return ok
@@ -186,15 +190,15 @@ def check_sample(info: T.OpInfo, s: T.Sample, dtype) -> None:
     note(f"{info.name} {dtype} [{s.desc}]")
     if s.error is not None:
         with pytest.raises(RuntimeError, match=s.error):
-            info.op(*s.args, **s.kwargs)
+            info.run(*s.args, **s.kwargs)
         return
     before = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, s.args)
-    got = T._outputs(info.op(*s.args, **s.kwargs))
+    got = T._outputs(info.run(*s.args, **s.kwargs))
     for i, (a, b) in enumerate(zip(s.args, before)):
-        if isinstance(a, torch.Tensor):
+        if isinstance(a, torch.Tensor) and i not in info.writes:
             torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True,
                                        msg=lambda m: f"{info.qualname} [{s.desc}] wrote its input {i}: {m}")
-    meta = T._outputs(info.op(*tree_map(_as_meta, s.args), **tree_map(_as_meta, s.kwargs)))
+    meta = T._outputs(info.run(*tree_map(_as_meta, s.args), **tree_map(_as_meta, s.kwargs)))
     want = T._outputs(info.ref(*tree_map(T._to64, s.args), **tree_map(T._to64, s.kwargs)))
     aten = T._outputs(info.ref(*s.args, **s.kwargs))
     atol, rtol = info.tolerances[dtype]
@@ -249,7 +253,7 @@ def test_fuzz_gradients(info, dtype, device, data):
     args = tuple(a.detach().requires_grad_() if info.differentiable_arg(i, a) else a for i, a in enumerate(s.args))
     xs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     note(f"{info.name} {dtype} [{s.desc}]")
-    ys = [T._outputs(info.op(*args))[i] for i in info.diff_outputs]
+    ys = [T._outputs(info.run(*args))[i] for i in info.diff_outputs]
     # cotangents drawn in float64 and rounded to each output's dtype; the reference gets the same
     gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="cotangent seed"))
     cots = [torch.randn(y.shape, generator=gen, dtype=torch.float64).to(y.dtype).to(y.device) for y in ys]

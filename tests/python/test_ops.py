@@ -11,7 +11,7 @@ OPS = [pytest.param(o, id=o.name) for o in T.OPS]
 
 def _skip_unless_differentiable(info):
     if not info.differentiable:
-        pytest.skip(f"{info.name} is not differentiable (out= variant)")
+        pytest.skip(f"{info.name} is not differentiable (an out= variant or an inference op)")
 DTYPES = [pytest.param(d, id=str(d).removeprefix("torch.")) for d in T.FLOAT_DTYPES]
 
 

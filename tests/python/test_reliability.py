@@ -33,7 +33,7 @@ def _big_sample(info: T.OpInfo, device, n=8192) -> T.Sample:
 def _run(info: T.OpInfo, s: T.Sample, backward: bool = True) -> list[torch.Tensor]:
     """Outputs, then (for differentiable ops) the gradients of a fixed weighting of them."""
     kwargs = {k: torch.empty_like(v) for k, v in s.kwargs.items()}  # out=: a buffer per call
-    outs = T._outputs(info.op(*s.args, **kwargs))
+    outs = T._outputs(info.run(*s.args, **kwargs))
     xs = T._grad_inputs(s.args)
     grads = []
     if backward and xs:
@@ -89,7 +89,7 @@ def test_results_do_not_depend_on_the_number_of_threads(info):
     finally:
         torch.set_num_threads(was)
     which = NOT_BITWISE_ACROSS_THREAD_COUNTS.get(info.name)
-    n_out = len(T._outputs(info.op(*T.clone_sample(s).args, **{k: torch.empty_like(v) for k, v in s.kwargs.items()})))
+    n_out = len(T._outputs(info.run(*T.clone_sample(s).args, **{k: torch.empty_like(v) for k, v in s.kwargs.items()})))
     for i, (a, b) in enumerate(zip(one, many)):
         if which == "all" or (which == "backward" and i >= n_out):
             # float32 sums over 8192 rows, split differently

@@ -154,6 +154,47 @@ def _attention_bad_inputs(device):
     ]
 
 
+def _cache_attention_bad_inputs(device):
+    op = "customops::cache_attention"
+    q, kc = torch.randn(2, 4, 1, 8, device=device), torch.randn(2, 2, 6, 8, device=device)
+    n = torch.tensor([3, 6], device=device)
+    cases = [
+        (Sample((q, kc.double(), kc.double(), n)), rf"{op}: expected k_cache to have the dtype of q"),
+        (Sample((q[:, :3], kc, kc, n)), rf"{op}: q's heads \(3\) must be a multiple of the cache's \(2\)"),
+        (Sample((q, kc[:1], kc[:1], n)), rf"{op}: the cache holds 1 sequences, fewer than q's batch \(2\)"),
+        (Sample((q, kc, kc[..., :4], n)), rf"{op}: expected v_cache to have the shape of k_cache"),
+        (Sample((q, kc, kc, n.int())), rf"{op}: expected lengths of dtype int64"),
+        (Sample((q, kc, kc, n[:1])), rf"{op}: expected lengths of shape \[B\] = \[2\]"),
+        (Sample((torch.randn(2, 4, 7, 8, device=device), kc, kc, n)),
+         rf"{op}: q has 7 new queries a sequence, more than the cache's 6"),
+        (Sample((q, kc, kc, n.to("meta"))), rf"{op}: expected lengths to be on the device of k_cache"),
+    ]
+    if torch.device(device).type == "cpu":  # on CUDA a length out of range gives NaN rows (no sync)
+        cases.append((Sample((q, kc, kc, torch.tensor([3, 7], device=device))),
+                      rf"{op}: lengths\[1\] is 7; it must be at least the 1 new queries and at most the cache's 6"))
+    return cases
+
+
+def _cache_write_bad_inputs(device):
+    op = "customops::cache_write"
+    kc, k = torch.zeros(2, 2, 6, 8, device=device), torch.randn(2, 2, 3, 8, device=device)
+    s = torch.tensor([0, 3], device=device)
+    cases = [
+        (Sample((kc, kc, k, k.double(), s)), rf"{op}: expected v to have the dtype of k_cache"),
+        (Sample((kc, kc, k[:, :1], k[:, :1], s)), rf"{op}: expected k of shape \[B, Hkv, T, D\] with the cache's"),
+        (Sample((kc[:1], kc[:1], k, k, s)), rf"{op}: the cache holds 1 sequences, fewer than k's batch \(2\)"),
+        (Sample((kc, kc, k, k, s.int())), rf"{op}: expected start of dtype int64"),
+        (Sample((kc, kc, k, k, s[:1])), rf"{op}: expected start of shape \[B\] = \[2\]"),
+        (Sample((kc, kc, torch.randn(2, 2, 7, 8, device=device), torch.randn(2, 2, 7, 8, device=device), s)),
+         rf"{op}: k has 7 new positions a sequence, more than the cache's 6"),
+        (Sample((kc, kc[..., :4], k, k, s)), rf"{op}: expected v_cache to have the shape of k_cache"),
+    ]
+    if torch.device(device).type == "cpu":  # on CUDA start is read on the device: rows outside are not written
+        cases.append((Sample((kc, kc, k, k, torch.tensor([0, 4], device=device))),
+                      rf"{op}: start\[1\] is 4; its 3 new positions must fit in the cache's 6"))
+    return cases
+
+
 def _merge_attention_bad_inputs(device):
     op = "customops::merge_attention"
     o, l = torch.randn(2, 4, 8, device=device), torch.randn(2, 4, device=device)

@@ -18,7 +18,7 @@ def _outputs(y) -> tuple:
 
 
 def _call(info: OpInfo, s: Sample):
-    return info.op(*s.args, **s.kwargs)
+    return info.run(*s.args, **s.kwargs)
 
 
 def check_correctness(info: OpInfo, device, dtype) -> int:
@@ -114,7 +114,7 @@ def check_gradcheck(info: OpInfo, device) -> None:
             args = list(s.args)
             for i, t in zip(pos, ts):
                 args[i] = t
-            outs = _outputs(info.op(*args, **s.kwargs))
+            outs = _outputs(info.run(*args, **s.kwargs))
             return tuple(outs[i] for i in info.diff_outputs)
 
         assert torch.autograd.gradcheck(fn, xs, check_forward_ad=True), f"{info.qualname}: gradcheck failed [{s.desc}]"
@@ -156,7 +156,7 @@ def check_compile(info: OpInfo, device, backend="inductor", sizes=(3, 5, 17)) ->
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend(backend)
-    op = info.op
+    op = info.run
 
     def fn(*args, **kwargs):
         return op(*args, **kwargs)
@@ -201,7 +201,7 @@ def export(info: OpInfo, device, dtype=torch.float32) -> tuple[torch.export.Expo
     a, _, (args_spec, kw_spec) = _dynamic_dims(info, torch.device(device), dtype)
     names = list(a.kwargs)
     flat = lambda s: tuple(s.args) + tuple(s.kwargs[k] for k in names)  # noqa: E731
-    mod = _OpModule(info.op, len(a.args), names)
+    mod = _OpModule(info.run, len(a.args), names)
     spec = {"flat": tuple(args_spec) + tuple(kw_spec[k] for k in names)}
     return torch.export.export(mod, flat(a), dynamic_shapes=spec), flat
 
@@ -213,7 +213,7 @@ def check_export(info: OpInfo, device, sizes=(2, 7, 33)) -> None:
     for n in sizes:
         s = info.batch(torch.device(device), torch.float32, n)
         e = clone_sample(s)
-        for g, w in zip(_outputs(mod(*flat(s))), _outputs(info.op(*e.args, **e.kwargs))):
+        for g, w in zip(_outputs(mod(*flat(s))), _outputs(info.run(*e.args, **e.kwargs))):
             torch.testing.assert_close(g, w, msg=lambda m: f"{info.qualname} exported, batch {n}: {m}")
 
 

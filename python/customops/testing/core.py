@@ -62,6 +62,14 @@ class OpInfo:
     cancels: bool = False
     # Draws one random sample from a FuzzSource (the property-based suite, test_fuzz.py).
     fuzz: Callable[["FuzzSource", torch.device, torch.dtype], Sample] | None = None
+    # Positions of the arguments an op that returns nothing writes in place (cache_write): the
+    # checks take their new values (copies) as its outputs, and the reference returns them.
+    writes: tuple = ()
+
+    def run(self, *args, **kwargs):
+        """The op's outputs: what it returns, or copies of what it wrote (``writes``)."""
+        y = self.op(*args, **kwargs)
+        return tuple(args[i].clone() for i in self.writes) if self.writes else y
 
     def differentiable_arg(self, i: int, x) -> bool:
         if not (self.differentiable and isinstance(x, torch.Tensor) and x.is_floating_point()):

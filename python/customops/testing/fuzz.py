@@ -154,6 +154,31 @@ def _fuzz_attention(src, device, dtype):
                   + (" causal" if causal else "") + (f" scale {scale}" if scale else ""), error)
 
 
+def _fuzz_cache_attention(src, device, dtype):
+    b, hkv, g = src.size(3), max(src.size(4), 1), max(src.size(4), 1)
+    t, s, d = src.size(20), src.size(300), src.choice([8, 64, 128])
+    s = max(s, t)
+    bc = b + src.choice([0, 1])
+    # q and k as _fuzz_attention draws them (no huge values), v normal
+    q = src.tensor((b, hkv * g, t, d), dtype, device, values="nonfinite")
+    k = src.tensor((bc, hkv, s, d), dtype, device, values="nonfinite")
+    v = src.tensor((bc, hkv, s, d), dtype, device, values="normal")
+    lengths = torch.tensor([src.choice([t, s, (t + s) // 2]) for _ in range(b)], dtype=torch.long, device=device)
+    scale = src.choice([None, 0.5])
+    return Sample((q, k, v, lengths, scale), {}, f"q {list(q.shape)} cache {list(k.shape)} lengths {lengths.tolist()}")
+
+
+def _fuzz_cache_write(src, device, dtype):
+    b, h, t, s, d = src.size(3), max(src.size(4), 1), src.size(20), src.size(300), src.size(64)
+    s = max(s, t)
+    bc = b + src.choice([0, 1])
+    k_cache, v_cache = (src.tensor((bc, h, s, d), dtype, device, writable=True) for _ in range(2))
+    k, v = (src.tensor((b, h, t, d), dtype, device) for _ in range(2))
+    start = torch.tensor([src.choice([0, s - t, (s - t) // 2]) for _ in range(b)], dtype=torch.long, device=device)
+    return Sample((k_cache, v_cache, k, v, start), {},
+                  f"k {list(k.shape)} cache {list(k_cache.shape)} start {start.tolist()}")
+
+
 def _fuzz_merge_attention(src, device, dtype):
     shape = src.shape(min_rank=1, max_rank=4)
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32

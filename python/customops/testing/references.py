@@ -78,6 +78,24 @@ def _attention_ref(q, k, v, causal=False, scale=None):
     return p @ v, lse
 
 
+def _cache_attention_ref(q, k_cache, v_cache, lengths, scale=None):
+    """Each sequence's attention over its filled positions, causal (its queries the last ones)."""
+    outs = [_attention_ref(q[i:i + 1], k_cache[i:i + 1, :, :n], v_cache[i:i + 1, :, :n], True, scale)
+            for i, n in enumerate(lengths.tolist())]
+    if not outs:
+        return torch.empty_like(q), q.new_empty(q.shape[:3])
+    return torch.cat([o for o, _ in outs]), torch.cat([l for _, l in outs])
+
+
+def _cache_write_ref(k_cache, v_cache, k, v, start):
+    """The caches with each sequence's new rows at its start (copies: the op writes in place)."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    for i, s in enumerate(start.tolist()):
+        k_cache[i, :, s:s + k.shape[2]] = k[i]
+        v_cache[i, :, s:s + v.shape[2]] = v[i]
+    return k_cache, v_cache
+
+
 def _merge_attention_ref(out_a, lse_a, out_b, lse_b):
     lse = torch.logaddexp(lse_a, lse_b)
     safe = lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1)

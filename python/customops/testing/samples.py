@@ -229,6 +229,69 @@ def _attention_batch(device, dtype, n):
                    torch.randn(n, 1, 7, 8, device=device, dtype=dtype), True, None), {}, f"batch {n}")
 
 
+def _cache_attention_samples(device, dtype, requires_grad):
+    """q [B, Hq, T, D] against caches of Bc >= B sequences, with each sequence's filled length:
+    decoding (T = 1) and a few new tokens, lengths from T to the whole cache; head dims and sizes
+    that take the CUDA kernel with one and with several splits, and T past its limit."""
+    def q_of(b, hq, t, d, layout):
+        if layout == "transposed":  # [B, T, H, D] memory read as [B, H, T, D], as a model passes it
+            return torch.randn(b, t, hq, d, device=device, dtype=dtype).transpose(1, 2)
+        return _rand((b, hq, t, d), device, dtype, layout=layout)
+
+    out = []
+    for (b, bc, hq, hkv, t, s, d), lengths, layout, scale in [
+        ((2, 3, 4, 2, 1, 10, 8), (5, 10), "contiguous", None),
+        ((2, 2, 4, 2, 3, 9, 16), (3, 7), "transposed", None),
+        ((2, 2, 2, 1, 2, 6, 8), (4, 6), "strided", 0.3),
+        ((2, 2, 8, 2, 1, 300, 64), (300, 77), "transposed", None),  # CUDA: several splits
+        ((1, 1, 4, 1, 5, 130, 128), (100,), "contiguous", None),  # 20 rows: two row groups
+        ((1, 2, 2, 1, 2, 70, 256), (70,), "contiguous", None),
+        ((1, 1, 4, 1, 1, 1000, 128), (777,), "transposed", 0.05),
+        ((1, 1, 2, 1, 17, 40, 64), (33,), "contiguous", None),  # CUDA: more queries than its kernel takes
+        ((2, 2, 2, 2, 0, 5, 8), (0, 3), "contiguous", None),
+    ]:
+        q = q_of(b, hq, t, d, layout)
+        k, v = (_rand((bc, hkv, s, d), device, dtype, layout="strided" if layout == "strided" else "contiguous")
+                for _ in range(2))
+        out.append(Sample((q, k, v, torch.tensor(lengths, device=device), scale), {},
+                          f"{layout} q {[b, hq, t, d]} cache {[bc, hkv, s, d]} lengths {list(lengths)}"
+                          + (f" scale {scale}" if scale else "")))
+    return out
+
+
+def _cache_attention_batch(device, dtype, n):
+    lengths = torch.arange(n, device=device) % 5 + 2  # 2 to 6 of the 6 positions
+    q, k, v = (torch.randn(n, h, s, 8, device=device, dtype=dtype) for h, s in ((4, 2), (2, 6), (2, 6)))
+    return Sample((q, k, v, lengths, None), {}, f"batch {n}")
+
+
+def _cache_write_samples(device, dtype, requires_grad):
+    """New keys and values [B, Hkv, T, D] into caches of Bc >= B sequences at each one's start."""
+    out = []
+    for (b, bc, h, t, s, d), start, layout in [
+        ((2, 3, 2, 3, 8, 4), (0, 5), "contiguous"),
+        ((2, 2, 2, 2, 6, 8), (1, 4), "transposed"),  # k, v: [B, T, H, D] memory read as [B, H, T, D]
+        ((2, 2, 1, 2, 5, 4), (3, 0), "strided"),
+        ((1, 1, 4, 5, 300, 128), (290,), "contiguous"),
+        ((2, 2, 2, 0, 8, 4), (3, 8), "contiguous"),
+    ]:
+        if layout == "transposed":
+            k, v = (torch.randn(b, t, h, d, device=device, dtype=dtype).transpose(1, 2) for _ in range(2))
+        else:
+            k, v = (_rand((b, h, t, d), device, dtype, layout=layout) for _ in range(2))
+        kc, vc = (_rand((bc, h, s, d), device, dtype, layout="strided" if layout == "strided" else "contiguous")
+                  for _ in range(2))
+        out.append(Sample((kc, vc, k, v, torch.tensor(start, device=device)), {},
+                          f"{layout} k {[b, h, t, d]} cache {[bc, h, s, d]} start {list(start)}"))
+    return out
+
+
+def _cache_write_batch(device, dtype, n):
+    start = torch.arange(n, device=device) % 5  # 2 new positions of 6
+    kc, vc, k, v = (torch.randn(n, 2, s, 8, device=device, dtype=dtype) for s in (6, 6, 2, 2))
+    return Sample((kc, vc, k, v, start), {}, f"batch {n}")
+
+
 def _merge_attention_samples(device, dtype, requires_grad):
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     out = []

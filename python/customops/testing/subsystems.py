@@ -26,7 +26,7 @@ def _func_samples(info: OpInfo, device) -> list[Sample]:
 def _as_function(info: OpInfo, s: Sample, fn=None):
     """(f, xs): f(*xs) -> the differentiable outputs of fn (the op, or its reference) on s with
     its requires-grad tensors replaced by xs."""
-    fn = info.op if fn is None else fn
+    fn = info.run if fn is None else fn
     pos = [i for i, a in enumerate(s.args) if isinstance(a, torch.Tensor) and a.requires_grad]
 
     def f(*xs):
@@ -95,7 +95,7 @@ def _positional(info: OpInfo, s: Sample):
     n = len(s.args)
 
     def fn(*a):
-        return info.op(*a[:n], **dict(zip(names, a[n:])))
+        return info.run(*a[:n], **dict(zip(names, a[n:])))
 
     return fn, tuple(s.args) + tuple(s.kwargs[k] for k in names)
 
