@@ -16,8 +16,10 @@ sequence at ``start + count`` and overwrites it.
 
 The decoder layers are written here with the model's own modules and customops ops (rms_norm,
 rope, silu_mul), the layer structure of Hugging Face's Llama family: this is what lets the cache be
-static and the graph have one dynamic length. Attention reads each sequence's filled part of the
-cache only (customops' private _cache_attention op).
+static and the graph have one dynamic length. The new keys and values go into the cache through
+customops.cache_write (in place: its schema declares the mutation, which export and AOTInductor
+keep), and attention reads each sequence's filled part of the cache only (customops.cache_attention,
+whose CUDA kernel reads the lengths on the device, so a CUDA graph can replay a decode step).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._ops import rms_norm, rope, silu_mul
+from ._ops import cache_attention, cache_write, rms_norm, rope, silu_mul
 
 # config.model_type -> the family's name in the package's metadata
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -82,22 +84,18 @@ class CachedCausalLM(nn.Module):
         h = self.embed(input_ids)
         cos, sin = self.rotary(h, positions)  # [B, T, D]
         lengths = start + t  # each sequence's filled length once the T new tokens are written
-        # where the new keys and values go: cache[batch, head, position] (an index_put_ on the whole
-        # buffer, which export keeps as the buffer's mutation; a write through a view is not)
-        write = (torch.arange(b, device=h.device)[:, None, None], torch.arange(self.n_kv, device=h.device)[None, :, None],
-                 positions[:, None, :])
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
             h = h + self._attention(layer.self_attn, rms_norm(h, layer.input_layernorm.weight,
                                                               layer.input_layernorm.variance_epsilon),
-                                    cos, sin, k_cache, v_cache, write, lengths)
+                                    cos, sin, k_cache, v_cache, start, lengths)
             x = rms_norm(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
             mlp = layer.mlp
             h = h + mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
         last = h[torch.arange(b, device=h.device), count - 1]  # [B, hidden]: each sequence's last new token
         return self.lm_head(rms_norm(last, self.norm.weight, self.norm.variance_epsilon)).float()
 
-    def _attention(self, attn, x, cos, sin, k_cache, v_cache, write, lengths):
+    def _attention(self, attn, x, cos, sin, k_cache, v_cache, start, lengths):
         b, t, _ = x.shape
         q = attn.q_proj(x).view(b, t, self.n_heads, self.head_dim)
         k = attn.k_proj(x).view(b, t, self.n_kv, self.head_dim)
@@ -106,8 +104,6 @@ class CachedCausalLM(nn.Module):
             q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
             k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
         q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        v = v.transpose(1, 2)
-        k_cache.index_put_(write, k)
-        v_cache.index_put_(write, v)
-        o, _ = torch.ops.customops._cache_attention(q, k_cache, v_cache, lengths, attn.scaling)
+        cache_write(k_cache, v_cache, k, v.transpose(1, 2), start)
+        o, _ = cache_attention(q, k_cache, v_cache, lengths, scale=attn.scaling)
         return attn.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))

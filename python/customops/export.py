@@ -98,7 +98,8 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
     ``T`` ids are the sequence's own; prompts of different lengths are right-padded) and returns
     the float32 logits of each sequence's last new token, ``[B, vocab]``
     (:class:`customops.causal_lm.CachedCausalLM`). Its metadata names the family, ``max_batch``,
-    ``max_seq_len``, the vocabulary size, bos/eos/pad ids and the customops and torch versions.
+    ``max_seq_len``, the vocabulary size, bos/eos/pad ids, the dtype, head dim, kv heads and layers, and
+    the customops and torch versions.
 
     Args:
         model: A Hugging Face ``*ForCausalLM`` of those families, on the device and in the dtype the
@@ -143,7 +144,8 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
         "customops_causal_lm": "1", "family": lm.family, "max_batch": str(max_batch),
         "max_seq_len": str(max_seq_len), "vocab_size": str(cfg.vocab_size), "bos_token_id": token("bos_token_id"),
         "eos_token_id": token("eos_token_id"), "pad_token_id": token("pad_token_id"),
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": device.type}
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": device.type,
+        "head_dim": str(lm.head_dim), "kv_heads": str(lm.n_kv), "layers": str(len(lm.layers))}
     with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
         ep = torch.export.export(lm, example, dynamic_shapes=({0: b, 1: t}, {0: b}, {0: b}))
         return _compile(ep, path, configs)
