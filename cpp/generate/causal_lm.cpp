@@ -4,7 +4,9 @@
 // The package's forward (customops.export.package_causal_lm) is (input_ids [B, T], start [B],
 // count [B]) -> float32 logits [B, vocab] of each sequence's last new token, its KV cache updated
 // in place. A call prefills with start 0 and count the prompts' lengths (right-padded to the
-// longest), then decodes with T = 1, start each sequence's length and count 1.
+// longest), then decodes with T = 1, start each sequence's length and count 1. On CUDA the decode
+// step of each batch size is captured in a CUDA graph at its first run (DecodeGraph), its inputs
+// refilled in place and the graph replayed at every later step.
 #include "customops/generate.h"
 
 #include <ATen/ATen.h>
@@ -13,10 +15,16 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
+#include "ops/cache_attention.h"
+#ifdef CUSTOMOPS_WITH_CUDA
+#include "generate/decode_graph.h"
+#endif
+
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <limits>
+#include <map>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -28,6 +36,15 @@ struct CausalLM::Impl {
   c10::Device device = c10::kCPU;
   int64_t max_batch = 0, max_seq_len = 0, vocab = 0, pad = 0;
   std::optional<int64_t> eos;
+  bool graphs = false;  // CUDA, and the package's attention runs without host syncs
+#ifdef CUSTOMOPS_WITH_CUDA
+  // A decode step of one batch size: its inputs, which each step refills, and its graph.
+  struct Step {
+    at::Tensor ids, start, count;
+    std::unique_ptr<DecodeGraph> graph;
+  };
+  std::map<int64_t, Step> steps;
+#endif
 
   void synchronize() const {
     if (!device.is_cpu()) c10::impl::getDeviceGuardImpl(device.type())->synchronizeDevice(device.index());
@@ -92,7 +109,7 @@ CausalLM::CausalLM(const std::string& package_path, std::optional<c10::Device> d
   }
   const c10::DeviceIndex index = device && !device->is_cpu() ? device->index() : c10::DeviceIndex(-1);
   m.loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(package_path, "model",
-                                                                       /*run_single_threaded=*/false,
+                                                                       /*run_single_threaded=*/true,
                                                                        /*num_runners=*/1, index);
   const auto meta = m.loader->get_metadata();
   auto kind = meta.find("customops_causal_lm");
@@ -108,6 +125,13 @@ CausalLM::CausalLM(const std::string& package_path, std::optional<c10::Device> d
   m.vocab = metadata_int(meta, "vocab_size", package_path);
   m.eos = metadata_optional(meta, "eos_token_id");
   m.pad = metadata_optional(meta, "pad_token_id").value_or(m.eos.value_or(0));
+  // CUDA graphs where the package's cache_attention runs on the device alone (older packages do
+  // not record their head dim: no graphs)
+  auto dtype = meta.find("dtype");
+  const std::optional<int64_t> head_dim = metadata_optional(meta, "head_dim");
+  const std::string name = dtype == meta.end() ? "" : dtype->second;
+  const c10::ScalarType scalar = name == "bfloat16" ? c10::kBFloat16 : name == "float16" ? c10::kHalf : c10::kFloat;
+  m.graphs = m.device.is_cuda() && head_dim && cache_attention_on_device(scalar, *head_dim, /*queries=*/1);
 }
 
 CausalLM::~CausalLM() = default;
@@ -185,12 +209,37 @@ GenerateResult CausalLM::generate(const std::vector<std::vector<int64_t>>& promp
   };
   t0 = std::chrono::steady_clock::now();
   const at::Tensor ones = at::ones({b}, ids_options);
+  // One decode step: T = 1, each sequence's start; through the batch size's CUDA graph where there
+  // is one (captured at its first step).
+  auto decode = [&](const at::Tensor& ids, const std::vector<int64_t>& start) -> at::Tensor {
+#ifdef CUSTOMOPS_WITH_CUDA
+    if (m.graphs && o.cuda_graph) {
+      auto& step = m.steps[b];
+      if (!step.ids.defined()) {
+        const auto on_device = ids_options.device(m.device);
+        step.ids = at::empty({b, 1}, on_device);
+        step.start = at::empty({b}, on_device);
+        step.count = at::ones({b}, on_device);
+      }
+      step.ids.copy_(ids);
+      step.start.copy_(at::tensor(start, ids_options));
+      r.cuda_graph = true;
+      if (!step.graph) {
+        step.graph = std::make_unique<DecodeGraph>(
+            m.device, [&] { return m.loader->run({step.ids, step.start, step.count}); });
+        return sample(step.graph->first().at(0), o, gen).cpu();
+      }
+      return sample(step.graph->replay().at(0), o, gen).cpu();
+    }
+#endif
+    return run(ids, start, ones);
+  };
   while (!take(next)) {
     // The new id goes in at each sequence's length; a finished one is fed its last id again at its
     // last position (its cache row is its own, and its ids are no longer read).
     std::vector<int64_t> start(b);
     for (int64_t i = 0; i < b; ++i) start[i] = done[i] ? std::min(lengths[i], m.max_seq_len - 1) : lengths[i]++;
-    next = run(next.view({b, 1}), start, ones);
+    next = decode(next.view({b, 1}), start);
     ++r.decode_steps;
   }
   r.decode_ms = ms_since(t0);

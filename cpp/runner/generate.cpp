@@ -32,6 +32,9 @@ the timings on stderr. Ids in and out: tokenize and detokenize with the model's 
   --top-p P              sample among the fewest ids whose probability reaches P (default: 1)
   --seed S               the sampler's seed (default: 0); the same seed gives the same ids
   --ignore-eos           do not stop at the eos id
+  --no-cuda-graph        CUDA: launch every kernel of every decode step (default: replay a CUDA graph)
+  --no-warmup            time the first call (default: a short call with the same prompts first, so
+                         the timings leave out loading kernels and capturing the CUDA graph)
   --device DEVICE        cpu, cuda or cuda:N (default: the package's device, index 0)
   -h, --help             print this help
 )";
@@ -78,6 +81,7 @@ int generate_main(int argc, char** argv) {
   std::vector<std::vector<int64_t>> prompts;
   std::optional<std::string> prompts_file, device;
   GenerateOptions o;
+  bool warmup = true;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto value = [&] { return option_value(argc, argv, i); };
@@ -100,6 +104,10 @@ int generate_main(int argc, char** argv) {
       o.seed = parse_number<uint64_t>(a, value());
     } else if (a == "--ignore-eos") {
       o.stop_at_eos = false;
+    } else if (a == "--no-cuda-graph") {
+      o.cuda_graph = false;
+    } else if (a == "--no-warmup") {
+      warmup = false;
     } else if (a == "--device") {
       device = value();
     } else if (a.size() > 1 && a[0] == '-') {
@@ -145,6 +153,12 @@ int generate_main(int argc, char** argv) {
   }
   GenerateResult r;
   try {
+    if (warmup) {  // two new ids: a prefill and a decode step, which captures the CUDA graph
+      GenerateOptions w = o;
+      w.max_new_tokens = 2;
+      w.stop_at_eos = false;
+      lm->generate(prompts, w);
+    }
     r = lm->generate(prompts, o);
   } catch (const std::invalid_argument& e) {
     throw UserError(e.what());
@@ -156,9 +170,9 @@ int generate_main(int argc, char** argv) {
   std::cout.flush();
   std::fprintf(stderr, "prefill: %lld tokens in %.3f ms (%.1f tokens/s)\n", static_cast<long long>(r.prefill_tokens),
                r.prefill_ms, r.prefill_tokens / (r.prefill_ms / 1e3));
-  std::fprintf(stderr, "decode: %lld steps of %zu sequence(s) in %.3f ms (%.3f ms/token)\n",
+  std::fprintf(stderr, "decode: %lld steps of %zu sequence(s) in %.3f ms (%.3f ms/token%s)\n",
                static_cast<long long>(r.decode_steps), prompts.size(), r.decode_ms,
-               r.decode_steps ? r.decode_ms / r.decode_steps : 0.0);
+               r.decode_steps ? r.decode_ms / r.decode_steps : 0.0, r.cuda_graph ? ", CUDA graph" : "");
   return 0;
 }
 

@@ -11,7 +11,8 @@
 // eos id or max_new_tokens ids (or filled the package's max_seq_len). Sampling (greedy, or
 // temperature with top-k / top-p) runs on the package's device; a seed makes it reproducible.
 // The package's KV cache is its own state: every call starts its sequences at position 0, so a
-// failed call leaves nothing that the next call reads.
+// failed call leaves nothing that the next call reads. One call at a time (a CausalLM is not
+// thread-safe: its package runs single-threaded, which CUDA graph capture needs).
 #pragma once
 
 #include <c10/core/Device.h>
@@ -33,6 +34,10 @@ struct GenerateOptions {
   double top_p = 1;             // sample among the fewest ids whose probability sums to top_p (1: all)
   uint64_t seed = 0;            // the sampler's seed: the same seed, prompts and package give the same ids
   bool stop_at_eos = true;      // a sequence ends at the package's eos id (kept as its last new id)
+  // CUDA: replay decode steps from a CUDA graph, captured at the first decode step of each batch
+  // size (where the package's attention runs without host syncs: float16/bfloat16, head dim 64,
+  // 128 or 256); false: launch every kernel of every step.
+  bool cuda_graph = true;
 };
 
 struct GenerateResult {
@@ -41,6 +46,7 @@ struct GenerateResult {
   double prefill_ms = 0;                  // the prefill run, sampling of the first ids included
   int64_t decode_steps = 0;               // runs of the package after the prefill
   double decode_ms = 0;                   // all of them, sampling included
+  bool cuda_graph = false;                // whether decode steps were replayed from a CUDA graph
 };
 
 class CUSTOMOPS_API CausalLM {
