@@ -3,7 +3,8 @@ PyTorch eager, torch.compile and Liger-Kernel (:mod:`.ops`, its registry :mod:`.
 output :mod:`.report`); ``--model`` times a Hugging Face model's training step and inference
 forward (:mod:`.model`, with ``--fsdp`` under FSDP2); ``--ring`` times ring attention across GPUs
 against one (:mod:`.ring`); ``--generate`` times text generation, Python's against
-``customops-run generate`` (:mod:`.generate`). The families share :mod:`.timers` and :mod:`.common`.
+``customops-run generate`` (:mod:`.generate`); ``--decode`` times decode attention against a KV
+cache, customops' split-KV kernel against SDPA (:mod:`.decode`). The families share :mod:`.timers` and :mod:`.common`.
 
 A family is a module whose ``main(argv) -> int`` parses its own options and runs it; a new family
 is that module and one line in :data:`FAMILIES`. Only the family that runs is imported.
@@ -19,6 +20,7 @@ FAMILIES = {
     "--model": "customops.bench.model",
     "--ring": "customops.bench.ring",
     "--generate": "customops.bench.generate",
+    "--decode": "customops.bench.decode",
 }
 
 

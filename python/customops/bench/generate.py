@@ -28,7 +28,8 @@ from .model import LLAMA_1B
 
 SMALL = dict(hidden_size=256, intermediate_size=768, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
              vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=4096)
-VARIANTS = ("eager", "customops.optimize", "static cache + torch.compile", "customops-run generate")
+VARIANTS = ("eager", "customops.optimize", "static cache + torch.compile", "customops-run generate",
+            "customops-run generate --no-cuda-graph")
 
 
 def _model(args):
@@ -68,17 +69,17 @@ def _hf_times(model, ids, new_tokens, device, **kw) -> tuple[float, float]:
     return ids.numel() / one, (many - one) / (new_tokens - 1) * 1e3
 
 
-def _runner_times(path, ids, new_tokens) -> tuple[float, float]:
-    cmd = [customops.runner_path(), "generate", path, "--max-new-tokens", str(new_tokens), "--ignore-eos"]
+def _runner_times(path, ids, new_tokens, *extra) -> tuple[float, float]:
+    cmd = [customops.runner_path(), "generate", path, "--max-new-tokens", str(new_tokens), "--ignore-eos", *extra]
     for row in ids.tolist():
         cmd += ["--prompt", " ".join(map(str, row))]
     best = None
-    for _ in range(2):  # each run loads the package: its times are its own prefill and decode
+    for _ in range(2):  # each run loads the package and warms up: its times are its second call's
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise RuntimeError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}")
         prefill = float(re.search(r"\(([\d.]+) tokens/s\)", r.stderr).group(1))
-        decode = float(re.search(r"\(([\d.]+) ms/token\)", r.stderr).group(1))
+        decode = float(re.search(r"\(([\d.]+) ms/token", r.stderr).group(1))
         if best is None or decode < best[1]:
             best = (prefill, decode)
     return best
@@ -101,7 +102,8 @@ def _copy_speed(device) -> float:
 def run(args) -> dict:
     model = _model(args)
     cfg = model.config
-    wanted = [v.strip() for v in args.variants.split(",")] if args.variants else list(VARIANTS)
+    wanted = [v.strip() for v in args.variants.split(",")] if args.variants else [
+        v for v in VARIANTS if args.device == "cuda" or "cuda-graph" not in v]
     batches = [int(b) for b in args.batches.split(",")]
     max_seq_len = args.prompt_len + args.new_tokens
     g = torch.Generator().manual_seed(1)
@@ -110,7 +112,7 @@ def run(args) -> dict:
     speed = _copy_speed(args.device)
     rows, notes = [], []
     package = None
-    if "customops-run generate" in wanted:
+    if any(v.startswith("customops-run") for v in wanted):
         t = time.perf_counter()
         package = customops.export.package_causal_lm(model, tempfile.mkdtemp() + "/llama.pt2", max_batch=max(batches),
                                                      max_seq_len=max_seq_len)
@@ -138,7 +140,7 @@ def run(args) -> dict:
                     pre, dec = _hf_times(m, ids, args.new_tokens, args.device, cache_implementation="static")
                     del m
                 else:
-                    pre, dec = _runner_times(package, ids.cpu(), args.new_tokens)
+                    pre, dec = _runner_times(package, ids.cpu(), args.new_tokens, *v.split()[2:])
                 rows.append({"variant": v, "batch": b, "prefill_tokens_per_s": pre, "decode_ms": dec,
                              "floor_ms": floor_ms})
                 if not args.no_progress:

@@ -1,0 +1,128 @@
+"""``python -m customops bench --decode``: decode attention against a KV cache,
+:func:`customops.cache_attention` against ``F.scaled_dot_product_attention`` on the same cache.
+
+One new query a sequence (Hq/Hkv 32/8, head dim 128, bfloat16 on CUDA) against caches of 1k to 32k
+filled positions, batch 1 to 16. Decoding reads the cache once a step, so the measure is the
+bandwidth of that read: the k and v bytes over the time, and its share of the copy speed measured
+in the same run (bytes read and written a second by a large device copy). SDPA takes the cache
+sliced to the filled length (equal lengths: it has no per-sequence ones) with ``enable_gqa``.
+
+Each call is timed alone with CUDA events after a 256 MiB write that evicts the cache from L2 and
+keeps the GPU busy while the call is queued, so the time is the kernels' and the bytes come from
+memory; the median of ``--iters``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+import customops
+
+from .common import pick_device, versions
+
+BATCHES = (1, 4, 8, 16)
+LENGTHS = (1024, 4096, 16384, 32768)
+
+
+def _copy_speed() -> float:
+    a = torch.ones(2**28, dtype=torch.float32, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        b.copy_(a)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * a.numel() * 4 * 20 / (start.elapsed_time(end) / 1e3)
+
+
+def _time_us(fn, iters: int, flush: torch.Tensor) -> float:
+    fn()
+    ms = []
+    for _ in range(iters):
+        flush.fill_(1.0)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ms.append(a.elapsed_time(b))
+    return statistics.median(ms) * 1e3
+
+
+def run(args) -> dict:
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    hq, hkv, d = args.heads, args.kv_heads, args.head_dim
+    speed = _copy_speed()
+    flush = torch.empty(2**26, dtype=torch.float32, device="cuda")
+    rows = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        for s in [int(x) for x in args.lengths.split(",")]:
+            q = torch.randn(b, hq, 1, d, device="cuda", dtype=dtype)
+            k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=dtype) for _ in range(2))
+            lengths = torch.full((b,), s, device="cuda", dtype=torch.long)
+            got, _ = customops.cache_attention(q, k, v, lengths)
+            want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+            err = (got.float() - want.float()).abs().max().item()
+            fns = {"customops": lambda: customops.cache_attention(q, k, v, lengths),
+                   "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
+            kv_bytes = 2 * b * hkv * s * d * k.element_size()
+            row = {"batch": b, "length": s, "kv_mb": kv_bytes / 2**20, "max_abs_err": err}
+            for name, fn in fns.items():
+                us = _time_us(fn, args.iters, flush)
+                row[f"{name}_us"] = us
+                row[f"{name}_gb_s"] = kv_bytes / (us / 1e6) / 1e9
+            row["vs_sdpa"] = row["sdpa_us"] / row["customops_us"]
+            row["bandwidth_share"] = row["customops_gb_s"] * 1e9 / speed
+            rows.append(row)
+            if not args.no_progress:
+                print(f"... batch {b} length {s}: {row['customops_us']:.1f} us ({row['bandwidth_share']:.0%} of copy "
+                      f"speed), SDPA {row['sdpa_us']:.1f} us", flush=True)
+            del q, k, v
+    meta = {"device": torch.cuda.get_device_name(), "versions": versions("cuda"), "heads": hq, "kv_heads": hkv,
+            "head_dim": d, "dtype": str(dtype).removeprefix("torch."), "copy_gb_s": speed / 1e9}
+    return {"meta": meta, "rows": rows}
+
+
+def print_report(report: dict) -> None:
+    m = report["meta"]
+    print(f"{m['device']}; " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
+    print(f"decode attention: 1 query, Hq/Hkv {m['heads']}/{m['kv_heads']}, D {m['head_dim']}, {m['dtype']}; "
+          f"copy speed {m['copy_gb_s']:.0f} GB/s")
+    print(f"{'batch':>5s} {'length':>7s} {'k+v MiB':>8s} {'customops us':>13s} {'GB/s':>6s} {'of copy':>8s} "
+          f"{'SDPA us':>8s} {'GB/s':>6s} {'vs SDPA':>8s} {'max err':>8s}")
+    for r in report["rows"]:
+        print(f"{r['batch']:5d} {r['length']:7d} {r['kv_mb']:8.1f} {r['customops_us']:13.1f} {r['customops_gb_s']:6.0f} "
+              f"{r['bandwidth_share']:7.0%} {r['sdpa_us']:8.1f} {r['sdpa_gb_s']:6.0f} {r['vs_sdpa']:7.2f}x "
+              f"{r['max_abs_err']:8.1e}")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m customops bench --decode", description=__doc__.split("\n\n")[0])
+    p.add_argument("--decode", action="store_true", required=True)
+    p.add_argument("--device", choices=["cuda"])
+    p.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    if pick_device(p, args.device or "cuda") != "cuda":
+        p.error("--decode times CUDA kernels")
+    report = run(args)
+    print_report(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
