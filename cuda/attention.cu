@@ -628,7 +628,7 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
-  if (sk > 0) {
+  if (sk > 0 && bsz > 0) {  // an empty batch: no grid (a zero grid dimension is a launch error)
     constexpr int kKeys = 16 * kBwdWarps;
     const dim3 grid((sk + kKeys - 1) / kKeys, k.size(1), bsz);
     with_types(q, causal, [&](auto t, auto dd, auto c) {
