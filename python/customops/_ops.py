@@ -265,12 +265,20 @@ def cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor
 
 
 def cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, start: Tensor) -> None:
-    """Writes new keys and values into a static KV cache in place: ``k[b]`` and ``v[b]``
-    (``[B, Hkv, T, D]``) go to positions ``[start[b], start[b] + T)`` of sequence b of
-    ``k_cache`` and ``v_cache`` (``[Bc >= B, Hkv, S, D]``, k's dtype and device); ``start`` is int64
-    ``[B]`` on their device. The mutation is declared in the op's schema, so torch.export and
-    AOTInductor keep the caches updated in place. A position outside the cache raises, except on
-    CUDA, where ``start`` is read on the device and rows outside the cache are not written."""
+    """Writes new keys and values into a static KV cache in place.
+
+    Args:
+        k_cache, v_cache: ``[Bc, Hkv, S, D]`` of one dtype and device, written in place.
+        k, v: ``[B, Hkv, T, D]`` (``B <= Bc``) of the caches' dtype and device: sequence b's new
+            keys and values, which go to its positions ``[start[b], start[b] + T)``.
+        start: int64 ``[B]`` on the caches' device.
+
+    Returns:
+        None: the caches hold the new rows. The mutation is declared in the op's schema, so
+        torch.export and AOTInductor keep the caches updated in place. A position outside the
+        cache raises, except on CUDA, where ``start`` is read on the device and rows outside the
+        cache are not written. Inference only: inputs that require grad raise under grad mode.
+    """
     _callable(_overloads.cache_write)(k_cache, v_cache, k, v, start)
 
 
