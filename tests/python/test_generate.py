@@ -98,6 +98,11 @@ def test_runner_generates_hugging_face_greedy_ids_for_a_batch_of_unequal_prompts
     model, path = packaged
     r = _generates_hf_greedy_ids(model, path, _prompts(9, 4), 8)
     assert "prefill: 13 tokens" in r.stderr and "ms/token" in r.stderr, r.stderr
+    assert "CUDA graph" not in r.stderr  # a CPU package
+    # the timed call without the warm-up call before it: the same ids
+    args = [a for p in _prompts(9, 4) for a in ("--prompt", " ".join(map(str, p)))]
+    cold = _generate(path, *args, "--max-new-tokens", "8", "--no-warmup")
+    assert cold.returncode == 0 and cold.stdout == r.stdout, cold.stderr
 
 
 def test_runner_fills_the_cache_to_max_seq_len(packaged, tmp_path):
@@ -183,7 +188,12 @@ def test_cuda_bfloat16_package_generates_hugging_face_greedy_ids(tmp_path):
         want = model(ids).logits.float()
     got = lm(ids[:, :8].contiguous(), torch.zeros(2, **longs), torch.full((2,), 8, **longs))
     torch.testing.assert_close(got, want[:, 7], atol=0.5, rtol=5e-2)  # bf16 through 2 layers and a x20 head
-    _generates_hf_greedy_ids(model, path, _prompts(9, 4), 8)
+    r = _generates_hf_greedy_ids(model, path, _prompts(9, 4), 8)
+    assert "CUDA graph" in r.stderr, r.stderr  # decode steps replayed from the graph
+    args = [a for p in _prompts(9, 4) for a in ("--prompt", " ".join(map(str, p)))]
+    launched = _generate(path, *args, "--max-new-tokens", "8", "--no-cuda-graph")
+    assert launched.returncode == 0 and launched.stdout == r.stdout, launched.stderr
+    assert "CUDA graph" not in launched.stderr
 
 
 @pytest.mark.parametrize("device", DEVICES)
