@@ -14,12 +14,17 @@ A sequence's queries see its keys at positions up to their own (causal), so the 
 short prompt is written to the cache but never read by its own tokens: the next call starts that
 sequence at ``start + count`` and overwrites it.
 
-The decoder layers are written here with the model's own modules and customops ops (rms_norm,
-rope, silu_mul), the layer structure of Hugging Face's Llama family: this is what lets the cache be
-static and the graph have one dynamic length. The new keys and values go into the cache through
-customops.cache_write (in place: its schema declares the mutation, which export and AOTInductor
-keep), and attention reads each sequence's filled part of the cache only (customops.cache_attention,
-whose CUDA kernel reads the lengths on the device, so a CUDA graph can replay a decode step).
+The decoder layers are written here with customops ops and the layer structure of Hugging Face's
+Llama family: this is what lets the cache be static and the graph have one dynamic length. A decode
+step is a chain of small kernels whose latency, not their bytes, is most of its time, so a layer
+has as few as it can (:class:`DecodeLayer`): q, k and v come from one matrix product and gate and up
+from another (their weights concatenated once, when the module is built: the package holds them
+and not the model's separate ones), each residual add is fused into the norm after it
+(add_rms_norm), and SwiGLU reads the gate-up product whole (swiglu). The new keys and values go into
+the cache through customops.cache_write (in place: its schema declares the mutation, which export
+and AOTInductor keep), and attention reads each sequence's filled part of the cache only
+(customops.cache_attention, whose CUDA kernel reads the lengths on the device, so a CUDA graph can
+replay a decode step).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._ops import cache_attention, cache_write, rms_norm, rope, silu_mul
+from ._ops import add_rms_norm, cache_attention, cache_write, rms_norm, rope, swiglu
 
 # config.model_type -> the family's name in the package's metadata
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -53,6 +58,50 @@ def _check_window(model: nn.Module, max_seq_len: int) -> None:
                          f"most the window (then the window never applies)")
 
 
+def _check_activation(model: nn.Module) -> None:
+    act = getattr(model.config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"customops.export.package_causal_lm: the MLP's activation is {act!r}; the package's "
+                         f"layers compute SwiGLU (silu), the activation of every family it knows")
+
+
+def _concat_linear(*linears: nn.Linear) -> nn.Linear:
+    """One nn.Linear whose output is the outputs of ``linears`` side by side (a copy of their
+    weights; a missing bias is zeros where another has one)."""
+    w = torch.cat([m.weight.detach() for m in linears])
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=any(m.bias is not None for m in linears), device="meta")
+    fused.weight = nn.Parameter(w, requires_grad=False)
+    if fused.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([m.bias.detach() if m.bias is not None else w.new_zeros(m.out_features)
+                                             for m in linears]), requires_grad=False)
+    return fused
+
+
+class DecodeLayer(nn.Module):
+    """The weights of one Hugging Face decoder layer, as the package's forward reads them: the
+    norms and the output and down projections are the layer's own modules (shared, not copied);
+    ``qkv`` is q_proj, k_proj and v_proj concatenated and ``gate_up`` gate_proj and up_proj."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.qkv = _concat_linear(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o_proj = attn.o_proj
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.scaling = attn.scaling
+        self.gate_up = _concat_linear(mlp.gate_proj, mlp.up_proj)
+        self.down_proj = mlp.down_proj
+
+
+def _norm(norm: nn.Module, h: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(norm(h + delta), h + delta): the residual stream with a block's output added, normalized;
+    ``delta`` None is nothing to add."""
+    if delta is None:
+        return rms_norm(h, norm.weight, norm.variance_epsilon), h
+    return add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)
+
+
 class CachedCausalLM(nn.Module):
     """``model`` (a Hugging Face *ForCausalLM of the Llama family) with a static KV cache; see the
     module's docstring for the forward."""
@@ -61,9 +110,10 @@ class CachedCausalLM(nn.Module):
         super().__init__()
         self.family = _family(model)
         _check_window(model, max_seq_len)
+        _check_activation(model)
         cfg = model.config
         self.embed = model.model.embed_tokens
-        self.layers = model.model.layers
+        self.layers = nn.ModuleList(DecodeLayer(layer) for layer in model.model.layers)
         self.norm = model.model.norm
         self.rotary = model.model.rotary_emb
         self.lm_head = model.lm_head
@@ -84,26 +134,27 @@ class CachedCausalLM(nn.Module):
         h = self.embed(input_ids)
         cos, sin = self.rotary(h, positions)  # [B, T, D]
         lengths = start + t  # each sequence's filled length once the T new tokens are written
+        delta = None  # the last block's output, which the next norm adds to the residual stream h
         for i, layer in enumerate(self.layers):
-            k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
-            h = h + self._attention(layer.self_attn, rms_norm(h, layer.input_layernorm.weight,
-                                                              layer.input_layernorm.variance_epsilon),
-                                    cos, sin, k_cache, v_cache, start, lengths)
-            x = rms_norm(h, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
-            mlp = layer.mlp
-            h = h + mlp.down_proj(silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
-        last = h[torch.arange(b, device=h.device), count - 1]  # [B, hidden]: each sequence's last new token
-        return self.lm_head(rms_norm(last, self.norm.weight, self.norm.variance_epsilon)).float()
+            x, h = _norm(layer.input_norm, h, delta)
+            delta = self._attention(layer, x, cos, sin, getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"),
+                                    start, lengths)
+            x, h = _norm(layer.post_norm, h, delta)
+            delta = layer.down_proj(swiglu(layer.gate_up(x)))
+        last = (torch.arange(b, device=h.device), count - 1)  # each sequence's last new token
+        x, _ = _norm(self.norm, h[last], delta[last])
+        return self.lm_head(x).float()
 
-    def _attention(self, attn, x, cos, sin, k_cache, v_cache, start, lengths):
+    def _attention(self, layer, x, cos, sin, k_cache, v_cache, start, lengths):
         b, t, _ = x.shape
-        q = attn.q_proj(x).view(b, t, self.n_heads, self.head_dim)
-        k = attn.k_proj(x).view(b, t, self.n_kv, self.head_dim)
-        v = attn.v_proj(x).view(b, t, self.n_kv, self.head_dim)
-        if self.family == "qwen3":  # per-head RMSNorm of q and k before the rotation
-            q = rms_norm(q, attn.q_norm.weight, attn.q_norm.variance_epsilon)
-            k = rms_norm(k, attn.k_norm.weight, attn.k_norm.variance_epsilon)
+        # [B, T, heads, D], split along the heads (slicing a view: reshaping a slice would make
+        # Inductor guard on the batch size)
+        qkv = layer.qkv(x).view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
+        q, k, v = qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=2)
+        if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before the rotation
+            q = rms_norm(q, layer.q_norm.weight, layer.q_norm.variance_epsilon)
+            k = rms_norm(k, layer.k_norm.weight, layer.k_norm.variance_epsilon)
         q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         cache_write(k_cache, v_cache, k, v.transpose(1, 2), start)
-        o, _ = cache_attention(q, k_cache, v_cache, lengths, scale=attn.scaling)
-        return attn.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        o, _ = cache_attention(q, k_cache, v_cache, lengths, scale=layer.scaling)
+        return layer.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))

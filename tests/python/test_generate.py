@@ -18,10 +18,10 @@ from test_aoti import clean_env, run  # noqa: E402  (the runner's environment: n
 MAX_BATCH, MAX_SEQ_LEN, VOCAB = 2, 24, 256
 
 
-def _model():
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                                   num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=256,
-                                   attn_implementation="sdpa")
+def _model(**config):
+    cfg = transformers.LlamaConfig(**{**dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                             num_key_value_heads=2, num_hidden_layers=2, vocab_size=VOCAB,
+                                             max_position_embeddings=256, attn_implementation="sdpa"), **config})
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # well-separated logits: greedy ids do not hinge on rounding
@@ -162,6 +162,49 @@ def test_runner_rejects_bad_prompt_files_and_packages(packaged, tmp_path):
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+FAMILY_CONFIGS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=False)),  # biased q, k and v
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(use_sliding_window=False, head_dim=16)),  # q and k norms
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_cached_module_matches_hugging_face_for_each_family(family):
+    """The module the package is exported from (eager, no compile: its math), per family: a prefill,
+    then decode steps, against Hugging Face's forward; the package holds the concatenated q/k/v
+    and gate/up weights instead of the model's own, never both."""
+    config, cls, extra = FAMILY_CONFIGS[family]
+    cfg = getattr(transformers, config)(hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                         num_key_value_heads=2, num_hidden_layers=2, vocab_size=VOCAB,
+                                         max_position_embeddings=64, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(cfg).eval()
+    with torch.no_grad():  # biases (zero at init) that the concatenation must keep in their place
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_()
+    from customops.causal_lm import CachedCausalLM
+
+    lm = CachedCausalLM(model, max_batch=2, max_seq_len=16)
+    assert not [n for n in lm.state_dict() if any(w in n for w in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))]
+    ids = torch.tensor(_prompts(10, 10))
+    longs = dict(dtype=torch.long)
+    with torch.no_grad():
+        want = model(ids).logits
+        got = [lm(ids[:, :6], torch.zeros(2, **longs), torch.full((2,), 6, **longs))]
+        got += [lm(ids[:, t:t + 1], torch.full((2,), t, **longs), torch.ones(2, **longs)) for t in range(6, 10)]
+    torch.testing.assert_close(torch.stack(got, 1), want[:, 5:], atol=1e-4, rtol=1e-4)
+
+
+def test_package_causal_lm_refuses_an_activation_it_does_not_compute(tmp_path):
+    model = _model()
+    model.config.hidden_act = "gelu"
+    with pytest.raises(ValueError, match="package_causal_lm: the MLP's activation is 'gelu'"):
+        customops.export.package_causal_lm(model, tmp_path / "x.pt2")
+
+
 def test_package_metadata_names_the_model(packaged):
     r = run([customops.runner_path(), "--info", packaged[1]])
     assert r.returncode == 0, r.stderr
@@ -178,7 +221,8 @@ def test_package_points_a_causal_lm_at_package_causal_lm(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not customops.build_info()["cuda"], reason="needs CUDA")
 def test_cuda_bfloat16_package_generates_hugging_face_greedy_ids(tmp_path):
-    model = _model().to("cuda", torch.bfloat16)
+    # head dim 64, which cache_attention's kernel takes: the runner replays decode from a CUDA graph
+    model = _model(hidden_size=128, num_attention_heads=2, num_key_value_heads=1).to("cuda", torch.bfloat16)
     path = customops.export.package_causal_lm(model, tmp_path / "llama-cuda.pt2", max_batch=MAX_BATCH,
                                               max_seq_len=MAX_SEQ_LEN)
     lm = torch._inductor.aoti_load_package(path)
