@@ -40,6 +40,7 @@
 #include <tuple>
 
 #include "attention.cuh"
+#include "attention_host.h"
 #include "attention_sm90.cuh"
 #include "cp_async.cuh"
 #include "ops/attention.h"
@@ -448,18 +449,6 @@ __global__ void __launch_bounds__(kWarps * 32) attention_bwd_kernel(BwdParams p)
 }
 
 // ---- host side ----------------------------------------------------------------------------------
-// A tensor the kernels can read in place: unit last stride, the other strides and the data pointer
-// 16-byte aligned. Else a fresh copy (contiguous() would keep a contiguous view at an odd offset).
-at::Tensor readable(const at::Tensor& t) {
-  const bool ok = t.stride(3) == 1 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0 &&
-                  reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
-}
-
-void strides_of(const at::Tensor& t, int64_t (&s)[3]) {
-  for (int d = 0; d < 3; ++d) s[d] = t.stride(d);
-}
-
 // One warp per 16 query rows and 64 keys a step in the forward: 16 rows a warp rather than 32 give
 // 228-230 registers without spills and two blocks an SM, as fast as 32 without a mask and about 10%
 // faster with the causal one (H100, head dim 128). The backward: 8 warps, 128 keys a block, one

@@ -33,6 +33,7 @@
 #include <tuple>
 
 #include "attention.cuh"
+#include "attention_host.h"
 #include "cp_async.cuh"
 #include "ops/attention.h"
 #include "ops/cache_attention.h"
@@ -261,7 +262,9 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
   }
 }
 
-// Merges the splits of each row: a warp a row, D / 32 columns a lane.
+// Merges the splits of each row: a warp a row. Lane i holds the lse of splits i and i + 32, so the
+// max, the weights and their sum are warp reductions; then each lane sums D / 32 columns over the
+// splits, the weight of each shuffled from its lane (the partials' loads do not wait on each other).
 struct MergeParams {
   const float* part_o;
   const float* part_lse;
@@ -271,50 +274,53 @@ struct MergeParams {
   int64_t hq, t, rows;
   int splits;
 };
+static_assert(kMaxSplits <= 64, "the merge holds two splits a lane");
 
 template <typename T, int D>
 __global__ void __launch_bounds__(128) cache_attention_merge_kernel(MergeParams p) {
   const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= p.rows) return;
-  float m = -kInfF;
-  bool nan = false;
-  for (int s = 0; s < p.splits; ++s) {
-    const float l = p.part_lse[int64_t(s) * p.rows + row];
-    nan = nan || isnan(l);
-    m = fmaxf(m, l);
+  constexpr unsigned kAll = 0xffffffffu;
+  float l[2], w[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int s = lane + 32 * e;
+    l[e] = s < p.splits ? p.part_lse[int64_t(s) * p.rows + row] : -kInfF;
   }
+  const bool nan = __any_sync(kAll, isnan(l[0]) || isnan(l[1]));
+  float m = fmaxf(l[0], l[1]);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(kAll, m, off));
+  const bool empty = m == -kInfF;  // no split saw a key
+  float sum = 0.f;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    w[e] = empty ? 0.f : __expf(l[e] - m);
+    sum += w[e];
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(kAll, sum, off);
   constexpr int kPer = D / 32;
   float acc[kPer] = {};
-  float sum = 0.f;
-  if (!nan && m != -kInfF) {
+  if (!nan && !empty) {
+#pragma unroll 4
     for (int s = 0; s < p.splits; ++s) {
-      const float w = __expf(p.part_lse[int64_t(s) * p.rows + row] - m);
-      sum += w;
+      const float ws = __shfl_sync(kAll, s < 32 ? w[0] : w[1], s & 31);
       const float* src = p.part_o + (int64_t(s) * p.rows + row) * D + lane;
 #pragma unroll
-      for (int e = 0; e < kPer; ++e) acc[e] += w * src[e * 32];
+      for (int e = 0; e < kPer; ++e) acc[e] += ws * src[e * 32];
     }
   }
   const float nanf = std::numeric_limits<float>::quiet_NaN();
   const int64_t bh = row / p.t, tq = row % p.t;
   T* dst = static_cast<T*>(p.out) + (bh / p.hq) * p.os[0] + (bh % p.hq) * p.os[1] + tq * p.os[2] + lane;
 #pragma unroll
-  for (int e = 0; e < kPer; ++e) dst[e * 32] = from_float<T>(nan ? nanf : m == -kInfF ? 0.f : acc[e] / sum);
-  if (lane == 0) p.lse[row] = nan ? nanf : m == -kInfF ? -kInfF : m + __logf(sum);
+  for (int e = 0; e < kPer; ++e) dst[e * 32] = from_float<T>(nan ? nanf : empty ? 0.f : acc[e] / sum);
+  if (lane == 0) p.lse[row] = nan ? nanf : empty ? -kInfF : m + __logf(sum);
 }
 
 // ---- host side ----------------------------------------------------------------------------------
-at::Tensor readable(const at::Tensor& t) {
-  const bool ok = t.stride(3) == 1 && t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0 && t.stride(2) % 8 == 0 &&
-                  reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
-}
-
-void strides_of(const at::Tensor& t, int64_t (&s)[3]) {
-  for (int d = 0; d < 3; ++d) s[d] = t.stride(d);
-}
-
 template <typename Fn>
 void with_types(const at::Tensor& q, Fn&& fn) {
   auto with_d = [&](auto t) {
