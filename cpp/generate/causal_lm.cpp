@@ -35,7 +35,7 @@ struct CausalLM::Impl {
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader;
   c10::Device device = c10::kCPU;
   int64_t max_batch = 0, max_seq_len = 0, vocab = 0, pad = 0;
-  std::optional<int64_t> eos;
+  std::optional<int64_t> eos, bos;
   bool graphs = false;  // CUDA, and the package's attention runs without host syncs
 #ifdef CUSTOMOPS_WITH_CUDA
   // A decode step of one batch size: its inputs, which each step refills, and its graph.
@@ -124,6 +124,7 @@ CausalLM::CausalLM(const std::string& package_path, std::optional<c10::Device> d
   m.max_seq_len = metadata_int(meta, "max_seq_len", package_path);
   m.vocab = metadata_int(meta, "vocab_size", package_path);
   m.eos = metadata_optional(meta, "eos_token_id");
+  m.bos = metadata_optional(meta, "bos_token_id");
   m.pad = metadata_optional(meta, "pad_token_id").value_or(m.eos.value_or(0));
   // CUDA graphs where the package's cache_attention runs on the device alone (older packages do
   // not record their head dim: no graphs)
@@ -140,6 +141,7 @@ int64_t CausalLM::max_batch() const { return impl_->max_batch; }
 int64_t CausalLM::max_seq_len() const { return impl_->max_seq_len; }
 int64_t CausalLM::vocab_size() const { return impl_->vocab; }
 std::optional<int64_t> CausalLM::eos_token_id() const { return impl_->eos; }
+std::optional<int64_t> CausalLM::bos_token_id() const { return impl_->bos; }
 c10::Device CausalLM::device() const { return impl_->device; }
 
 GenerateResult CausalLM::generate(const std::vector<std::vector<int64_t>>& prompts, const GenerateOptions& o) {

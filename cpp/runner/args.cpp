@@ -1,5 +1,6 @@
 // customops-run's command line: the help text and the options.
 #include <customops/customops.h>
+#include <customops/tokenizer.h>
 
 #include <cstdlib>
 #include <iostream>
@@ -73,7 +74,8 @@ Options parse_args(int argc, char** argv) {
       std::exit(0);
     } else if (a == "--version") {
       std::cout << "customops-run " << customops::version() << " (torch " << customops::torch_version()
-                << (customops::has_cuda() ? ", CUDA kernels" : ", CPU kernels only") << ")\n";
+                << (customops::has_cuda() ? ", CUDA kernels" : ", CPU kernels only")
+                << (customops::Tokenizer::available() ? ", SentencePiece tokenizer" : "") << ")\n";
       std::exit(0);
     } else if (a == "--device") {
       o.device = value();

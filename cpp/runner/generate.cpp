@@ -1,7 +1,8 @@
 // customops-run generate: text generation from a causal-LM package through customops::CausalLM
-// (customops/generate.h). Ids in and out: one prompt a line of space-separated ids, one line of
-// new ids a prompt on stdout, timings on stderr.
+// (customops/generate.h). Ids in and out (one prompt a line of space-separated ids, one line of
+// new ids a prompt on stdout), or text with --tokenizer (customops::Tokenizer); timings on stderr.
 #include <customops/generate.h>
+#include <customops/tokenizer.h>
 
 #include <cstdio>
 #include <fstream>
@@ -18,14 +19,19 @@ namespace customops::runner {
 namespace {
 
 constexpr const char* kGenerateUsage = R"(usage: customops-run generate PACKAGE.pt2 (--prompt "ID ID ..." | --prompts FILE) [options]
+       customops-run generate PACKAGE.pt2 --tokenizer tokenizer.model (--prompt "TEXT" | --prompts FILE) [options]
 
-Generates token ids from a causal-LM package (customops.export.package_causal_lm), with no Python:
-prefills every prompt in one run, decodes until each has produced the package's eos id or
---max-new-tokens ids, and prints one line of new ids per prompt (space-separated) on stdout and
-the timings on stderr. Ids in and out: tokenize and detokenize with the model's tokenizer.
+Generates from a causal-LM package (customops.export.package_causal_lm), with no Python: prefills
+every prompt in one run, decodes until each has produced the package's eos id or --max-new-tokens
+ids, and prints one line per prompt on stdout and the timings on stderr. Without --tokenizer,
+prompts and output are token ids (space-separated); with it, they are text: each prompt is
+tokenized (after the bos id: the package's, else the tokenizer's) and each line of output is the
+new text, with backslash and newline written as \\ and \n.
 
   --prompt "ID ..."      one prompt (repeat for several; they form one batch)
-  --prompts FILE         one prompt a line (ids separated by spaces; no empty lines)
+  --prompts FILE         one prompt a line (no empty lines)
+  --tokenizer FILE       a SentencePiece model (tokenizer.model): text in and out
+  --no-bos               with --tokenizer: do not put the bos id before each prompt
   --max-new-tokens N     at most N new ids per prompt (default: 32)
   --temperature T        0 (default): greedy; otherwise sample from softmax(logits / T)
   --top-k K              sample among the K largest logits (default: 0, all)
@@ -78,10 +84,10 @@ T parse_number(const std::string& flag, const std::string& value) {
 
 int generate_main(int argc, char** argv) {
   std::string package;
-  std::vector<std::vector<int64_t>> prompts;
-  std::optional<std::string> prompts_file, device;
+  std::vector<std::pair<std::string, std::string>> given;  // (prompt, where it came from)
+  std::optional<std::string> prompts_file, device, tokenizer_path;
   GenerateOptions o;
-  bool warmup = true;
+  bool warmup = true, bos = true;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto value = [&] { return option_value(argc, argv, i); };
@@ -89,9 +95,13 @@ int generate_main(int argc, char** argv) {
       std::cout << kGenerateUsage;
       return 0;
     } else if (a == "--prompt") {
-      prompts.push_back(parse_ids(value(), "--prompt " + std::to_string(prompts.size() + 1)));
+      given.emplace_back(value(), "--prompt " + std::to_string(given.size() + 1));
     } else if (a == "--prompts") {
       prompts_file = value();
+    } else if (a == "--tokenizer") {
+      tokenizer_path = value();
+    } else if (a == "--no-bos") {
+      bos = false;
     } else if (a == "--max-new-tokens") {
       o.max_new_tokens = parse_number<int64_t>(a, value());
     } else if (a == "--temperature") {
@@ -119,16 +129,27 @@ int generate_main(int argc, char** argv) {
     }
   }
   if (package.empty()) throw UsageError("generate expects PACKAGE.pt2 (see generate --help)");
-  if (prompts_file && !prompts.empty()) throw UsageError("give --prompt or --prompts, not both");
+  std::vector<std::vector<int64_t>> prompts;
+  if (prompts_file && !given.empty()) throw UsageError("give --prompt or --prompts, not both");
+  if (!bos && !tokenizer_path) throw UsageError("--no-bos is for text prompts (--tokenizer)");
   if (prompts_file) {
     require_regular_file(*prompts_file, "the prompts file");
     std::ifstream in(*prompts_file);
     std::string line;
-    for (int n = 1; std::getline(in, line); ++n) {
-      prompts.push_back(parse_ids(line, *prompts_file + " line " + std::to_string(n)));
+    for (int n = 1; std::getline(in, line); ++n) given.emplace_back(line, *prompts_file + " line " + std::to_string(n));
+  }
+  if (given.empty()) throw UsageError("generate expects --prompt \"ID ...\" (or \"TEXT\" with --tokenizer) or --prompts FILE");
+  std::unique_ptr<Tokenizer> tokenizer;
+  if (tokenizer_path) {
+    try {
+      tokenizer = std::make_unique<Tokenizer>(*tokenizer_path);
+    } catch (const std::exception& e) {
+      throw UserError(e.what());
     }
   }
-  if (prompts.empty()) throw UsageError("generate expects --prompt \"ID ...\" or --prompts FILE");
+  if (!tokenizer) {
+    for (const auto& [text, where] : given) prompts.push_back(parse_ids(text, where));
+  }
   require_regular_file(package, "the package");
   verify_package(package);
 
@@ -151,6 +172,21 @@ int generate_main(int argc, char** argv) {
   if (dev && dev->type() != lm->device().type()) {
     throw UserError(package + " was compiled for " + lm->device().str() + ", not " + dev->str());
   }
+  if (tokenizer) {
+    if (tokenizer->vocab_size() > lm->vocab_size()) {
+      throw UserError("the tokenizer's vocabulary (" + std::to_string(tokenizer->vocab_size()) +
+                      " ids) is larger than the package's (" + std::to_string(lm->vocab_size()) +
+                      "): it is not this model's tokenizer");
+    }
+    const std::optional<int64_t> bos_id = lm->bos_token_id() ? lm->bos_token_id() : tokenizer->bos_id();
+    for (const auto& [text, where] : given) {
+      if (text.empty()) throw UserError(where + " is empty");
+      std::vector<int64_t> ids = tokenizer->encode(text);
+      if (bos && bos_id) ids.insert(ids.begin(), *bos_id);
+      if (ids.empty()) throw UserError(where + " gives no tokens");
+      prompts.push_back(std::move(ids));
+    }
+  }
   GenerateResult r;
   try {
     if (warmup) {  // two new ids: a prefill and a decode step, which captures the CUDA graph
@@ -163,10 +199,23 @@ int generate_main(int argc, char** argv) {
   } catch (const std::invalid_argument& e) {
     throw UserError(e.what());
   }
+  std::vector<std::string> lines;  // all of them first: a failure prints nothing half-done
   for (const auto& ids : r.ids) {
-    for (size_t j = 0; j < ids.size(); ++j) std::cout << (j ? " " : "") << ids[j];
-    std::cout << "\n";
+    std::string line;
+    if (tokenizer) {
+      std::string text;
+      try {
+        text = tokenizer->decode(ids);
+      } catch (const std::invalid_argument& e) {
+        throw UserError(std::string("the model generated an id the tokenizer does not have: ") + e.what());
+      }
+      for (const char c : text) line += c == '\\' ? std::string("\\\\") : c == '\n' ? std::string("\\n") : std::string(1, c);
+    } else {
+      for (size_t j = 0; j < ids.size(); ++j) line += (j ? " " : "") + std::to_string(ids[j]);
+    }
+    lines.push_back(std::move(line));
   }
+  for (const auto& line : lines) std::cout << line << "\n";
   std::cout.flush();
   std::fprintf(stderr, "prefill: %lld tokens in %.3f ms (%.1f tokens/s)\n", static_cast<long long>(r.prefill_tokens),
                r.prefill_ms, r.prefill_tokens / (r.prefill_ms / 1e3));

@@ -162,6 +162,64 @@ def test_runner_rejects_bad_prompt_files_and_packages(packaged, tmp_path):
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+def _tokenizer(tmp_path):
+    """A SentencePiece BPE model with the test model's vocabulary (256 ids; bos 1, eos 2, as
+    LlamaConfig's), trained on pseudo-words, a backslash among its pieces; (processor, its file).
+    Skips where customops-run was built without SentencePiece."""
+    spm = pytest.importorskip("sentencepiece")
+    if "SentencePiece" not in run([customops.runner_path(), "--version"]).stdout:
+        pytest.skip("customops-run was built without SentencePiece (Debian: libsentencepiece-dev)")
+    import random
+
+    rng = random.Random(0)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 7))) for _ in range(400)]
+    corpus = [" ".join(rng.choice(words) for _ in range(12)) + rng.choice([".", ",", "\\", "!"]) for _ in range(600)]
+    path = tmp_path / "tokenizer.model"
+    with open(path, "wb") as f:
+        spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus), model_writer=f, vocab_size=VOCAB, model_type="bpe",
+                                       bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
+    sp = spm.SentencePieceProcessor(model_file=str(path))
+    assert sp.get_piece_size() == VOCAB
+    return sp, path
+
+
+def test_runner_generates_text_through_a_sentencepiece_tokenizer(packaged, tmp_path):
+    """Text in and out (--tokenizer) is the ids path with SentencePiece on both ends: the prompt
+    after the package's bos id, the new ids decoded, one line each."""
+    sp, model_file = _tokenizer(tmp_path)
+    texts = ["the quick brown fox", "jumps over\\ the lazy dog."]
+    opts = ["--max-new-tokens", "12", "--ignore-eos"]
+    r = _generate(packaged[1], "--tokenizer", model_file, *[a for t in texts for a in ("--prompt", t)], *opts)
+    assert r.returncode == 0, r.stderr
+    ids = _generate(packaged[1], *[a for t in texts for a in ("--prompt", " ".join(map(str, [1] + sp.encode(t))))],
+                    *opts)
+    assert ids.returncode == 0, ids.stderr
+    want = [sp.decode(list(map(int, line.split()))).replace("\\", "\\\\").replace("\n", "\\n")
+            for line in ids.stdout.splitlines()]
+    assert r.stdout.splitlines() == want and len(want) == 2
+    # --no-bos: the prompt's own ids only
+    nobos = _generate(packaged[1], "--tokenizer", model_file, "--prompt", texts[0], "--no-bos", *opts)
+    direct = _generate(packaged[1], "--prompt", " ".join(map(str, sp.encode(texts[0]))), *opts)
+    assert nobos.stdout == sp.decode(list(map(int, direct.stdout.split()))).replace("\\", "\\\\") + "\n"
+
+
+def test_runner_says_what_is_wrong_with_a_tokenizer(packaged, tmp_path):
+    _, model_file = _tokenizer(tmp_path)
+    not_a_model = tmp_path / "bad.model"
+    not_a_model.write_bytes(b"not a sentencepiece model")
+    empty = tmp_path / "prompts.txt"
+    empty.write_text("hello\n\n")
+    for args, error in [
+        (["--tokenizer", tmp_path / "missing.model", "--prompt", "hi"], "tokenizer not found: "),
+        (["--tokenizer", not_a_model, "--prompt", "hi"], "bad.model is not a SentencePiece model"),
+        (["--tokenizer", model_file, "--prompts", empty], "prompts.txt line 2 is empty"),
+        (["--prompt", "5", "--no-bos"], "--no-bos is for text prompts"),
+    ]:
+        r = _generate(packaged[1], *args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode in (1, 2) and len(lines) == 1 and error in lines[0], r.stderr
+
+
 FAMILY_CONFIGS = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(attention_bias=True, mlp_bias=True)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),

@@ -67,6 +67,7 @@ class CUSTOMOPS_API CausalLM {
   int64_t max_seq_len() const;
   int64_t vocab_size() const;
   std::optional<int64_t> eos_token_id() const;
+  std::optional<int64_t> bos_token_id() const;  // what the model expects before a prompt, where it has one
   c10::Device device() const;
 
  private:

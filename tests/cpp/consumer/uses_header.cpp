@@ -1,8 +1,10 @@
-// Consumer check: customops::muladd and the generation API through the installed headers and
-// library (generation itself is tested from pytest, which makes the packages).
+// Consumer check: customops::muladd, the generation API and the tokenizer through the installed
+// headers and libraries (generation itself is tested from pytest, which makes the packages and the
+// tokenizer model).
 #include <ATen/ATen.h>
 #include <customops/customops.h>
 #include <customops/generate.h>
+#include <customops/tokenizer.h>
 
 #include <iostream>
 #include <string>
@@ -22,6 +24,17 @@ int main() {
   } catch (const std::exception& e) {
     if (std::string(e.what()).find("no-such-package.pt2") == std::string::npos) {
       std::cerr << "customops::CausalLM's error does not name the package: " << e.what() << "\n";
+      return 1;
+    }
+  }
+  try {  // a missing file where SentencePiece is linked; otherwise the build says it has none
+    customops::Tokenizer tok("no-such-tokenizer.model");
+    std::cerr << "customops::Tokenizer loaded a model that does not exist\n";
+    return 1;
+  } catch (const std::exception& e) {
+    const std::string want = customops::Tokenizer::available() ? "no-such-tokenizer.model" : "libsentencepiece-dev";
+    if (std::string(e.what()).find(want) == std::string::npos) {
+      std::cerr << "customops::Tokenizer's error does not say '" << want << "': " << e.what() << "\n";
       return 1;
     }
   }
