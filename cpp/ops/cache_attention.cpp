@@ -160,17 +160,24 @@ void check_cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   check_positions(kAttn, "lengths", lengths, q.sym_size(0), k_cache);
 }
 
-Pair cache_attention_generic(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                             const at::Tensor& lengths, std::optional<double> scale) {
-  check_cache_attention(q, k_cache, v_cache, lengths);
-  auto [out, lse] = attention_outputs(q);
+at::Tensor cache_lengths_on_host(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& lengths) {
   const int64_t b = q.size(0), t = q.size(2), s = k_cache.size(2);
-  const at::Tensor host = lengths.cpu().contiguous();
+  at::Tensor host = lengths.cpu().contiguous();
   const int64_t* len = host.const_data_ptr<int64_t>();
   for (int64_t i = 0; i < b; ++i) {
     TORCH_CHECK(len[i] >= t && len[i] <= s, kAttn, ": lengths[", i, "] is ", len[i], "; it must be at least the ", t,
                 " new queries and at most the cache's ", s, " positions");
   }
+  return host;
+}
+
+Pair cache_attention_generic(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& lengths, std::optional<double> scale) {
+  check_cache_attention(q, k_cache, v_cache, lengths);
+  auto [out, lse] = attention_outputs(q);
+  const int64_t b = q.size(0);
+  const at::Tensor host = cache_lengths_on_host(q, k_cache, lengths);
+  const int64_t* len = host.const_data_ptr<int64_t>();
   // attention of the input dtype, as the op's (autocast would run a float32 call in half precision)
   autocast::Below below;
   for (int64_t i = 0; i < b; ++i) {
@@ -230,14 +237,14 @@ void cache_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at:
   cache_write_op().call(k_cache, v_cache, k, v, start);
 }
 
-// Meta, CPU (the generic kernels; cuda/cache_attention.cu registers the CUDA ones), Autograd and
-// vmap registrations.
+// Meta, CPU cache_write (the generic kernel; cache_attention's CPU kernel is in
+// cpp/cpu/cache_attention.cpp, the CUDA ones in cuda/cache_attention.cu), Autograd and vmap
+// registrations.
 TORCH_LIBRARY_IMPL(customops, Meta, m) {
   m.impl("cache_attention", &cache_attention_meta);
   m.impl("cache_write", &cache_write_meta);
 }
-TORCH_LIBRARY_IMPL(customops, CPU, m) {
-  m.impl("cache_attention", &cache_attention_generic);
+TORCH_LIBRARY_IMPL(customops, CPU, m) {  // cache_attention's CPU kernel: cpp/cpu/cache_attention.cpp
   m.impl("cache_write", &cache_write_generic);
 }
 #ifndef CUSTOMOPS_WITH_CUDA

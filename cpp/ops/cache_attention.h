@@ -15,6 +15,10 @@ namespace customops {
 void check_cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& lengths);
 
+// lengths read on the host (a device sync on CUDA) and checked: each at least q's new queries and
+// at most the cache's positions (the error names the op and the sequence).
+at::Tensor cache_lengths_on_host(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& lengths);
+
 // Reads lengths on the host (a device sync on CUDA), checks them, then attends each sequence's
 // filled prefix through customops::attention: the kernel of every device and dtype.
 std::tuple<at::Tensor, at::Tensor> cache_attention_generic(const at::Tensor& q, const at::Tensor& k_cache,
