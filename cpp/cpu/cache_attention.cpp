@@ -137,14 +137,12 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_cpu(const at::Tensor& q, cons
   const bool takes = (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
                      q.size(2) <= kCacheAttentionMaxQueries && k_cache.stride(3) == 1 && v_cache.stride(3) == 1;
   if (!takes) return cache_attention_generic(q, k_cache, v_cache, lengths, scale);
-  auto [out, lse] = attention_outputs(q);  // lse float32 for these dtypes
+  auto [out, lse] = attention_outputs(q);  // out with a unit last stride; lse float32 for these dtypes
   const at::Tensor host = cache_lengths_on_host(q, k_cache, lengths);
   if (q.numel() == 0) return {out, lse};
   const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
-  const at::Tensor o = out.stride(3) == 1 ? out : at::empty_like(out, at::MemoryFormat::Contiguous);
-  CUSTOMOPS_CPU_DISPATCH(decode_attention_kernel, qc, k_cache, v_cache, host.const_data_ptr<int64_t>(), o, lse,
+  CUSTOMOPS_CPU_DISPATCH(decode_attention_kernel, qc, k_cache, v_cache, host.const_data_ptr<int64_t>(), out, lse,
                          attention_scale(scale, q.size(3)));
-  if (!o.is_same(out)) out.copy_(o);
   return {out, lse};
 }
 
