@@ -28,6 +28,14 @@ TORCH_LIBRARY(customops, m) {
   m.def("swiglu(Tensor x) -> Tensor");
   // grad of x for swiglu: [..., 2n], the gate half then the up half.
   m.def("_swiglu_backward(Tensor grad_y, Tensor x) -> Tensor");
+  // prologue(x) @ weight.T (+ bias) (+ residual): a linear layer with the work around it fused,
+  // for decoding, where a step is a chain of matrix-vector products. prologue is "none",
+  // "rms_norm" (rms_norm(x, norm_weight, eps), as customops.rms_norm rounds it) or "swiglu"
+  // (swiglu(x): x holds gate then up, twice weight's in_features). weight [N, K]; residual is
+  // shaped like the result, x.shape[:-1] + [N]. A few rows on CUDA read each weight element
+  // once in one kernel; more rows run the prologue, a GEMM and the add.
+  m.def("fused_linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None, str prologue=\"none\", "
+        "Tensor? norm_weight=None, float eps=1e-06) -> Tensor");
   // clamp(x * scale, lo, hi).
   m.def("scale_clamp(Tensor x, float scale, float lo, float hi) -> Tensor");
   // grad_y * scale where lo < x * scale < hi, else 0.

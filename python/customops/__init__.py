@@ -31,7 +31,7 @@ _check_torch_version()
 from . import _C  # noqa: E402  (loads libcustomops.so and registers the ops)
 from . import export  # noqa: E402
 from .hf import optimize  # noqa: E402
-from ._ops import (add_rms_norm, attention, cache_attention, cache_write, cross_entropy,  # noqa: E402
+from ._ops import (add_rms_norm, attention, cache_attention, cache_write, cross_entropy, fused_linear,  # noqa: E402
                    linear_cross_entropy, merge_attention, mul, muladd, rms_norm, rope, scale_clamp, silu, silu_mul,
                    swiglu)
 from .distributed import _when_dtensor_loads  # noqa: E402
@@ -103,6 +103,7 @@ __all__ = [
     "silu",
     "silu_mul",
     "swiglu",
+    "fused_linear",
     "scale_clamp",
     "add_rms_norm",
     "rope",

@@ -153,6 +153,32 @@ def swiglu(x: Tensor) -> Tensor:
     return _callable(_overloads.swiglu)(x)
 
 
+def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None, *,
+                 prologue: str = "none", norm_weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """``prologue(x) @ weight.T + bias + residual``: a linear layer with the work around it fused,
+    for decoding, where a step is a chain of matrix-vector products.
+
+    Args:
+        x: Tensor of shape ``[..., K]`` (``[..., 2 * K]`` with ``prologue="swiglu"``).
+        weight: ``[N, K]``, as ``nn.Linear.weight``; x's dtype and device.
+        bias: optional ``[N]``.
+        residual: optional, shaped like the result, ``[..., N]``: added after the product.
+        prologue: ``"none"``; ``"rms_norm"``, ``rms_norm(x, norm_weight, eps)``; or ``"swiglu"``,
+            ``swiglu(x)`` (gate then up along x's last dim). The prologue is rounded to x's
+            dtype as those ops round it.
+        norm_weight: the RMSNorm weight of ``prologue="rms_norm"`` (optional; float32 is read as
+            it is with half-type x).
+
+    Returns:
+        A new tensor ``[..., N]``. On CUDA, up to 8 rows whose prologue fits in shared memory run
+        as one kernel that reads each weight element once; other inputs (and CPU) run the
+        prologue op, the GEMM and the add. Differentiable (taken apart into ATen ops when a
+        gradient is needed), twice too.
+    """
+    return _callable(_overloads.fused_linear)(x, weight, bias, residual, prologue=prologue, norm_weight=norm_weight,
+                                              eps=eps)
+
+
 def scale_clamp(x: Tensor, scale: float, lo: float, hi: float) -> Tensor:
     """``clamp(x * scale, lo, hi)`` in one pass.
 

@@ -91,6 +91,14 @@ CUSTOMOPS_API at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 // silu(x[..., :n]) * x[..., n:] with n = x.size(-1) / 2: silu_mul of a fused gate-up tensor; its
 // backward writes x's gradient as one tensor (faster than silu_mul on x.chunk(2, -1) in training).
 CUSTOMOPS_API at::Tensor swiglu(const at::Tensor& x);
+// prologue(x) @ weight.T + bias + residual, one kernel for a few rows on CUDA (decoding).
+// prologue: "none", "rms_norm" (customops::rms_norm(x, norm_weight, eps)) or "swiglu"
+// (customops::swiglu(x), x twice weight's in_features wide); bias and residual optional.
+CUSTOMOPS_API at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight,
+                                      const std::optional<at::Tensor>& bias = std::nullopt,
+                                      const std::optional<at::Tensor>& residual = std::nullopt,
+                                      std::string_view prologue = "none",
+                                      const std::optional<at::Tensor>& norm_weight = std::nullopt, double eps = 1e-6);
 // clamp(x * scale, lo, hi); requires lo <= hi.
 CUSTOMOPS_API at::Tensor scale_clamp(const at::Tensor& x, double scale, double lo, double hi);
 

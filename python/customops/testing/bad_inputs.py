@@ -228,6 +228,29 @@ def _swiglu_bad_inputs(device):
     ]
 
 
+def _fused_linear_bad_inputs(device):
+    op = "customops::fused_linear"
+    x, w = torch.randn(2, 8, device=device), torch.randn(4, 8, device=device)
+    return [
+        (Sample((x, w, None, None, "gelu")), rf'{op}: prologue must be "none", "rms_norm" or "swiglu", but got "gelu"'),
+        (Sample((x.long(), w.long())), rf"{op}: x has dtype Long"),
+        (Sample((x, w.double())), rf"{op}: expected weight to have the dtype of x"),
+        (Sample((torch.tensor(1.0, device=device), w)), rf"{op}: x must have at least one dimension"),
+        (Sample((x, w[0])), rf"{op}: expected weight of shape \[out_features, in_features\]"),
+        (Sample((x, torch.randn(4, 6, device=device))), rf"{op}: x's last dim must be weight's in_features \(6\)"),
+        (Sample((x, w, None, None, "swiglu")), rf'{op}: with prologue "swiglu", x\'s last dim holds gate then up '
+         r"and must be twice weight's in_features \(8\)"),
+        (Sample((x, w, torch.randn(5, device=device))), rf"{op}: expected bias of shape \[4\], but got \[5\]"),
+        (Sample((x, w, None, torch.randn(2, 8, device=device))),
+         rf"{op}: expected residual of the result's shape, x.shape\[:-1\] \+ \[4\], but got \[2, 8\]"),
+        (Sample((x, w, None, torch.randn(4, device=device))), rf"{op}: expected residual of the result's shape"),
+        (Sample((x, w, None, None, "none", torch.ones(8, device=device))),
+         rf'{op}: norm_weight is given but prologue is "none"'),
+        (Sample((x, w, None, None, "rms_norm", torch.ones(6, device=device))),
+         rf"{op}: expected weight of shape \[8\]"),
+    ]
+
+
 def _scale_clamp_bad_inputs(device):
     op = "customops::scale_clamp"
     return _unary_bad_inputs("scale_clamp", (2.0, -1.0, 1.0))(device) + [

@@ -115,5 +115,14 @@ def _swiglu_ref(x):
     return gate * torch.sigmoid(gate) * up
 
 
+def _fused_linear_ref(x, weight, bias=None, residual=None, prologue="none", norm_weight=None, eps=1e-6):
+    if prologue == "rms_norm":
+        x = _rms_norm_ref(x, norm_weight, eps)[0]
+    elif prologue == "swiglu":
+        x = _swiglu_ref(x)
+    y = torch.nn.functional.linear(x, weight, bias)
+    return y + residual if residual is not None else y
+
+
 def _scale_clamp_ref(x, scale, lo, hi):
     return torch.clamp(x * scale, lo, hi)

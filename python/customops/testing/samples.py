@@ -333,5 +333,55 @@ def _swiglu_samples(device, dtype, requires_grad):
     return out
 
 
+def _fused_linear_samples(device, dtype, requires_grad):
+    """Each prologue with and without bias and residual; a few rows (CUDA's matrix-vector
+    kernel, rows of 16-byte vectors or not) and more than it takes; non-contiguous x, weight and
+    residual; empty x and empty features; a float32 norm weight with half-type x. Weights are
+    scaled by 1/sqrt(in_features) so outputs stay near 1 (the prologue is rounded to the dtype
+    before the product, which the float64 reference is not)."""
+
+    def lin(n, k, layout="contiguous"):
+        w = _rand((n, k), device, dtype, layout=layout) / max(k, 1) ** 0.5
+        return w.detach().requires_grad_(requires_grad)
+
+    def vec(n, wdtype=dtype, offset=0.0):
+        return (torch.rand(n, device=device, dtype=wdtype) + offset).requires_grad_(requires_grad)
+
+    def x_(shape, layout="contiguous"):
+        return _rand(shape, device, dtype, requires_grad, layout=layout)
+
+    out = [
+        Sample((x_((1, 64)), lin(24, 64)), {}, "contiguous none [1, 64] @ [24, 64]"),
+        Sample((x_((3, 32)), lin(20, 32), vec(20), x_((3, 20))), {}, "contiguous none [3, 32] + bias + residual"),
+        Sample((x_((2, 3, 16), "transposed"), lin(12, 16, "transposed"), None, x_((2, 3, 12), "strided")), {},
+               "transposed x and weight, strided residual, none"),
+        Sample((x_((12, 40)), lin(8, 40), vec(8)), {}, "contiguous none [12, 40]: more rows"),
+        Sample((x_((5, 13)), lin(7, 13)), {}, "contiguous none, odd in_features"),
+        Sample((x_((0, 16)), lin(8, 16), vec(8)), {}, "contiguous none, empty x"),
+        Sample((x_((3, 0)), lin(5, 0), vec(5)), {}, "contiguous none, no in_features"),
+        Sample((x_((4, 32)), lin(24, 32), None, x_((4, 24)), "rms_norm", vec(32, offset=0.5)), {},
+               "contiguous rms_norm [4, 32] + residual"),
+        Sample((x_((1, 2, 48), "strided"), lin(16, 48), vec(16), None, "rms_norm", None, 1e-5), {},
+               "strided x, rms_norm without norm weight, bias"),
+        Sample((x_((9, 16)), lin(8, 16), None, None, "rms_norm", vec(16, offset=0.5)), {},
+               "contiguous rms_norm [9, 16]: more rows"),
+        Sample((x_((2, 64)), lin(16, 32), vec(16), x_((2, 16)), "swiglu"), {}, "contiguous swiglu [2, 64] + bias + residual"),
+        Sample((x_((3, 4, 32), "transposed"), lin(8, 16), None, None, "swiglu"), {}, "transposed x, swiglu"),
+        Sample((x_((0, 32)), lin(8, 16), None, None, "swiglu"), {}, "contiguous swiglu, empty x"),
+    ]
+    if dtype in (torch.float16, torch.bfloat16):  # a float32 norm weight, read as it is
+        out.append(Sample((x_((2, 32)), lin(8, 32), None, None, "rms_norm", vec(32, torch.float32, offset=0.5)), {},
+                          "contiguous rms_norm, float32 norm weight"))
+    return out
+
+
+def _fused_linear_batch(device, dtype, n):
+    w = torch.randn(12, 16, device=device, dtype=dtype) / 4
+    return Sample((torch.randn(n, 16, device=device, dtype=dtype), w, torch.randn(12, device=device, dtype=dtype),
+                   torch.randn(n, 12, device=device, dtype=dtype), "rms_norm",
+                   torch.rand(16, device=device, dtype=dtype) + 0.5), {},
+                  f"batch {n}")
+
+
 def _swiglu_batch(device, dtype, n):
     return Sample((torch.randn(n, 16, device=device, dtype=dtype),), {}, f"batch {n}")

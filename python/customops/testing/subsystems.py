@@ -166,8 +166,10 @@ def check_vmap(info: OpInfo, device, dtype=torch.float64, entries=4) -> int:
 
 
 def _autocast_policy(policy: str, args: list, ti: list[int], low: torch.dtype) -> list:
-    """args (detached) as an op of the given autocast policy computes with them."""
-    a = [x.detach() if isinstance(x, torch.Tensor) else x for x in args]
+    """args as an op of the given autocast policy computes with them: copies that require a
+    gradient where args do (an op may compute its forward differently when one is needed:
+    fused_linear takes itself apart)."""
+    a = [x.detach().requires_grad_(x.requires_grad) if isinstance(x, torch.Tensor) else x for x in args]
     if policy == "promote":
         widest = functools.reduce(torch.promote_types, (a[i].dtype for i in ti))
         return [x.to(widest) if i in ti else x for i, x in enumerate(a)]

@@ -10,6 +10,7 @@ import torch
 
 from .bad_inputs import (_add_rms_norm_bad_inputs, _attention_bad_inputs, _binary_bad_inputs,
                          _cache_attention_bad_inputs, _cache_write_bad_inputs, _cross_entropy_bad_inputs,
+                         _fused_linear_bad_inputs,
                          _linear_cross_entropy_bad_inputs, _merge_attention_bad_inputs, _rms_norm_bad_inputs,
                          _rope_bad_inputs, _scale_clamp_bad_inputs, _silu_mul_bad_inputs, _swiglu_bad_inputs,
                          _unary_bad_inputs)
@@ -18,11 +19,13 @@ from .fuzz import (_fuzz_attention, _fuzz_cache_attention, _fuzz_cache_write, _f
                    _fuzz_linear_cross_entropy, _fuzz_merge_attention, _fuzz_muladd_c, _fuzz_rms_norm, _fuzz_rope,
                    _fuzz_scale_clamp, _fuzz_swiglu)
 from .references import (_add_rms_norm_ref, _attention_ref, _cache_attention_ref, _cache_write_ref,
-                         _cross_entropy_ref, _linear_cross_entropy_ref, _merge_attention_ref, _mul_ref, _muladd_ref,
+                         _cross_entropy_ref, _fused_linear_ref, _linear_cross_entropy_ref, _merge_attention_ref,
+                         _mul_ref, _muladd_ref,
                          _rms_norm_ref, _rope_ref, _scale_clamp_ref, _silu_mul_ref, _silu_ref, _swiglu_ref)
 from .samples import (_add_rms_norm_batch, _add_rms_norm_samples, _attention_batch, _attention_samples,
                       _cache_attention_batch, _cache_attention_samples, _cache_write_batch, _cache_write_samples,
                       _cross_entropy_batch, _cross_entropy_samples, _elementwise_batch, _elementwise_samples,
+                      _fused_linear_batch, _fused_linear_samples,
                       _halves_samples, _linear_cross_entropy_batch, _linear_cross_entropy_samples,
                       _merge_attention_batch, _merge_attention_samples, _rms_norm_batch, _rms_norm_samples,
                       _rope_batch, _rope_samples, _swiglu_batch, _swiglu_samples)
@@ -197,6 +200,18 @@ OPS: list[OpInfo] = [
         bad_inputs=_swiglu_bad_inputs,
         double_backward=False,
         fuzz=_fuzz_swiglu,
+    ),
+    OpInfo(
+        name="fused_linear",
+        samples=_fused_linear_samples,
+        ref=_fused_linear_ref,
+        batch=_fused_linear_batch,
+        bad_inputs=_fused_linear_bad_inputs,
+        # a sum over in_features of a prologue rounded to the dtype, rounded again
+        tolerances={**SUMMED_THEN_ROUNDED, torch.float32: (5e-5, 5e-5), torch.float16: (5e-3, 5e-3),
+                    torch.bfloat16: (3e-2, 2e-2)},
+        autocast="lower",
+        cancels=True,
     ),
     OpInfo(
         name="scale_clamp",

@@ -1,0 +1,187 @@
+// fused_linear, device-independent parts: typed C++ API, argument checks, Meta kernel, the
+// unfused path (the CPU kernel, and the CUDA kernel's path for many rows), and the Autograd, vmap
+// and autocast kernels. The op is for inference: a gradient, a tangent or vmap takes it apart
+// into ATen ops (the prologue written out, at::linear, the add), which autograd differentiates
+// (twice, and forward-mode) and functorch batches; without them it runs the fused kernels.
+#include "ops/fused_linear.h"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "customops/customops.h"
+#include "ops/autocast.h"
+#include "ops/autograd.h"
+#include "ops/checks.h"
+#include "ops/llm.h"
+
+namespace customops {
+namespace {
+
+constexpr const char* kOp = "customops::fused_linear";
+
+const auto& fused_linear_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("customops::fused_linear", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                         const std::optional<at::Tensor>&, c10::string_view,
+                                         const std::optional<at::Tensor>&, double)>();
+  return op;
+}
+
+bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+}  // namespace
+
+at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& residual, std::string_view prologue,
+                        const std::optional<at::Tensor>& norm_weight, double eps) {
+  return fused_linear_op().call(x, weight, bias, residual, c10::string_view(prologue.data(), prologue.size()),
+                                norm_weight, eps);
+}
+
+Prologue check_fused_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& residual, c10::string_view prologue,
+                            const std::optional<at::Tensor>& norm_weight) {
+  Prologue p;
+  if (prologue == "none") {
+    p = Prologue::kNone;
+  } else if (prologue == "rms_norm") {
+    p = Prologue::kRmsNorm;
+  } else if (prologue == "swiglu") {
+    p = Prologue::kSwiglu;
+  } else {
+    TORCH_CHECK(false, kOp, ": prologue must be \"none\", \"rms_norm\" or \"swiglu\", but got \"",
+                std::string(prologue.data(), prologue.size()), "\"");
+  }
+  checks::float_dtype(kOp, "x", x);
+  TORCH_CHECK(x.dim() >= 1, kOp, ": x must have at least one dimension (the features), but it is a scalar");
+  checks::defined(kOp, "weight", weight);
+  checks::same_dtype(kOp, "weight", weight, "x", x);
+  checks::same_device(kOp, "weight", weight, "x", x);
+  TORCH_CHECK(weight.dim() == 2, kOp, ": expected weight of shape [out_features, in_features], but got ",
+              weight.sym_sizes());
+  if (p == Prologue::kSwiglu) {
+    TORCH_SYM_CHECK(x.sym_size(-1).sym_eq(weight.sym_size(1) * 2), kOp,
+                    ": with prologue \"swiglu\", x's last dim holds gate then up and must be twice weight's "
+                    "in_features (", weight.sym_size(1), "), but x has shape ", x.sym_sizes());
+  } else {
+    TORCH_SYM_CHECK(x.sym_size(-1).sym_eq(weight.sym_size(1)), kOp, ": x's last dim must be weight's in_features (",
+                    weight.sym_size(1), "), but x has shape ", x.sym_sizes());
+  }
+  if (given(bias)) {
+    checks::same_dtype(kOp, "bias", *bias, "x", x);
+    checks::same_device(kOp, "bias", *bias, "x", x);
+    TORCH_CHECK(bias->dim() == 1, kOp, ": expected bias of shape [", weight.sym_size(0), "], but got ",
+                bias->sym_sizes());
+    TORCH_SYM_CHECK(bias->sym_size(0).sym_eq(weight.sym_size(0)), kOp, ": expected bias of shape [",
+                    weight.sym_size(0), "], but got ", bias->sym_sizes());
+  }
+  if (given(residual)) {
+    const at::Tensor& r = *residual;
+    checks::same_dtype(kOp, "residual", r, "x", x);
+    checks::same_device(kOp, "residual", r, "x", x);
+    TORCH_CHECK(r.dim() == x.dim(), kOp, ": expected residual of the result's shape, x.shape[:-1] + [",
+                weight.sym_size(0), "], but got ", r.sym_sizes());
+    for (int64_t i = 0; i < x.dim(); ++i) {
+      const c10::SymInt want = i + 1 == x.dim() ? weight.sym_size(0) : x.sym_size(i);
+      TORCH_SYM_CHECK(r.sym_size(i).sym_eq(want), kOp, ": expected residual of the result's shape, x.shape[:-1] + [",
+                      weight.sym_size(0), "], but got ", r.sym_sizes());
+    }
+  }
+  if (p == Prologue::kRmsNorm) {
+    check_rms_norm(kOp, x, norm_weight);
+  } else {
+    TORCH_CHECK(!given(norm_weight), kOp, ": norm_weight is given but prologue is \"",
+                std::string(prologue.data(), prologue.size()), "\"; it is the weight of the \"rms_norm\" prologue");
+  }
+  return p;
+}
+
+at::Tensor fused_linear_unfused(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                const std::optional<at::Tensor>& residual, c10::string_view prologue,
+                                const std::optional<at::Tensor>& norm_weight, double eps) {
+  const Prologue p = check_fused_linear(x, weight, bias, residual, prologue, norm_weight);
+  const at::Tensor in = p == Prologue::kRmsNorm ? rms_norm(x, norm_weight, eps) : p == Prologue::kSwiglu ? swiglu(x) : x;
+  at::Tensor y = at::linear(in, weight, bias);
+  if (given(residual)) y.add_(*residual);
+  return y;
+}
+
+namespace {
+
+// ---- Meta -------------------------------------------------------------------------------------
+at::Tensor fused_linear_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                             const std::optional<at::Tensor>& residual, c10::string_view prologue,
+                             const std::optional<at::Tensor>& norm_weight, double /*eps*/) {
+  check_fused_linear(x, weight, bias, residual, prologue, norm_weight);
+  std::vector<c10::SymInt> sizes(x.sym_sizes().begin(), x.sym_sizes().end());
+  sizes.back() = weight.sym_size(0);
+  return at::empty_symint(sizes, x.options());
+}
+
+// ---- ATen decomposition: for autograd, forward-mode AD and vmap ------------------------------
+// The prologue rounds to x's dtype as customops' rms_norm and swiglu do, so the values agree with
+// the fused kernels' within one rounding of the product.
+at::Tensor fused_linear_decomposed(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                   const std::optional<at::Tensor>& residual, c10::string_view prologue,
+                                   const std::optional<at::Tensor>& norm_weight, double eps) {
+  const Prologue p = check_fused_linear(x, weight, bias, residual, prologue, norm_weight);
+  const at::ScalarType acc = rms_norm_acc_dtype(x.scalar_type());
+  at::Tensor in = x;
+  if (p == Prologue::kRmsNorm) {
+    const at::Tensor xf = x.to(acc);
+    at::Tensor y = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+    if (given(norm_weight)) y = y * norm_weight->to(acc);
+    in = y.to(x.scalar_type());
+  } else if (p == Prologue::kSwiglu) {
+    const c10::SymInt n = weight.sym_size(1);
+    const at::Tensor g = x.narrow_symint(-1, 0, n).to(acc), u = x.narrow_symint(-1, n, n).to(acc);
+    in = (at::silu(g) * u).to(x.scalar_type());
+  }
+  at::Tensor y = at::linear(in, weight, bias);
+  return given(residual) ? y + *residual : y;
+}
+
+// ---- Autograd ---------------------------------------------------------------------------------
+at::Tensor fused_linear_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                 const std::optional<at::Tensor>& residual, c10::string_view prologue,
+                                 const std::optional<at::Tensor>& norm_weight, double eps) {
+  autograd::Recorder rec(x, weight, bias, residual, norm_weight);
+  if (!rec) return call_below_autograd(fused_linear_op(), x, weight, bias, residual, prologue, norm_weight, eps);
+  return fused_linear_decomposed(x, weight, bias, residual, prologue, norm_weight, eps);
+}
+
+// ---- Autocast: as a linear layer, float32 tensors run in the autocast dtype --------------------
+at::Tensor fused_linear_autocast(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                 const std::optional<at::Tensor>& residual, c10::string_view prologue,
+                                 const std::optional<at::Tensor>& norm_weight, double eps) {
+  const at::ScalarType low = at::autocast::get_autocast_dtype(x.device().type());
+  auto cast = [&](const at::Tensor& t) { return t.defined() && t.scalar_type() == at::kFloat ? t.to(low) : t; };
+  auto cast_opt = [&](const std::optional<at::Tensor>& t) {
+    return given(t) ? std::optional<at::Tensor>(cast(*t)) : t;
+  };
+  autocast::Below below;
+  return fused_linear_op().call(cast(x), cast(weight), cast_opt(bias), cast_opt(residual), prologue,
+                                cast_opt(norm_weight), eps);
+}
+
+}  // namespace
+
+// Meta kernel of fused_linear.
+TORCH_LIBRARY_IMPL(customops, Meta, m) { m.impl("fused_linear", &fused_linear_meta); }
+
+// CPU kernel of fused_linear: customops' CPU rms_norm or swiglu, ATen's linear (BLAS), the add.
+TORCH_LIBRARY_IMPL(customops, CPU, m) { m.impl("fused_linear", &fused_linear_unfused); }
+
+// Autograd kernel of fused_linear.
+TORCH_LIBRARY_IMPL(customops, Autograd, m) { m.impl("fused_linear", &fused_linear_autograd); }
+
+// vmap: the ATen decomposition, which functorch batches.
+TORCH_LIBRARY_IMPL(customops, FuncTorchBatched, m) { m.impl("fused_linear", &fused_linear_decomposed); }
+
+// Autocast kernel of fused_linear.
+CUSTOMOPS_AUTOCAST_IMPL(m) { m.impl("fused_linear", &fused_linear_autocast); }
+
+}  // namespace customops

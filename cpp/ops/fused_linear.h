@@ -1,0 +1,25 @@
+// Internal: fused_linear's argument checks (shared by its Meta, CPU and CUDA kernels) and its
+// unfused path, which the CUDA kernel takes for inputs its matrix-vector kernel does not cover.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
+
+#include <optional>
+
+namespace customops {
+
+enum class Prologue { kNone, kRmsNorm, kSwiglu };
+
+// Checks every argument; returns the prologue named by `prologue`.
+Prologue check_fused_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& residual, c10::string_view prologue,
+                            const std::optional<at::Tensor>& norm_weight);
+
+// customops' rms_norm or swiglu, then a linear layer, then the add: the kernels the fused op
+// stands for, called one after another (below autograd).
+at::Tensor fused_linear_unfused(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                const std::optional<at::Tensor>& residual, c10::string_view prologue,
+                                const std::optional<at::Tensor>& norm_weight, double eps);
+
+}  // namespace customops

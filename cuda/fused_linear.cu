@@ -1,0 +1,347 @@
+// CUDA kernel of fused_linear for a few rows (decoding): y = prologue(x) @ weight.T + bias +
+// residual in one launch, each weight element read once. The op is memory-bound at these sizes
+// (a 2048 x 8192 bfloat16 weight is 32 MiB against 8 rows of input), so the kernel is a stream
+// over the weight:
+// - Prologue: every block writes prologue(x) for all rows into shared memory, rounded to x's
+//   dtype as customops' rms_norm and swiglu round it (rms_norm: one warp per row reduces the
+//   squares first). Blocks are at most one wave, so the prologue (a few KiB from L2) runs once
+//   per block, not once per output row.
+// - Product: one warp per output row at a time, grid-stride over rows; each lane issues
+//   kUnroll 16-byte weight loads (not cached in L1: read once) before the math on them, and
+//   multiplies each by the shared-memory rows; a butterfly reduction, then lane 0 adds bias and
+//   residual in float32 and writes the rows' outputs.
+// Other inputs (more than kMaxRows rows, rows that do not fit shared memory, float64, widths that
+// are not a whole number of 16-byte vectors, unaligned weights) take the unfused path: the
+// prologue op, cuBLAS, the add.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "elementwise.cuh"
+#include "ops/fused_linear.h"
+
+namespace customops {
+namespace {
+
+using cuda::Pack;
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kMaxRows = 4;  // more rows do as well or better through cuBLAS (bench --decode)
+constexpr int kUnroll = 4;
+constexpr int64_t kMaxSmem = 96 * 1024;
+
+template <typename T>
+struct GemvArgs {
+  const T* x;  // [M, K] (none, rms_norm) or [M, 2K] (swiglu: gate then up), rows x_stride apart
+  int64_t x_stride;
+  const T* weight;  // [N, K], contiguous
+  const T* bias;    // [N] (bias_stride apart) or null
+  int64_t bias_stride;
+  const T* residual;  // [M, N] with strides (r_stride0, r_stride1), or null
+  int64_t r_stride0, r_stride1;
+  const void* norm_weight;  // [K] (norm_stride apart; T, or float with a half-type T) or null
+  int64_t norm_stride;
+  bool norm_weight_float;
+  T* out;  // [M, N], contiguous
+  int M;
+  int64_t N;
+  int K;
+  float eps;
+};
+
+// Programmatic dependent launch (sm_90+; no-ops before): the kernel is launched to start while
+// the kernel before it in the stream still runs, and lets the one after it do the same. What
+// it reads before grid_dependency_wait is the weight only (a parameter: no kernel writes it);
+// x, bias and residual are read, and out written, after it.
+__device__ __forceinline__ void grid_dependents_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ uint4 load_streaming(const void* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ float norm_weight_at(const GemvArgs<T>& a, int64_t k) {
+  if (a.norm_weight == nullptr) return 1.f;
+  if (a.norm_weight_float) return static_cast<const float*>(a.norm_weight)[k * a.norm_stride];
+  return static_cast<float>(static_cast<const T*>(a.norm_weight)[k * a.norm_stride]);
+}
+
+// prologue(x) for every row, into xs ([M, K] of T).
+template <typename T, int V, Prologue P>
+__device__ void prologue(const GemvArgs<T>& a, T* xs) {
+  using PackT = Pack<T, V>;
+  const int kv = a.K / V;
+  __shared__ float rstd[kMaxRows];
+  if constexpr (P == Prologue::kRmsNorm) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    for (int m = warp; m < a.M; m += kWarps) {
+      const PackT* row = reinterpret_cast<const PackT*>(a.x + m * a.x_stride);
+      float ss = 0.f;
+      for (int c = lane; c < kv; c += 32) {
+        const PackT p = row[c];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const float v = static_cast<float>(p.v[j]);
+          ss += v * v;
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (lane == 0) rstd[m] = rsqrtf(ss / static_cast<float>(a.K) + a.eps);
+    }
+    __syncthreads();
+  }
+  for (int i = threadIdx.x; i < a.M * kv; i += kThreads) {
+    const int m = i / kv, c = i % kv;
+    const T* row = a.x + m * a.x_stride;
+    const PackT p = reinterpret_cast<const PackT*>(row)[c];
+    PackT y;
+    if constexpr (P == Prologue::kNone) {
+      y = p;
+    } else if constexpr (P == Prologue::kRmsNorm) {
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        y.v[j] = static_cast<T>(static_cast<float>(p.v[j]) * rstd[m] * norm_weight_at(a, int64_t{c} * V + j));
+      }
+    } else {
+      const PackT u = reinterpret_cast<const PackT*>(row + a.K)[c];
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const float g = static_cast<float>(p.v[j]);
+        y.v[j] = static_cast<T>(g / (1.f + __expf(-g)) * static_cast<float>(u.v[j]));
+      }
+    }
+    reinterpret_cast<PackT*>(xs)[i] = y;
+  }
+  __syncthreads();
+}
+
+// A warp's rows: n0, n0 + stride, ... (stride: all warps of the grid); each row is split into
+// segments of kUnroll 16-byte vectors per lane, and the warp walks its (row, segment) tasks with
+// two register buffers: the next task's loads are issued before this one's math, so every warp
+// keeps weight bytes in flight all the time, its reductions and writes included. The first two
+// tasks are loaded before the prologue, which then runs while they arrive.
+template <typename T, int V>
+struct Tasks {
+  const GemvArgs<T>& a;
+  int64_t n0, stride;
+  int segments, kv, count;
+
+  __device__ int64_t row(int t) const { return n0 + static_cast<int64_t>(t / segments) * stride; }
+
+  __device__ __forceinline__ void load(int t, Pack<T, V>* w) const {
+    if (t >= count) return;
+    const Pack<T, V>* r = reinterpret_cast<const Pack<T, V>*>(a.weight + row(t) * a.K);
+    const int s = t % segments, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = (s * kUnroll + u) * 32 + lane;
+      if (c < kv) {
+        const uint4 v = load_streaming(r + c);
+        w[u] = *reinterpret_cast<const Pack<T, V>*>(&v);
+      }
+    }
+  }
+};
+
+// acc += w . x over task t's segment; at a row's last segment, reduce, write and reset acc.
+template <typename T, int V, int R>
+__device__ __forceinline__ void consume(const Tasks<T, V>& k, int t, const Pack<T, V>* w, const Pack<T, V>* xp,
+                                        float* acc) {
+  const GemvArgs<T>& a = k.a;
+  const int s = t % k.segments, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int c = (s * kUnroll + u) * 32 + lane;
+    if (c < k.kv) {
+      float wf[V];
+#pragma unroll
+      for (int j = 0; j < V; ++j) wf[j] = static_cast<float>(w[u].v[j]);
+#pragma unroll
+      for (int m = 0; m < R; ++m) {
+        if (m < a.M) {
+          const Pack<T, V> xv = xp[m * k.kv + c];
+#pragma unroll
+          for (int j = 0; j < V; ++j) acc[m] += wf[j] * static_cast<float>(xv.v[j]);
+        }
+      }
+    }
+  }
+  if (s != k.segments - 1) return;
+#pragma unroll
+  for (int m = 0; m < R; ++m) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
+  }
+  if (lane == 0) {
+    const int64_t n = k.row(t);
+    const float b = a.bias != nullptr ? static_cast<float>(a.bias[n * a.bias_stride]) : 0.f;
+#pragma unroll
+    for (int m = 0; m < R; ++m) {
+      if (m < a.M) {
+        float y = acc[m] + b;
+        if (a.residual != nullptr) y += static_cast<float>(a.residual[m * a.r_stride0 + n * a.r_stride1]);
+        a.out[m * a.N + n] = static_cast<T>(y);
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < R; ++m) acc[m] = 0.f;
+}
+
+// R: rows the kernel is compiled for (a.M <= R).
+template <typename T, int R, Prologue P>
+__global__ void __launch_bounds__(kThreads, 2) gemv_kernel(GemvArgs<T> a) {
+  constexpr int V = 16 / sizeof(T);
+  using PackT = Pack<T, V>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* xs = reinterpret_cast<T*>(smem);
+  const int warp = threadIdx.x / 32;
+  Tasks<T, V> k{a, int64_t{blockIdx.x} * kWarps + warp, int64_t{gridDim.x} * kWarps, 0, a.K / V, 0};
+  k.segments = (k.kv + 32 * kUnroll - 1) / (32 * kUnroll);
+  const int64_t rows = k.n0 < a.N ? (a.N - k.n0 + k.stride - 1) / k.stride : 0;
+  k.count = static_cast<int>(rows * k.segments);
+
+  PackT wa[kUnroll], wb[kUnroll];
+  k.load(0, wa);
+  k.load(1, wb);
+  grid_dependents_launch();
+  grid_dependency_wait();
+  prologue<T, V, P>(a, xs);  // ends at a block barrier: no warp returns before it
+
+  const PackT* xp = reinterpret_cast<const PackT*>(xs);
+  float acc[R];
+#pragma unroll
+  for (int m = 0; m < R; ++m) acc[m] = 0.f;
+  for (int t = 0; t < k.count; t += 2) {
+    consume<T, V, R>(k, t, wa, xp, acc);
+    k.load(t + 2, wa);
+    if (t + 1 < k.count) {
+      consume<T, V, R>(k, t + 1, wb, xp, acc);
+      k.load(t + 3, wb);
+    }
+  }
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+template <typename T, int R, Prologue P>
+void launch_gemv(const GemvArgs<T>& a, int64_t smem, cudaStream_t stream) {
+  auto* kernel = &gemv_kernel<T, R, P>;
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  const int64_t blocks =
+      std::min<int64_t>((a.N + kWarps - 1) / kWarps, int64_t{prop->multiProcessorCount} * std::max(per_sm, 1));
+  // At most one wave, all resident at once: the next kernel's blocks (launched once all of these
+  // have started) take the SMs these leave, load their first weights and wait for these to end.
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = prop->major >= 9 ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a));
+}
+
+template <typename T, Prologue P>
+void launch_rows(const GemvArgs<T>& a, int64_t smem, cudaStream_t stream) {
+  if (a.M == 1) return launch_gemv<T, 1, P>(a, smem, stream);
+  if (a.M == 2) return launch_gemv<T, 2, P>(a, smem, stream);
+  launch_gemv<T, 4, P>(a, smem, stream);
+}
+
+at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                             const std::optional<at::Tensor>& residual, c10::string_view prologue_name,
+                             const std::optional<at::Tensor>& norm_weight, double eps) {
+  const Prologue p = check_fused_linear(x, weight, bias, residual, prologue_name, norm_weight);
+  auto unfused = [&] { return fused_linear_unfused(x, weight, bias, residual, prologue_name, norm_weight, eps); };
+  const at::ScalarType t = x.scalar_type();
+  if (t != at::kFloat && t != at::kHalf && t != at::kBFloat16) return unfused();
+  const int64_t k = weight.size(1), n = weight.size(0), k_in = x.size(-1);
+  const int64_t v = 16 / x.element_size();
+  if (k == 0 || n == 0 || k % v != 0 || k > (int64_t{1} << 30)) return unfused();
+  const int64_t m = x.numel() / k_in;
+  const int64_t smem = m * k * x.element_size();
+  if (m < 1 || m > kMaxRows || smem > kMaxSmem) return unfused();
+  if (!weight.is_contiguous() || !aligned16(weight.data_ptr())) return unfused();
+  at::Tensor x2 = x.reshape({m, k_in});
+  if (x2.stride(1) != 1 || x2.stride(0) % v != 0 || !aligned16(x2.data_ptr())) x2 = x2.contiguous();
+
+  c10::cuda::CUDAGuard guard(x.device());
+  std::vector<int64_t> out_sizes = x.sizes().vec();
+  out_sizes.back() = n;
+  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor r2 = residual.has_value() && residual->defined() ? residual->reshape({m, n}) : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t, "customops::fused_linear", [&] {
+    GemvArgs<scalar_t> a{};
+    a.x = x2.const_data_ptr<scalar_t>();
+    a.x_stride = x2.stride(0);
+    a.weight = weight.const_data_ptr<scalar_t>();
+    if (bias.has_value() && bias->defined()) {
+      a.bias = bias->const_data_ptr<scalar_t>();
+      a.bias_stride = bias->stride(0);
+    }
+    if (r2.defined()) {
+      a.residual = r2.const_data_ptr<scalar_t>();
+      a.r_stride0 = r2.stride(0);
+      a.r_stride1 = r2.stride(1);
+    }
+    if (norm_weight.has_value() && norm_weight->defined()) {
+      a.norm_weight = norm_weight->const_data_ptr();
+      a.norm_stride = norm_weight->stride(0);
+      a.norm_weight_float = norm_weight->scalar_type() == at::kFloat && t != at::kFloat;
+    }
+    a.out = out.mutable_data_ptr<scalar_t>();
+    a.M = static_cast<int>(m);
+    a.N = n;
+    a.K = static_cast<int>(k);
+    a.eps = static_cast<float>(eps);
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      if (p == Prologue::kRmsNorm) {
+        launch_rows<scalar_t, Prologue::kRmsNorm>(a, smem, stream);
+      } else if (p == Prologue::kSwiglu) {
+        launch_rows<scalar_t, Prologue::kSwiglu>(a, smem, stream);
+      } else {
+        launch_rows<scalar_t, Prologue::kNone>(a, smem, stream);
+      }
+    }
+  });
+  return out.view(out_sizes);
+}
+
+}  // namespace
+
+// CUDA kernel of fused_linear.
+TORCH_LIBRARY_IMPL(customops, CUDA, m) { m.impl("fused_linear", &fused_linear_cuda); }
+
+}  // namespace customops
