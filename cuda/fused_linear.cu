@@ -1,18 +1,20 @@
 // CUDA kernel of fused_linear for a few rows (decoding): y = prologue(x) @ weight.T + bias +
-// residual in one launch, each weight element read once. The op is memory-bound at these sizes
-// (a 2048 x 8192 bfloat16 weight is 32 MiB against 8 rows of input), so the kernel is a stream
-// over the weight:
+// residual in one launch, each weight element read once. At these sizes the op is a stream over
+// the weight (a 2048 x 8192 bfloat16 weight is 32 MiB against a few 16 KiB rows of input):
 // - Prologue: every block writes prologue(x) for all rows into shared memory, rounded to x's
 //   dtype as customops' rms_norm and swiglu round it (rms_norm: one warp per row reduces the
-//   squares first). Blocks are at most one wave, so the prologue (a few KiB from L2) runs once
-//   per block, not once per output row.
-// - Product: one warp per output row at a time, grid-stride over rows; each lane issues
-//   kUnroll 16-byte weight loads (not cached in L1: read once) before the math on them, and
-//   multiplies each by the shared-memory rows; a butterfly reduction, then lane 0 adds bias and
-//   residual in float32 and writes the rows' outputs.
+//   squares first). Blocks are at most one wave, so it runs once per block.
+// - Product: each warp walks rows n0, n0 + stride, ... in segments of kUnroll 16-byte vectors
+//   per lane (not cached in L1: read once), with two register buffers: the next segment's loads
+//   are issued before this one's math, and the first two before the prologue. A row's last
+//   segment ends in a butterfly reduction; lane 0 adds bias and residual in float32 and writes.
+// - Programmatic dependent launch (sm_90): a product launched after another starts its blocks
+//   on the SMs the other frees, loads its first weights and waits for it, so a decode step's
+//   chain of products does not drain and refill the memory pipeline between kernels.
 // Other inputs (more than kMaxRows rows, rows that do not fit shared memory, float64, widths that
 // are not a whole number of 16-byte vectors, unaligned weights) take the unfused path: the
-// prologue op, cuBLAS, the add.
+// prologue op, cuBLAS, the add. Measured on an H100 (bench --decode, README): a Llama-3.2-1B
+// decode step at batch 1 replays in 1.33 ms with these kernels against 1.55 ms unfused.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>

@@ -19,8 +19,11 @@ Llama family: this is what lets the cache be static and the graph have one dynam
 step is a chain of small kernels whose latency, not their bytes, is most of its time, so a layer
 has as few as it can (:class:`DecodeLayer`): q, k and v come from one matrix product and gate and up
 from another (their weights concatenated once, when the module is built: the package holds them
-and not the model's separate ones), each residual add is fused into the norm after it
-(add_rms_norm), and SwiGLU reads the gate-up product whole (swiglu). The new keys and values go into
+and not the model's separate ones), and each of the four products is one customops.fused_linear
+with the work around it: the norm before the qkv and gate-up products, SwiGLU before the down
+product, the residual add after the output and down products. On CUDA a decode step's few rows
+then run each product as one kernel that reads its weight once (prefill's many rows run the norm
+or SwiGLU op, cuBLAS and the add). The new keys and values go into
 the cache through customops.cache_write (in place: its schema declares the mutation, which export
 and AOTInductor keep), and attention reads each sequence's filled part of the cache only
 (customops.cache_attention, whose CUDA kernel reads the lengths on the device, so a CUDA graph can
@@ -32,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._ops import add_rms_norm, cache_attention, cache_write, rms_norm, rope, swiglu
+from ._ops import cache_attention, cache_write, fused_linear, rms_norm, rope
 
 # config.model_type -> the family's name in the package's metadata
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -94,12 +97,13 @@ class DecodeLayer(nn.Module):
         self.down_proj = mlp.down_proj
 
 
-def _norm(norm: nn.Module, h: Tensor, delta: Tensor | None) -> tuple[Tensor, Tensor]:
-    """(norm(h + delta), h + delta): the residual stream with a block's output added, normalized;
-    ``delta`` None is nothing to add."""
-    if delta is None:
-        return rms_norm(h, norm.weight, norm.variance_epsilon), h
-    return add_rms_norm(delta, h, norm.weight, norm.variance_epsilon)
+def _linear(linear: nn.Linear, x: Tensor, *, norm: nn.Module | None = None, residual: Tensor | None = None,
+            swiglu: bool = False) -> Tensor:
+    """linear(norm(x)) (or linear(swiglu(x)), or linear(x)), plus residual: one fused_linear."""
+    if norm is not None:
+        return fused_linear(x, linear.weight, linear.bias, residual, prologue="rms_norm", norm_weight=norm.weight,
+                            eps=norm.variance_epsilon)
+    return fused_linear(x, linear.weight, linear.bias, residual, prologue="swiglu" if swiglu else "none")
 
 
 class CachedCausalLM(nn.Module):
@@ -134,22 +138,21 @@ class CachedCausalLM(nn.Module):
         h = self.embed(input_ids)
         cos, sin = self.rotary(h, positions)  # [B, T, D]
         lengths = start + t  # each sequence's filled length once the T new tokens are written
-        delta = None  # the last block's output, which the next norm adds to the residual stream h
         for i, layer in enumerate(self.layers):
-            x, h = _norm(layer.input_norm, h, delta)
-            delta = self._attention(layer, x, cos, sin, getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"),
-                                    start, lengths)
-            x, h = _norm(layer.post_norm, h, delta)
-            delta = layer.down_proj(swiglu(layer.gate_up(x)))
+            qkv = _linear(layer.qkv, h, norm=layer.input_norm)
+            o = self._attention(layer, qkv, cos, sin, getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"),
+                                start, lengths)
+            h = _linear(layer.o_proj, o, residual=h)
+            h = _linear(layer.down_proj, _linear(layer.gate_up, h, norm=layer.post_norm), residual=h, swiglu=True)
         last = (torch.arange(b, device=h.device), count - 1)  # each sequence's last new token
-        x, _ = _norm(self.norm, h[last], delta[last])
-        return self.lm_head(x).float()
+        return _linear(self.lm_head, h[last], norm=self.norm).float()
 
-    def _attention(self, layer, x, cos, sin, k_cache, v_cache, start, lengths):
-        b, t, _ = x.shape
+    def _attention(self, layer, qkv, cos, sin, k_cache, v_cache, start, lengths):
+        """The attention block's output before o_proj, [B, T, heads * D], from the qkv product."""
+        b, t, _ = qkv.shape
         # [B, T, heads, D], split along the heads (slicing a view: reshaping a slice would make
         # Inductor guard on the batch size)
-        qkv = layer.qkv(x).view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
+        qkv = qkv.view(b, t, self.n_heads + 2 * self.n_kv, self.head_dim)
         q, k, v = qkv.split([self.n_heads, self.n_kv, self.n_kv], dim=2)
         if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before the rotation
             q = rms_norm(q, layer.q_norm.weight, layer.q_norm.variance_epsilon)
@@ -157,4 +160,4 @@ class CachedCausalLM(nn.Module):
         q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         cache_write(k_cache, v_cache, k, v.transpose(1, 2), start)
         o, _ = cache_attention(q, k_cache, v_cache, lengths, scale=layer.scaling)
-        return layer.o_proj(o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        return o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)

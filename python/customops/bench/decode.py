@@ -7,6 +7,12 @@ bandwidth of that read: the k and v bytes over the time, and its share of the co
 in the same run (bytes read and written a second by a large device copy). SDPA takes the cache
 sliced to the filled length (equal lengths: it has no per-sequence ones) with ``enable_gqa``.
 
+The second table is a decode step's matrix products at Llama-3.2-1B's shapes (hidden 2048,
+intermediate 8192, vocabulary 128256), one token a sequence: :func:`customops.fused_linear` (the
+norm, SwiGLU or residual add fused with the product) against the unfused ops a layer would call
+(customops' rms_norm or swiglu, ``F.linear``, the add), with the weight bytes' share of the copy
+speed.
+
 Each call is timed alone with CUDA events after a 256 MiB write that evicts the cache from L2 and
 keeps the GPU busy while the call is queued, so the time is the kernels' and the bytes come from
 memory; the median of ``--iters``.
@@ -26,6 +32,11 @@ import customops
 from .common import pick_device, versions
 
 BATCHES = (1, 4, 8, 16)
+# (name, out_features, in_features, prologue, residual): a Llama-3.2-1B decode step's products.
+PRODUCTS = (("qkv", 3072, 2048, "rms_norm", False), ("o_proj", 2048, 2048, "none", True),
+            ("gate_up", 16384, 2048, "rms_norm", False), ("down", 2048, 8192, "swiglu", True),
+            ("lm_head", 128256, 2048, "rms_norm", False))
+PRODUCT_BATCHES = (1, 4, 8)
 LENGTHS = (1024, 4096, 16384, 32768)
 
 
@@ -89,7 +100,44 @@ def run(args) -> dict:
             del q, k, v
     meta = {"device": torch.cuda.get_device_name(), "versions": versions("cuda"), "heads": hq, "kv_heads": hkv,
             "head_dim": d, "dtype": str(dtype).removeprefix("torch."), "copy_gb_s": speed / 1e9}
-    return {"meta": meta, "rows": rows}
+    return {"meta": meta, "rows": rows, "products": _products(args, speed, flush)}
+
+
+def _products(args, speed: float, flush: torch.Tensor) -> list[dict]:
+    dtype = torch.bfloat16
+    rows = []
+    for name, n, k, prologue, with_residual in PRODUCTS:
+        w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
+        nw = torch.rand(k, device="cuda", dtype=dtype) + 0.5 if prologue == "rms_norm" else None
+        for b in [int(x) for x in args.product_batches.split(",")]:
+            x = torch.randn(b, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=dtype)
+            r = torch.randn(b, n, device="cuda", dtype=dtype) if with_residual else None
+
+            def fused():
+                return customops.fused_linear(x, w, None, r, prologue=prologue, norm_weight=nw)
+
+            def unfused():
+                h = x
+                if prologue == "rms_norm":
+                    h = customops.rms_norm(x, nw)
+                elif prologue == "swiglu":
+                    h = customops.swiglu(x)
+                y = F.linear(h, w)
+                return y + r if r is not None else y
+
+            err = (fused().float() - unfused().float()).abs().max().item()
+            row = {"product": name, "batch": b, "out_features": n, "in_features": k, "prologue": prologue,
+                   "residual": with_residual, "weight_mb": w.numel() * w.element_size() / 2**20, "max_abs_err": err}
+            for label, fn in (("fused", fused), ("unfused", unfused)):
+                row[f"{label}_us"] = _time_us(fn, args.iters, flush)
+            row["speedup"] = row["unfused_us"] / row["fused_us"]
+            row["bandwidth_share"] = w.numel() * w.element_size() / (row["fused_us"] / 1e6) / speed
+            rows.append(row)
+            if not args.no_progress:
+                print(f"... {name} batch {b}: fused {row['fused_us']:.1f} us, unfused {row['unfused_us']:.1f} us",
+                      flush=True)
+        del w
+    return rows
 
 
 def print_report(report: dict) -> None:
@@ -103,6 +151,14 @@ def print_report(report: dict) -> None:
         print(f"{r['batch']:5d} {r['length']:7d} {r['kv_mb']:8.1f} {r['customops_us']:13.1f} {r['customops_gb_s']:6.0f} "
               f"{r['bandwidth_share']:7.0%} {r['sdpa_us']:8.1f} {r['sdpa_gb_s']:6.0f} {r['vs_sdpa']:7.2f}x "
               f"{r['max_abs_err']:8.1e}")
+    if report.get("products"):
+        print("\ndecode products (Llama-3.2-1B shapes, bfloat16): customops.fused_linear against the unfused ops")
+        print(f"{'product':>8s} {'prologue':>9s} {'+res':>5s} {'batch':>5s} {'weight MiB':>10s} {'fused us':>9s} "
+              f"{'of copy':>8s} {'unfused us':>11s} {'speedup':>8s} {'max err':>8s}")
+        for r in report["products"]:
+            print(f"{r['product']:>8s} {r['prologue']:>9s} {'yes' if r['residual'] else 'no':>5s} {r['batch']:5d} "
+                  f"{r['weight_mb']:10.1f} {r['fused_us']:9.1f} {r['bandwidth_share']:7.0%} {r['unfused_us']:11.1f} "
+                  f"{r['speedup']:7.2f}x {r['max_abs_err']:8.1e}")
 
 
 def main(argv: list[str]) -> int:
@@ -111,6 +167,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", choices=["cuda"])
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--lengths", default=",".join(map(str, LENGTHS)))
+    p.add_argument("--product-batches", default=",".join(map(str, PRODUCT_BATCHES)))
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
