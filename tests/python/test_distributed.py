@@ -107,6 +107,22 @@ def _cases(device: str = "cpu"):
     out.append(("cross_entropy vocabulary-parallel loss only",
                 lambda a, t: customops.cross_entropy(a, t, reduction="sum"), (logits, target), vocab, (0,),
                 reduced))
+    wl, bl, res, nw = r(8, 8), r(8), r(4, 6, 8), r(8)
+    columns = {1: (S(2),), 2: (S(2), S(2))}
+    out += [
+        ("fused_linear rows", lambda a, b, c, d: customops.fused_linear(a, b, c, d), (x, wl, bl, res),
+         (S(1), R, R, S(1)), ()),
+        ("fused_linear rows, rms_norm prologue",
+         lambda a, b, n: customops.fused_linear(a, b, prologue="rms_norm", norm_weight=n), (x, wl, nw), (S(0), R, R), ()),
+        ("fused_linear column-parallel", lambda a, b, c, d: customops.fused_linear(a, b, c, d), (x, wl, bl, res),
+         (R, S(0), S(0), S(2)), (), columns),
+        ("fused_linear column-parallel, rms_norm prologue",
+         lambda a, b, n: customops.fused_linear(a, b, prologue="rms_norm", norm_weight=n), (x, wl, nw), (R, S(0), R), (),
+         columns),
+        ("fused_linear gradients (taken apart, redistributed)",
+         lambda a, b, c, n: customops.fused_linear(a, b, residual=c, prologue="rms_norm", norm_weight=n),
+         (x, wl, res, nw), (S(0), R, S(0), R), (0, 1, 2, 3)),
+    ]
     hidden, weight, bias, t_lce = r(8, 6), r(10, 6), r(10), target.clone()
     t_lce[1] = -100
     lce_rows = {1: (S(0), R, S(0), R), 2: ((S(0), S(0)), (R, R), (S(0), S(0)), (R, R))}

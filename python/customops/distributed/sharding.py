@@ -12,6 +12,8 @@ the arguments', None where an argument is not a tensor (or is None).
 - rms_norm and add_rms_norm shard on any dim but the normalized (last) one with the weight
   replicated; their backward gives the weight's gradient ``Partial`` (a sum over rows, finished by
   DTensor's reduction when it is redistributed).
+- fused_linear shards on rows (x and residual; the weights replicated) and on the output
+  features (column-parallel: the weight and bias sharded on their first dim, x replicated).
 - rope shards on batch, heads or sequence; cos and sin follow the sequence (and the batch when
   they have one).
 - cross_entropy shards on rows, and on the classes (vocabulary-parallel, as loss parallel: the
@@ -124,6 +126,23 @@ def _rms_norm(x, weight, eps=1e-6):
     out = [([R, R], [R, w, None])]
     for d in range(x.ndim - 1):
         out.append(([Shard(d), Shard(d)], [Shard(d), w, None]))
+    return out
+
+
+@register_sharding(_ops.fused_linear.default)
+def _fused_linear(x, weight, bias=None, residual=None, prologue="none", norm_weight=None, eps=1e-6):
+    # Rows: x and residual sharded alike, the weights replicated. Column-parallel: each rank's
+    # output features from its rows of the weight (and bias), x replicated (the prologue reads
+    # whole rows of x). Without a gradient only: with one the op is taken apart into ATen ops
+    # before DTensor sees it.
+    def args(xp, wp, rp):
+        return [xp, wp, _spec_or_none(bias, R if wp == R else Shard(0)), _spec_or_none(residual, rp), None,
+                _spec_or_none(norm_weight, R), None]
+
+    last = x.ndim - 1
+    out = [([R], args(R, R, R)), ([Shard(last)], args(R, Shard(0), Shard(last)))]
+    for d in range(last):
+        out.append(([Shard(d)], args(Shard(d), R, Shard(d))))
     return out
 
 
