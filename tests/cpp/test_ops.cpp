@@ -135,6 +135,26 @@ TEST(LlmOps, ForwardMatchesAtenOnEveryDevice) {
   }
 }
 
+// fused_linear from C++: each prologue against the ops it fuses, with one row (CUDA's
+// matrix-vector kernel) and with many (the unfused path).
+TEST(LlmOps, FusedLinearMatchesTheOpsItFuses) {
+  for (auto device : devices()) {
+    auto opts = at::TensorOptions().device(device).dtype(at::kFloat);
+    for (int64_t rows : {1, 12}) {
+      at::Tensor x = at::randn({rows, 64}, opts), w = at::randn({24, 64}, opts) / 8, b = at::randn({24}, opts);
+      at::Tensor res = at::randn({rows, 24}, opts), nw = at::rand({64}, opts) + 0.5;
+      EXPECT_TRUE(at::allclose(customops::fused_linear(x, w, b, res), at::linear(x, w, b) + res, 1e-4, 1e-4)) << device;
+      EXPECT_TRUE(at::allclose(customops::fused_linear(x, w, std::nullopt, std::nullopt, "rms_norm", nw, 1e-5),
+                               at::linear(customops::rms_norm(x, nw, 1e-5), w), 1e-4, 1e-4))
+          << device;
+      at::Tensor w_down = at::randn({24, 32}, opts) / 6;
+      EXPECT_TRUE(at::allclose(customops::fused_linear(x, w_down, std::nullopt, res, "swiglu"),
+                               at::linear(customops::swiglu(x), w_down) + res, 1e-4, 1e-4))
+          << device;
+    }
+  }
+}
+
 TEST(LlmOps, AttentionFromCppMergesSplitKeys) {
   for (auto device : devices()) {
     auto opts = at::TensorOptions().device(device).dtype(at::kDouble);
@@ -197,6 +217,7 @@ TEST(LlmOps, BadInputsRaiseNamedErrors) {
   EXPECT_THROW(customops::scale_clamp(x, 1.0, 2.0, -2.0), c10::Error);
   EXPECT_THROW(customops::silu(x.to(at::kInt)), c10::Error);
   EXPECT_THROW(customops::swiglu(at::randn({4, 7})), c10::Error);
+  EXPECT_THROW(customops::fused_linear(x, at::randn({4, 8}), std::nullopt, std::nullopt, "gelu"), c10::Error);
 }
 
 }  // namespace

@@ -256,6 +256,22 @@ def test_cached_module_matches_hugging_face_for_each_family(family):
     torch.testing.assert_close(torch.stack(got, 1), want[:, 5:], atol=1e-4, rtol=1e-4)
 
 
+def test_each_product_of_the_exported_graph_is_one_fused_linear():
+    """What package_causal_lm exports: a layer's four products and the LM head are
+    customops.fused_linear calls carrying the norms, SwiGLU and the residual adds; no other matrix
+    product, norm or activation op is left beside them (the adds left are of positions)."""
+    from customops.causal_lm import CachedCausalLM
+
+    lm = CachedCausalLM(_model(), max_batch=1, max_seq_len=16)
+    longs = dict(dtype=torch.long)
+    with torch.no_grad():
+        ep = torch.export.export(lm, (torch.tensor([[5, 6, 7]]), torch.zeros(1, **longs), torch.full((1,), 3, **longs)))
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets.count("customops.fused_linear.default") == 4 * 2 + 1, targets
+    left = [t for t in targets if any(k in t for k in ("linear.", "mm.", "matmul", "rms_norm", "swiglu"))]
+    assert left == ["customops.fused_linear.default"] * 9, left
+
+
 def test_package_causal_lm_refuses_an_activation_it_does_not_compute(tmp_path):
     model = _model()
     model.config.hidden_act = "gelu"

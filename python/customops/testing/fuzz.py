@@ -97,6 +97,26 @@ def _fuzz_swiglu(src, device, dtype):
     return Sample((src.tensor(shape, dtype, device),), {}, f"{list(shape)}", error)
 
 
+def _fuzz_fused_linear(src, device, dtype):
+    # Normal values: the product sums over in_features after the prologue is rounded, which the
+    # float64 reference is not; huge and non-finite values would test that rounding, not the op.
+    prologue = src.choice(["none", "rms_norm", "swiglu"])
+    lead = src.shape(min_rank=0, max_rank=2, most=12)
+    k, n = src.size(64), src.size(64)
+    x = src.tensor((*lead, 2 * k if prologue == "swiglu" else k), dtype, device, values="normal")
+    weight = src.tensor((n, k), dtype, device, values="normal")
+    bias = src.tensor((n,), dtype, device, values="normal") if src.choice([False, True]) else None
+    residual = src.tensor((*lead, n), dtype, device, values="normal") if src.choice([False, True]) else None
+    norm_weight = None
+    if prologue == "rms_norm" and src.choice([False, True]):
+        norm_weight = src.tensor((k,), src.choice([dtype, torch.float32]) if _half(dtype) else dtype, device,
+                                 values="normal")
+    eps = src.choice([1e-6, 1e-5])
+    return Sample((x, weight, bias, residual, prologue, norm_weight, eps), {},
+                  f"x {list(x.shape)} weight {list(weight.shape)} {prologue}{' bias' if bias is not None else ''}"
+                  f"{' residual' if residual is not None else ''}")
+
+
 def _fuzz_rope(src, device, dtype):
     most = 1 << 12
     b, hq, hkv, s = src.size(8), src.size(8), src.size(8), src.size(most // 8)

@@ -116,8 +116,8 @@ def _swiglu_ref(x):
 
 
 def _fused_linear_ref(x, weight, bias=None, residual=None, prologue="none", norm_weight=None, eps=1e-6):
-    if prologue == "rms_norm":
-        x = _rms_norm_ref(x, norm_weight, eps)[0]
+    if prologue == "rms_norm":  # in x's dtype (a float32 norm weight with half x is read as it is)
+        x = _rms_norm_ref(x, norm_weight, eps)[0].to(x.dtype)
     elif prologue == "swiglu":
         x = _swiglu_ref(x)
     y = torch.nn.functional.linear(x, weight, bias)

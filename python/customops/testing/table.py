@@ -16,6 +16,7 @@ from .bad_inputs import (_add_rms_norm_bad_inputs, _attention_bad_inputs, _binar
                          _unary_bad_inputs)
 from .core import ROUNDED_ONCE, SUMMED_THEN_ROUNDED, OpInfo
 from .fuzz import (_fuzz_attention, _fuzz_cache_attention, _fuzz_cache_write, _fuzz_cross_entropy, _fuzz_elementwise,
+                   _fuzz_fused_linear,
                    _fuzz_linear_cross_entropy, _fuzz_merge_attention, _fuzz_muladd_c, _fuzz_rms_norm, _fuzz_rope,
                    _fuzz_scale_clamp, _fuzz_swiglu)
 from .references import (_add_rms_norm_ref, _attention_ref, _cache_attention_ref, _cache_write_ref,
@@ -212,6 +213,7 @@ OPS: list[OpInfo] = [
                     torch.bfloat16: (3e-2, 2e-2)},
         autocast="lower",
         cancels=True,
+        fuzz=_fuzz_fused_linear,
     ),
     OpInfo(
         name="scale_clamp",
