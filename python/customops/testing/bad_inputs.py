@@ -247,7 +247,9 @@ def _fused_linear_bad_inputs(device):
         (Sample((x, w, None, None, "none", torch.ones(8, device=device))),
          rf'{op}: norm_weight is given but prologue is "none"'),
         (Sample((x, w, None, None, "rms_norm", torch.ones(6, device=device))),
-         rf"{op}: expected weight of shape \[8\]"),
+         rf"{op}: expected norm_weight of shape \[8\] \(x's last dim\), but got \[6\]"),
+        (Sample((x, w, None, None, "rms_norm", torch.ones(8, device=device, dtype=torch.float64))),
+         rf"{op}: expected norm_weight to have the dtype of x \(Float\), or float32 when x is float16 or bfloat16"),
     ]
 
 
