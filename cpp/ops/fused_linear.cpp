@@ -91,18 +91,7 @@ Prologue check_fused_linear(const at::Tensor& x, const at::Tensor& weight, const
     }
   }
   if (p == Prologue::kRmsNorm) {
-    if (given(norm_weight)) {  // rms_norm's rules for its weight, under this op's name for it
-      const at::Tensor& w = *norm_weight;
-      checks::same_device(kOp, "norm_weight", w, "x", x);
-      const bool half_x = x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16;
-      TORCH_CHECK(w.scalar_type() == x.scalar_type() || (half_x && w.scalar_type() == at::kFloat), kOp,
-                  ": expected norm_weight to have the dtype of x (", x.scalar_type(),
-                  "), or float32 when x is float16 or bfloat16, but got ", w.scalar_type());
-      TORCH_CHECK(w.dim() == 1, kOp, ": expected norm_weight of shape [", x.sym_size(-1), "] (x's last dim), but got ",
-                  w.sym_sizes());
-      TORCH_SYM_CHECK(w.sym_size(0).sym_eq(x.sym_size(-1)), kOp, ": expected norm_weight of shape [", x.sym_size(-1),
-                      "] (x's last dim), but got ", w.sym_sizes());
-    }
+    check_rms_norm(kOp, x, norm_weight, "norm_weight");
   } else {
     TORCH_CHECK(!given(norm_weight), kOp, ": norm_weight is given but prologue is \"",
                 std::string(prologue.data(), prologue.size()), "\"; it is the weight of the \"rms_norm\" prologue");

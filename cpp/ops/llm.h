@@ -15,20 +15,22 @@
 
 namespace customops {
 
-inline void check_rms_norm(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& weight) {
+// wname: what the op calls the weight (fused_linear's is norm_weight).
+inline void check_rms_norm(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                           const char* wname = "weight") {
   checks::float_dtype(op, "x", x);
   TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension (the one normalized), but it is a scalar");
   if (weight.has_value() && weight->defined()) {
     const at::Tensor& w = *weight;
-    checks::same_device(op, "weight", w, "x", x);
+    checks::same_device(op, wname, w, "x", x);
     // A float32 weight with a half-type x (mixed-precision training keeps norm weights in float32)
     // is read as it is; the gradient of the weight comes back in the weight's dtype.
     const bool mixed = w.scalar_type() == at::kFloat && (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16);
-    TORCH_CHECK(w.scalar_type() == x.scalar_type() || mixed, op, ": expected weight to have the dtype of x (",
+    TORCH_CHECK(w.scalar_type() == x.scalar_type() || mixed, op, ": expected ", wname, " to have the dtype of x (",
                 x.scalar_type(), "), or float32 when x is float16 or bfloat16, but got ", w.scalar_type());
-    TORCH_CHECK(w.dim() == 1, op, ": expected weight of shape [", x.sym_size(-1), "] (x's last dim), but got ",
+    TORCH_CHECK(w.dim() == 1, op, ": expected ", wname, " of shape [", x.sym_size(-1), "] (x's last dim), but got ",
                 w.sym_sizes());
-    TORCH_SYM_CHECK(w.sym_size(0).sym_eq(x.sym_size(-1)), op, ": expected weight of shape [", x.sym_size(-1),
+    TORCH_SYM_CHECK(w.sym_size(0).sym_eq(x.sym_size(-1)), op, ": expected ", wname, " of shape [", x.sym_size(-1),
                     "] (x's last dim), but got ", w.sym_sizes());
   }
 }
