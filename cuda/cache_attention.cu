@@ -37,6 +37,7 @@
 #include "cp_async.cuh"
 #include "ops/attention.h"
 #include "ops/cache_attention.h"
+#include "pdl.cuh"
 
 namespace customops {
 namespace {
@@ -45,7 +46,10 @@ using namespace cuda::attention;
 using cuda::cp_async16;
 using cuda::cp_async_commit;
 using cuda::cp_async_wait;
+using cuda::launch_dependent;
+using cuda::launch_dependents;
 using cuda::smem_addr;
+using cuda::wait_prerequisites;
 
 constexpr int kWarps = 4, kThreads = kWarps * 32;
 constexpr int kRows = 16;               // query rows a block (one mma M tile)
@@ -83,6 +87,8 @@ __device__ __forceinline__ T from_float(float x) {
 
 template <typename T, int D>
 __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p) {
+  wait_prerequisites();
+  launch_dependents();
   constexpr int kDT = D / 8;
   constexpr uint32_t kTileBytes = kKeys * D * 2;
   extern __shared__ __align__(128) char smem[];
@@ -278,6 +284,8 @@ static_assert(kMaxSplits <= 64, "the merge holds two splits a lane");
 
 template <typename T, int D>
 __global__ void __launch_bounds__(128) cache_attention_merge_kernel(MergeParams p) {
+  wait_prerequisites();
+  launch_dependents();
   const int64_t row = int64_t(blockIdx.x) * 4 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= p.rows) return;
@@ -428,14 +436,13 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_cuda(const at::Tensor& q_in, 
     constexpr int D = decltype(d)::value;
     auto kernel = cache_attention_kernel<T, D>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<D>()));
-    kernel<<<dim3(p.splits, groups, b * hkv), kThreads, smem_bytes<D>(), stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_dependent(kernel, dim3(p.splits, groups, b * hkv), dim3(kThreads), smem_bytes<D>(), stream, p);
     if (p.splits > 1) {
       MergeParams mp{part_o.data_ptr<float>(), part_lse.data_ptr<float>(), p.out, p.lse, {}, hq, t, b * hq * t,
                      p.splits};
       strides_of(out, mp.os);
-      cache_attention_merge_kernel<T, D><<<(mp.rows + 3) / 4, 128, 0, stream>>>(mp);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_dependent(cache_attention_merge_kernel<T, D>, dim3(static_cast<unsigned>((mp.rows + 3) / 4)), dim3(128), 0,
+                       stream, mp);
     }
   });
   return {out, lse};
@@ -452,6 +459,8 @@ struct WriteParams {
 
 template <int kBytes>
 __global__ void cache_write_kernel(WriteParams p) {
+  wait_prerequisites();
+  launch_dependents();
   using Word = std::conditional_t<kBytes == 2, uint16_t, std::conditional_t<kBytes == 4, uint32_t, uint64_t>>;
   const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= p.n) return;
@@ -491,11 +500,10 @@ void cache_write_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache, cons
   const dim3 grid(static_cast<unsigned>((p.n + 255) / 256), 2);
   const auto stream = at::cuda::getCurrentCUDAStream();
   switch (k.element_size()) {
-    case 2: cache_write_kernel<2><<<grid, 256, 0, stream>>>(p); break;
-    case 4: cache_write_kernel<4><<<grid, 256, 0, stream>>>(p); break;
-    default: cache_write_kernel<8><<<grid, 256, 0, stream>>>(p); break;
+    case 2: launch_dependent(cache_write_kernel<2>, grid, dim3(256), 0, stream, p); break;
+    case 4: launch_dependent(cache_write_kernel<4>, grid, dim3(256), 0, stream, p); break;
+    default: launch_dependent(cache_write_kernel<8>, grid, dim3(256), 0, stream, p); break;
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace

@@ -25,6 +25,7 @@
 #include "cp_async.cuh"
 #include "elementwise.cuh"
 #include "ops/llm.h"
+#include "pdl.cuh"
 
 namespace customops {
 namespace {
@@ -131,22 +132,6 @@ __device__ __forceinline__ void store(T* p, const Pack<T, V>& v) {
 
 // ---- backward ----------------------------------------------------------------------------------
 
-// Programmatic dependent launch (sm_90+): a kernel launched with programmatic stream serialization
-// may start while the previous kernel in the stream still runs, once each of that kernel's blocks
-// has called grid_dependents_launch (or exited); grid_dependency_wait then waits for that kernel
-// to finish and its writes to be visible. Both are no-ops before sm_90.
-__device__ __forceinline__ void grid_dependents_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 constexpr int kCache = 4;  // backward: vectors of each row tensor per thread kept in registers
 
 // Backward, one block per row at a time (grid-stride over rows).
@@ -162,7 +147,7 @@ __global__ void __launch_bounds__(512) rms_norm_bwd_kernel(const T* __restrict__
                                     const at::opmath_type<T>* __restrict__ rstd, const T* __restrict__ dadd,
                                     T* __restrict__ dx, at::opmath_type<T>* __restrict__ dw_partial, int64_t rows,
                                     int64_t n) {
-  grid_dependents_launch();  // sum_partials_kernel may take the SMs this wave leaves idle
+  cuda::launch_dependents();  // sum_partials_kernel may take the SMs this wave leaves idle
   using A = at::opmath_type<T>;
   using P = Pack<T, V>;
   using PW = Pack<W, V>;
@@ -262,7 +247,7 @@ __global__ void __launch_bounds__(512) rms_norm_bwd_ring_kernel(const T* __restr
                                     const at::opmath_type<T>* __restrict__ rstd, const T* __restrict__ dadd,
                                     T* __restrict__ dx, at::opmath_type<T>* __restrict__ dw_partial, int64_t rows,
                                     int64_t n) {
-  grid_dependents_launch();  // sum_partials_kernel may take the SMs this wave leaves idle
+  cuda::launch_dependents();  // sum_partials_kernel may take the SMs this wave leaves idle
   using A = at::opmath_type<T>;
   constexpr int V = 16 / sizeof(T);
   using P = Pack<T, V>;
@@ -380,7 +365,7 @@ __global__ void sum_partials_kernel(const at::opmath_type<T>* __restrict__ parti
   using A = at::opmath_type<T>;
   __shared__ A tile[kY][33];
   const int64_t c = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
-  grid_dependency_wait();
+  cuda::wait_prerequisites();
   A s = 0;
   if (c < n) {
 #pragma unroll 4
@@ -635,17 +620,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_common(const at::Tensor& gr
       // Launched programmatically dependent on the backward kernel (sm_90+), so it is resident
       // and waiting when the backward's last rows finish: with the even row split above, 3-5%
       // off add_rms_norm's backward at rows of 1024 to 8192 on an H100 (2% for this launch alone).
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(static_cast<unsigned>((n + 31) / 32));
-      cfg.blockDim = dim3(32, 32);
-      cfg.stream = stream;
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[0].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = prop->major >= 9 ? 1 : 0;
-      C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sum_partials_kernel<W, 32>, partial.const_data_ptr<A>(),
-                                        dw.mutable_data_ptr<W>(), static_cast<int>(blocks), n));
+      cuda::launch_dependent(sum_partials_kernel<W, 32>, dim3(static_cast<unsigned>((n + 31) / 32)), dim3(32, 32), 0,
+                             stream, partial.const_data_ptr<A>(), dw.mutable_data_ptr<W>(), static_cast<int>(blocks), n);
     } else if (want_dw) {
       const at::Tensor xhat = x.to(rstd.scalar_type()) * rstd.unsqueeze(-1);
       dw.copy_((dy.to(rstd.scalar_type()) * xhat).reshape({rows, n}).sum(0));

@@ -16,6 +16,7 @@
 #include <limits>
 
 #include "elementwise.cuh"
+#include "pdl.cuh"
 #include "ops/layout.h"
 #include "ops/rope.h"
 
@@ -61,6 +62,8 @@ __device__ __forceinline__ void rotate_pair(T x1, T x2, T c1, T c2, T s1, T s2, 
 // element by element.
 template <typename T, int V, bool kInverse, bool kInterleaved>
 __global__ void __launch_bounds__(kThreads) rope_kernel(RopeArgs<T> a) {
+  cuda::wait_prerequisites();
+  cuda::launch_dependents();
   using P = Pack<T, V>;
   constexpr bool kAdjacent = kInterleaved && V > 1;  // each pack holds whole pairs
   const int64_t h = a.r / 2, total = a.positions * a.units;
@@ -177,8 +180,8 @@ std::tuple<at::Tensor, at::Tensor> rope_apply(const at::Tensor& q_in, const at::
       const int64_t blocks = std::min<int64_t>((a.positions * a.units + kThreads - 1) / kThreads * a.chunks,
                                                std::numeric_limits<int32_t>::max());
       if (blocks == 0) return;
-      kernel<<<static_cast<unsigned>(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      cuda::launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0,
+                             at::cuda::getCurrentCUDAStream(), a);
     };
     auto with_flags = [&](auto vc) {
       constexpr int V = decltype(vc)::value;

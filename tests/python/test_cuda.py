@@ -101,3 +101,26 @@ def test_rms_norm_kernel_paths(rows, n, dtype):
     ds64, dw64 = torch.autograd.grad(y64, (s64, w64), dy.double())
     torch.testing.assert_close(dx.double(), ds64 + ds.double(), **tol)
     torch.testing.assert_close(dw.double(), dw64, atol=tol["atol"] * 4 * rows**0.5, rtol=tol["rtol"] * 4)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("n, k, dtype, prologue, bias, residual", [
+    (2048, 8192, torch.bfloat16, "swiglu", False, True),  # a decode step's down product: 4 chunks a row
+    (14001, 1056, torch.bfloat16, "rms_norm", True, False),  # rows of 2112 bytes, an odd row count
+    (3001, 2312, torch.float32, "rms_norm", True, True),  # 3 chunks a row, the last one short
+    (4099, 4096, torch.float16, "none", False, True),
+])
+def test_fused_linear_kernel_paths(m, n, k, dtype, prologue, bias, residual):
+    """Weights of 25-34 MB: the Hopper kernel (1-2 rows: a producer streaming the weight into shared
+    memory in chunks of rows) and the register kernel (4 rows); small weights are the op table's."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k**0.5
+    b = torch.randn(n, device="cuda", dtype=dtype, generator=g) if bias else None
+    r = torch.randn(m, n, device="cuda", dtype=dtype, generator=g) if residual else None
+    nw = (1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.float32, generator=g)) if prologue == "rms_norm" else None
+    y = customops.fused_linear(x, w, b, r, prologue=prologue, norm_weight=nw)
+    ref = T.OPS_BY_NAME["fused_linear"].ref(*(t.double() if t is not None else None for t in (x, w, b, r)),
+                                            prologue=prologue, norm_weight=None if nw is None else nw.double())
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(y.double(), ref, **tol)

@@ -1,0 +1,51 @@
+// Programmatic dependent launch (sm_90+): a kernel launched with launch_dependent may start while
+// the kernel before it in the stream still runs, once each block of that kernel has called
+// launch_dependents (or exited). Before wait_prerequisites it may touch only memory no kernel
+// writes (weights, for example); wait_prerequisites waits for the kernel before it to finish and
+// its writes to be visible. A kernel that reads or writes any other memory calls
+// wait_prerequisites first. After a kernel not launched this way, or before sm_90, both device
+// functions are no-ops and launch_dependent is a plain launch.
+//
+// A decode step is a chain of small kernels, each a few microseconds: launched this way, a
+// kernel's blocks are resident and its first loads in flight when the previous kernel's last
+// blocks finish, instead of the GPU draining between them.
+#pragma once
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <utility>
+
+namespace customops::cuda {
+
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_prerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), programmatically dependent on the kernel before
+// it on sm_90+.
+template <typename... Params, typename... Args>
+void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                      Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = at::cuda::getCurrentDeviceProperties()->major >= 9 ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+}  // namespace customops::cuda
