@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from customops.bench import op_table, ops
@@ -84,3 +85,20 @@ def test_a_missing_extra_is_named_before_any_work():
                                   "tqdm matplotlib (or, in a customops checkout, pip install --no-build-isolation "
                                   "'.[cli]')"), out.stderr
     assert "customops speed-up" not in out.stdout
+
+
+def test_bench_generate_rounds_report(tmp_path):
+    """--rounds times each variant once a round, in turn: medians, and eager's ratio round by round."""
+    pytest.importorskip("transformers")
+    out = subprocess.run(
+        [sys.executable, "-m", "customops", "bench", "--generate", "--device", "cpu", "--variants", "eager",
+         "--rounds", "3", "--layers", "1", "--prompt-len", "8", "--new-tokens", "3", "--no-progress",
+         "--json", "report.json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "medians of 3 rounds" in out.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["meta"]["rounds"] == 3
+    [row] = report["rows"]
+    assert row["variant"] == "eager" and len(row["rounds"]) == 3 and row["vs_eager"] == 1.0
+    assert row["decode_ms"] == sorted(r["decode_ms"] for r in row["rounds"])[1]

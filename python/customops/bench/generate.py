@@ -7,6 +7,10 @@ Prefill tokens/s comes from a generation of one token; decode ms/token from the 
 ``--new-tokens`` tokens and one, over the extra tokens. The runner reports its own prefill and
 decode times (stderr). The floor is the bytes a decode step must read (the weights once, plus the
 KV cache at the mean length) at the device-to-device copy speed measured in the same run.
+
+With ``--rounds R`` every variant is timed once a round, in turn, R rounds: a variant's numbers are
+its medians, and its speed against eager the median of the rounds' ratios, so that a host whose
+speed drifts during the run (a shared CPU machine) moves both sides of each ratio together.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import tempfile
 import time
@@ -69,12 +74,12 @@ def _hf_times(model, ids, new_tokens, device, **kw) -> tuple[float, float]:
     return ids.numel() / one, (many - one) / (new_tokens - 1) * 1e3
 
 
-def _runner_times(path, ids, new_tokens, *extra) -> tuple[float, float]:
+def _runner_times(path, ids, new_tokens, *extra, runs=2) -> tuple[float, float]:
     cmd = [customops.runner_path(), "generate", path, "--max-new-tokens", str(new_tokens), "--ignore-eos", *extra]
     for row in ids.tolist():
         cmd += ["--prompt", " ".join(map(str, row))]
     best = None
-    for _ in range(2):  # each run loads the package and warms up: its times are its second call's
+    for _ in range(runs):  # each run loads the package and warms up: its times are its second call's
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             raise RuntimeError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}")
@@ -124,37 +129,61 @@ def run(args) -> dict:
         kv = 2 * cfg.num_hidden_layers * b * cfg.num_key_value_heads * cfg.head_dim * (args.prompt_len + args.new_tokens / 2) \
             * next(model.parameters()).element_size()
         floor_ms = (weight_bytes + kv) / speed * 1e3
-        for v in wanted:
-            if not args.no_progress:
-                print(f"... batch {b}: {v}", flush=True)
-            try:
-                if v == "eager":
-                    pre, dec = _hf_times(model, ids, args.new_tokens, args.device)
-                elif v == "customops.optimize":
-                    opt, _ = customops.optimize(_model(args))
-                    pre, dec = _hf_times(opt.eval(), ids, args.new_tokens, args.device)
-                    del opt
-                elif v == "static cache + torch.compile":
-                    m = _model(args)
-                    m.forward = torch.compile(m.forward, mode="reduce-overhead", fullgraph=True)
-                    pre, dec = _hf_times(m, ids, args.new_tokens, args.device, cache_implementation="static")
-                    del m
-                else:
-                    pre, dec = _runner_times(package, ids.cpu(), args.new_tokens, *v.split()[2:])
-                rows.append({"variant": v, "batch": b, "prefill_tokens_per_s": pre, "decode_ms": dec,
-                             "floor_ms": floor_ms})
+        times = {v: [] for v in wanted}  # (prefill, decode) a round
+        errors = {}
+        models = {}  # the variants' models, built at their first round
+
+        def measure(v):
+            if v == "eager":
+                return _hf_times(model, ids, args.new_tokens, args.device)
+            if v == "customops.optimize":
+                if v not in models:
+                    models[v] = customops.optimize(_model(args))[0].eval()
+                return _hf_times(models[v], ids, args.new_tokens, args.device)
+            if v == "static cache + torch.compile":
+                if v not in models:
+                    models[v] = _model(args)
+                    models[v].forward = torch.compile(models[v].forward, mode="reduce-overhead", fullgraph=True)
+                return _hf_times(models[v], ids, args.new_tokens, args.device, cache_implementation="static")
+            return _runner_times(package, ids.cpu(), args.new_tokens, *v.split()[2:], runs=1 if args.rounds > 1 else 2)
+
+        for rnd in range(args.rounds):
+            for v in wanted:
+                if v in errors:
+                    continue
                 if not args.no_progress:
-                    print(f"    prefill {pre:,.0f} tokens/s, decode {dec:.2f} ms/token (floor {floor_ms:.2f})", flush=True)
-            except Exception as e:  # noqa: BLE001  (a variant that fails is reported, the others run)
-                msg = (str(e).strip().splitlines() or [""])[0][:200]
-                rows.append({"variant": v, "batch": b, "error": f"{type(e).__name__}: {msg}", "floor_ms": floor_ms})
-            torch._dynamo.reset()
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
+                    print(f"... batch {b}" + (f", round {rnd + 1}/{args.rounds}" if args.rounds > 1 else "") + f": {v}",
+                          flush=True)
+                try:
+                    pre, dec = measure(v)
+                    times[v].append((pre, dec))
+                    if not args.no_progress:
+                        print(f"    prefill {pre:,.0f} tokens/s, decode {dec:.2f} ms/token (floor {floor_ms:.2f})",
+                              flush=True)
+                except Exception as e:  # noqa: BLE001  (a variant that fails is reported, the others run)
+                    msg = (str(e).strip().splitlines() or [""])[0][:200]
+                    errors[v] = f"{type(e).__name__}: {msg}"
+        eager = [d for _, d in times.get("eager", [])]
+        for v in wanted:
+            if v in errors:
+                rows.append({"variant": v, "batch": b, "error": errors[v], "floor_ms": floor_ms})
+                continue
+            row = {"variant": v, "batch": b, "prefill_tokens_per_s": statistics.median(p for p, _ in times[v]),
+                   "decode_ms": statistics.median(d for _, d in times[v]), "floor_ms": floor_ms,
+                   "rounds": [{"prefill_tokens_per_s": p, "decode_ms": d} for p, d in times[v]]}
+            if len(eager) == len(times[v]):  # eager's decode time over this variant's, round by round
+                ratios = [e / d for e, d in zip(eager, (d for _, d in times[v]))]
+                row["vs_eager"] = statistics.median(ratios)
+                row["vs_eager_range"] = [min(ratios), max(ratios)]
+            rows.append(row)
+        models.clear()
+        torch._dynamo.reset()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "versions": versions(args.device),
             "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "weight_gb": weight_bytes / 1e9,
-            "copy_gb_s": speed / 1e9}
+            "copy_gb_s": speed / 1e9, "rounds": args.rounds}
     return {"meta": meta, "rows": rows, "notes": notes}
 
 
@@ -165,14 +194,17 @@ def print_report(report: dict) -> None:
           f"weights; prompt {m['prompt_len']}, {m['new_tokens']} greedy new tokens; copy speed "
           f"{m['copy_gb_s']:.0f} GB/s")
     print(f"{'variant':32s} {'batch':>5s} {'prefill tok/s':>14s} {'decode ms/tok':>14s} {'x floor':>8s} {'vs eager':>9s}")
-    eager = {r["batch"]: r.get("decode_ms") for r in report["rows"] if r["variant"] == "eager"}
     for r in report["rows"]:
         if "error" in r:
             print(f"{r['variant']:32s} {r['batch']:5d}  {r['error']}")
             continue
-        e = eager.get(r["batch"])
+        spread = f"  ({r['vs_eager_range'][0]:.2f}-{r['vs_eager_range'][1]:.2f}x)" if len(r["rounds"]) > 1 and \
+            "vs_eager_range" in r and r["variant"] != "eager" else ""
         print(f"{r['variant']:32s} {r['batch']:5d} {r['prefill_tokens_per_s']:14,.0f} {r['decode_ms']:14.2f} "
-              f"{r['decode_ms'] / r['floor_ms']:7.2f}x {(e / r['decode_ms']) if e else float('nan'):8.2f}x")
+              f"{r['decode_ms'] / r['floor_ms']:7.2f}x {r.get('vs_eager', float('nan')):8.2f}x{spread}")
+    if m.get("rounds", 1) > 1:
+        print(f"medians of {m['rounds']} rounds, each timing every variant in turn; vs eager: the median of the "
+              "rounds' ratios (their range in brackets)")
     floors = {r["batch"]: r["floor_ms"] for r in report["rows"]}
     print("floor (weights + mean KV at the copy speed): " + ", ".join(f"batch {b} {f:.2f} ms" for b, f in floors.items()))
     for n in report["notes"]:
@@ -188,6 +220,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--new-tokens", type=int, help="default: 256 on CUDA, 32 on CPU")
     p.add_argument("--batches", default=None, help="comma-separated (default: 1,8 on CUDA, 1 on CPU)")
     p.add_argument("--variants", help=f"comma-separated subset of: {', '.join(VARIANTS)}")
+    p.add_argument("--rounds", type=int, help="time every variant in turn this many times, report medians "
+                   "(default: 1 on CUDA, 5 on CPU)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -198,6 +232,9 @@ def main(argv: list[str]) -> int:
     args.prompt_len = args.prompt_len or (512 if cuda else 64)
     args.new_tokens = args.new_tokens or (256 if cuda else 32)
     args.batches = args.batches or ("1,8" if cuda else "1")
+    args.rounds = args.rounds or (1 if cuda else 5)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     report = run(args)
     print_report(report)
     if args.json:
