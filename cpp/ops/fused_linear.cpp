@@ -1,5 +1,5 @@
-// fused_linear, device-independent parts: typed C++ API, argument checks, Meta kernel, the
-// unfused path (the CPU kernel, and the CUDA kernel's path for many rows), and the Autograd, vmap
+// fused_linear, device-independent parts: typed C++ API, argument checks, the CPU and Meta
+// kernels, the unfused path (the CUDA kernel's path for many rows), and the Autograd, vmap
 // and autocast kernels. The op is for inference: a gradient, a tangent or vmap takes it apart
 // into ATen ops (the prologue written out, at::linear, the add), which autograd differentiates
 // (twice, and forward-mode) and functorch batches; without them it runs the fused kernels.
@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -111,6 +112,48 @@ at::Tensor fused_linear_unfused(const at::Tensor& x, const at::Tensor& weight, c
 
 namespace {
 
+// ---- CPU --------------------------------------------------------------------------------------
+// The unfused ops, except that the product of a few rows (decoding) is split over torch's
+// intra-op threads by output features: MKL runs a matrix-vector product on one thread (perf on a
+// 2-core machine: 65% of a runner's decode step in one thread's sgemv while the other thread
+// waited). Each thread's share is one BLAS call over a contiguous block of weight rows, of at
+// least kMinBytesAThread.
+constexpr int64_t kMaxSplitRows = 8;
+constexpr int64_t kMinBytesAThread = 256 * 1024;
+
+at::Tensor fused_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& residual, c10::string_view prologue,
+                            const std::optional<at::Tensor>& norm_weight, double eps) {
+  const Prologue p = check_fused_linear(x, weight, bias, residual, prologue, norm_weight);
+  const int64_t n = weight.size(0), k = weight.size(1), row_bytes = k * weight.element_size();
+  const int64_t rows = x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
+  if (rows == 0 || rows > kMaxSplitRows || k == 0 || at::get_num_threads() < 2 || at::in_parallel_region() ||
+      n * row_bytes < 2 * kMinBytesAThread || !weight.is_contiguous()) {
+    return fused_linear_unfused(x, weight, bias, residual, prologue, norm_weight, eps);
+  }
+  const at::Tensor in =
+      (p == Prologue::kRmsNorm ? rms_norm(x, norm_weight, eps) : p == Prologue::kSwiglu ? swiglu(x) : x)
+          .reshape({rows, k})
+          .contiguous();
+  at::Tensor out_t = at::empty({n, rows}, x.options());  // features x rows: a block of features is a block of rows
+  at::parallel_for(0, n, std::max<int64_t>(1, kMinBytesAThread / row_bytes), [&](int64_t begin, int64_t end) {
+    const at::Tensor w = weight.narrow(0, begin, end - begin);
+    at::Tensor o = out_t.narrow(0, begin, end - begin);
+    if (rows == 1) {
+      at::Tensor o1 = o.squeeze(1);
+      at::mv_out(o1, w, in[0]);
+    } else {
+      at::mm_out(o, w, in.t());
+    }
+  });
+  at::Tensor y = rows == 1 ? out_t.view({1, n}) : out_t.t().contiguous();
+  if (given(bias)) y.add_(*bias);
+  if (given(residual)) y.add_(residual->reshape({rows, n}));
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = n;
+  return y.view(sizes);
+}
+
 // ---- Meta -------------------------------------------------------------------------------------
 at::Tensor fused_linear_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                              const std::optional<at::Tensor>& residual, c10::string_view prologue,
@@ -173,7 +216,7 @@ at::Tensor fused_linear_autocast(const at::Tensor& x, const at::Tensor& weight, 
 TORCH_LIBRARY_IMPL(customops, Meta, m) { m.impl("fused_linear", &fused_linear_meta); }
 
 // CPU kernel of fused_linear: customops' CPU rms_norm or swiglu, ATen's linear (BLAS), the add.
-TORCH_LIBRARY_IMPL(customops, CPU, m) { m.impl("fused_linear", &fused_linear_unfused); }
+TORCH_LIBRARY_IMPL(customops, CPU, m) { m.impl("fused_linear", &fused_linear_cpu); }
 
 // Autograd kernel of fused_linear.
 TORCH_LIBRARY_IMPL(customops, Autograd, m) { m.impl("fused_linear", &fused_linear_autograd); }

@@ -170,3 +170,29 @@ def test_linear_cross_entropy_wrapper_takes_any_rows_and_names_a_bad_hidden(devi
     torch.testing.assert_close(customops.linear_cross_entropy(h, w, t[0, 0]), F.cross_entropy(F.linear(h, w), t[0, 0]))
     with pytest.raises(RuntimeError, match=r"customops::linear_cross_entropy: expected hidden of shape \[N, H\], but got \[\]"):
         customops.linear_cross_entropy(torch.tensor(1.0, device=device), w, t[0, 0])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9])
+@pytest.mark.parametrize("prologue", ["none", "rms_norm", "swiglu"])
+def test_fused_linear_cpu_splits_few_rows_over_threads(rows, prologue):
+    # 1-8 rows on a weight of 1.5 MB: the CPU kernel splits the product over torch's threads by
+    # output features (a BLAS call a block of weight rows); 9 rows take the unfused ops
+    import customops
+    from customops import testing as T
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, 2))
+    try:
+        g = torch.Generator().manual_seed(0)
+        n, k = 1499, 256  # an odd feature count: blocks of unequal size
+        x = torch.randn(2, rows, 2 * k if prologue == "swiglu" else k, generator=g)
+        w, b = torch.randn(n, k, generator=g) / k**0.5, torch.randn(n, generator=g)
+        r = torch.randn(n, 2, rows, generator=g).permute(1, 2, 0)  # non-contiguous
+        nw = torch.rand(k, generator=g) + 0.5 if prologue == "rms_norm" else None
+        y = customops.fused_linear(x, w, b, r, prologue=prologue, norm_weight=nw)
+        ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), w.double(), b.double(), r.double(), prologue=prologue,
+                                                norm_weight=None if nw is None else nw.double())
+        assert y.shape == (2, rows, n) and y.is_contiguous()
+        torch.testing.assert_close(y.double(), ref, atol=1e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(threads)
