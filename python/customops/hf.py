@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import _attention_choice
 from ._ops import add_rms_norm, linear_cross_entropy, rms_norm, rope, silu_mul
 
 _FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
@@ -62,6 +63,7 @@ class Summary:
     replaced: Counter = dataclasses.field(default_factory=Counter)
     already: Counter = dataclasses.field(default_factory=Counter)
     left_alone: list[str] = dataclasses.field(default_factory=list)
+    attention: str | None = None  # the attention policy of the swapped attention modules, if any
 
     def __str__(self) -> str:
         if not self.replaced and not self.already:
@@ -72,8 +74,22 @@ class Summary:
                                                or "nothing new")]
             if self.already:
                 lines.append("  already optimized: " + ", ".join(f"{k} x{v}" for k, v in self.already.items()))
+        if self.attention is not None:
+            lines.append("  attention: " + _ATTENTION_TEXT[self.attention])
+            if self.attention == "auto":
+                lines += [f"    {c[0]} {c[1]} heads {c[2]}/{c[3]} dim {c[4]} causal={c[5]} q<={c[6]} k<={c[7]} "
+                          f"{'fwd+bwd' if c[8] else 'fwd'}: {name}" for c, name in _attention_choice.choices().items()]
         lines += [f"  left alone: {why}" for why in self.left_alone]
         return "\n".join(lines)
+
+
+_ATTENTION_TEXT = {
+    "sdpa": "SDPA (transformers' sdpa function, as before)",
+    "customops": "customops.attention wherever it computes the same attention (no mask, dropout or bias); SDPA "
+                 "elsewhere",
+    "auto": "per shape class, the faster of customops.attention and SDPA on this GPU, timed at first use (SDPA on "
+            "other devices and for masked attention); decided so far:",
+}
 
 
 class _Swapped:
@@ -226,8 +242,8 @@ def _with_globals(fn, patch: dict):
     rebuilt around the rebuilt function it wraps, found among its closure's cells."""
     inner = getattr(fn, "__wrapped__", None)
     if inner is None:
-        globals_ = dict(fn.__globals__, **patch)
-        new = types.FunctionType(fn.__code__, globals_, fn.__name__, fn.__defaults__, fn.__closure__)
+        new = types.FunctionType(fn.__code__, _patched_globals(fn, patch), fn.__name__, fn.__defaults__,
+                                 fn.__closure__)
         _copy_attributes(new, fn)
         return new
     cells = fn.__closure__ or ()
@@ -240,6 +256,22 @@ def _with_globals(fn, patch: dict):
     _copy_attributes(new, fn)
     new.__wrapped__ = new_inner
     return new
+
+
+def _patched_globals(fn, patch: dict) -> dict:
+    """fn's module globals with ``patch``'s names replaced: the namespace of a module registered in
+    sys.modules under its own name (one per patched module and set of names, made once). Dynamo
+    finds a function's globals through ``sys.modules[globals["__name__"]]`` when it guards on them,
+    so the name must lead to these globals, not the unpatched module's."""
+    base = fn.__globals__["__name__"]
+    name = f"customops_hf_globals__{base.replace('.', '_')}__{'_'.join(sorted(patch))}"
+    module = sys.modules.get(name)
+    if module is None:
+        module = types.ModuleType(name)
+        module.__dict__.update(fn.__globals__)
+        module.__dict__.update(patch, __name__=name)
+        sys.modules[name] = module
+    return module.__dict__
 
 
 def _copy_attributes(new, fn) -> None:
@@ -257,8 +289,13 @@ def _cell(c):
 
 def _attention_forward(cls: type, module: types.ModuleType):
     """cls.forward, with the same code, reading customops' rope where it reads
-    ``apply_rotary_pos_emb``."""
-    return _with_globals(cls.forward, {"apply_rotary_pos_emb": _rope_for(module.apply_rotary_pos_emb)})
+    ``apply_rotary_pos_emb``, and attention functions whose SDPA one may run customops' attention
+    (the module's ``_customops_attention`` policy, set by optimize) where it reads
+    ``ALL_ATTENTION_FUNCTIONS``."""
+    patch = {"apply_rotary_pos_emb": _rope_for(module.apply_rotary_pos_emb)}
+    if hasattr(module, "ALL_ATTENTION_FUNCTIONS"):
+        patch["ALL_ATTENTION_FUNCTIONS"] = _attention_choice.AttentionFunctions(module.ALL_ATTENTION_FUNCTIONS)
+    return _with_globals(cls.forward, patch)
 
 
 def _check(kind: str, fn, summary: Summary, where: str, warned: set) -> bool:
@@ -344,7 +381,7 @@ _KIND_TEXT = {"RMSNorm": "RMSNorm -> rms_norm", "MLP": "SwiGLU MLP -> silu_mul",
               "ForCausalLM": "LM head + loss -> linear_cross_entropy"}
 
 
-def optimize(model: nn.Module) -> tuple[nn.Module, Summary]:
+def optimize(model: nn.Module, *, attention: str = "sdpa") -> tuple[nn.Module, Summary]:
     """Swaps customops ops into a Hugging Face Llama, Mistral, Qwen2 or Qwen3 model, in place.
 
     Replaced, per module: RMSNorm by ``rms_norm``; the SwiGLU MLP's ``act(gate) * up`` by
@@ -357,6 +394,11 @@ def optimize(model: nn.Module) -> tuple[nn.Module, Summary]:
 
     Args:
         model: Any ``nn.Module``; its submodules of the classes above are optimized.
+        attention: What the attention modules run where the model asks for SDPA: ``"sdpa"``
+            (SDPA, as without customops), ``"customops"`` (:func:`customops.attention` wherever it
+            computes the same attention: no mask, dropout, bias or softcap; SDPA elsewhere) or
+            ``"auto"`` (per shape class, whichever of the two was timed faster on this GPU at its
+            first call; SDPA on other devices). The summary lists the decisions.
 
     Returns:
         ``(model, summary)``: the same model object, and a :class:`Summary` (print it) of what was
@@ -367,6 +409,9 @@ def optimize(model: nn.Module) -> tuple[nn.Module, Summary]:
         UserWarning: for a known class whose forward is not a form customops was checked against
         (another transformers release, or a patched model): it is left alone.
     """
+    if attention not in _attention_choice.POLICIES:
+        raise ValueError(f"customops.optimize: attention must be one of {', '.join(_attention_choice.POLICIES)}, "
+                         f"got {attention!r}")
     summary, warned = Summary(), set()
     if not any(type(m).__module__.startswith("transformers.") for m in model.modules()):
         return model, summary
@@ -382,6 +427,10 @@ def optimize(model: nn.Module) -> tuple[nn.Module, Summary]:
             kind, new_cls = plan
             m.__class__ = new_cls
             summary.replaced[_KIND_TEXT[kind]] += 1
+    for m in model.modules():
+        if isinstance(m, _Swapped) and m._customops_base.__name__.endswith("Attention"):
+            m._customops_attention = attention
+            summary.attention = attention
     summary.left_alone = list(dict.fromkeys(summary.left_alone))
     return model, summary
 

@@ -231,6 +231,74 @@ def test_optimize_leaves_unknown_models_and_forms_alone(monkeypatch):
     assert summary.replaced["RMSNorm -> rms_norm"] == 5
 
 
+def _attention_calls(fn) -> int:
+    """How many customops::attention forwards fn runs (the profiler's op events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+        fn()
+    return sum(e.name == "customops::attention" for e in p.events())
+
+
+@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
+def test_optimize_attention_customops_trains_and_evaluates_like_eager(family):
+    m_ref, m = model(family).train(), model(family).train()
+    _, summary = customops.optimize(m, attention="customops")
+    assert summary.attention == "customops" and "attention: customops.attention" in str(summary)
+    ids = torch.randint(0, 256, (2, 16))
+    assert_same_step(step(m, ids), step(m_ref, ids), torch.float32)
+    layers = SMALL["num_hidden_layers"]
+    assert _attention_calls(lambda: m(ids, labels=ids)) == layers
+    m.eval(), m_ref.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(m(ids).logits, m_ref(ids).logits, **tol(torch.float32))
+        # a padding mask is not customops.attention's: SDPA runs it, the same result as Hugging Face's
+        mask = torch.ones_like(ids)
+        mask[0, :5] = 0
+        assert _attention_calls(lambda: m(ids, attention_mask=mask)) == 0
+        torch.testing.assert_close(m(ids, attention_mask=mask).logits, m_ref(ids, attention_mask=mask).logits,
+                                   **tol(torch.float32))
+
+
+def test_optimize_attention_customops_compiles_fullgraph():
+    ops = []
+
+    def backend(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    ids = torch.randint(0, 256, (2, 16))
+    want = step(model().train(), ids)
+    m = customops.optimize(model().train(), attention="customops")[0]
+    got = step(torch.compile(m, backend=backend, fullgraph=True), ids, params_of=m)
+    assert sum("customops.attention" in o for o in ops) == SMALL["num_hidden_layers"], ops
+    assert not any("scaled_dot_product_attention" in o for o in ops)
+    assert_same_step(got, want, torch.float32)
+
+
+def test_optimize_attention_auto_times_each_shape_class_once(monkeypatch):
+    from customops import _attention_choice as ac
+
+    m = model().eval()
+    _, summary = customops.optimize(m, attention="auto")
+    ids = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():  # on a device "auto" does not time (the CPU here): SDPA
+        assert _attention_calls(lambda: m(ids)) == 0
+    timed = []
+    monkeypatch.setattr(ac, "TIMED_DEVICES", {"cpu"})
+    monkeypatch.setattr(ac, "_choices", {})
+    monkeypatch.setattr(ac, "_faster", lambda q, k, v, causal, scale, backward: timed.append(
+        (tuple(q.shape), causal, backward)) or ("customops" if q.shape[2] <= 16 else "sdpa"))
+    with torch.no_grad():
+        want = model().eval()(ids).logits
+        assert _attention_calls(lambda: m(ids)) == 2  # timed once, for both layers
+        torch.testing.assert_close(m(ids).logits, want, **tol(torch.float32))
+        assert _attention_calls(lambda: m(ids[:, :12])) == 2  # 12 tokens: the 16-token class again
+        assert _attention_calls(lambda: m(torch.randint(0, 256, (2, 40)))) == 0  # a longer class, SDPA's
+    assert timed == [((2, 4, 16, 16), True, False), ((2, 4, 40, 16), True, False)]
+    assert len(ac.choices()) == 2 and "q<=16 k<=16 fwd: customops" in str(summary)
+    with pytest.raises(ValueError, match="customops.optimize: attention must be one of sdpa, auto, customops"):
+        customops.optimize(model(), attention="flash")
+
+
 # ---- the "customops" compile backend -----------------------------------------------------------
 
 def rewritten(fn, *args):

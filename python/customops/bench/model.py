@@ -38,7 +38,8 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32
                 max_position_embeddings=131072)
 
 OPT, CO = "customops.optimize", 'torch.compile(backend="customops")'
-VARIANTS = ("eager", OPT, "liger", "torch.compile", f"{OPT} + torch.compile", CO, f"{OPT} + {CO[:-1]})")
+OPT_ATTN = f'{OPT}(attention="customops")'  # customops' attention in place of SDPA
+VARIANTS = ("eager", OPT, OPT_ATTN, "liger", "torch.compile", f"{OPT} + torch.compile", CO, f"{OPT} + {CO[:-1]})")
 
 
 def _liger(model):
@@ -65,7 +66,7 @@ def _prepare(variant: str, fsdp: bool = False) -> Callable[[torch.nn.Module], to
 
     def prep(m):
         if variant.startswith(OPT):
-            m = customops.optimize(m)[0]
+            m = customops.optimize(m, **({"attention": "customops"} if variant == OPT_ATTN else {}))[0]
         if variant == "liger":
             m = _liger(m)
         if variant.endswith("+ torch.compile") or variant == "torch.compile":
