@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import statistics
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -107,7 +108,12 @@ def _choose(policy: str, q, k, v, causal: bool, scale) -> str:
         return _choices[key]
     if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return "sdpa"  # no timing inside a CUDA-graph capture; a later call decides
-    _choices[key] = _faster(q, k, v, causal, scale, backward)
+    try:
+        _choices[key] = _faster(q, k, v, causal, scale, backward)
+    except RuntimeError as e:  # out of memory, an input the kernel refuses: never fail the model's forward
+        warnings.warn(f"customops.optimize(attention='auto'): timing {key} failed ({type(e).__name__}: "
+                      f"{(str(e).splitlines() or [''])[0][:200]}); SDPA runs it", stacklevel=3)
+        _choices[key] = "sdpa"
     return _choices[key]
 
 

@@ -295,6 +295,13 @@ def test_optimize_attention_auto_times_each_shape_class_once(monkeypatch):
         assert _attention_calls(lambda: m(torch.randint(0, 256, (2, 40)))) == 0  # a longer class, SDPA's
     assert timed == [((2, 4, 16, 16), True, False), ((2, 4, 40, 16), True, False)]
     assert len(ac.choices()) == 2 and "q<=16 k<=16 fwd: customops" in str(summary)
+    # a timing that fails (out of memory, an input the kernel refuses) leaves that class to SDPA, with a warning
+    def fail(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(ac, "_faster", fail)
+    with torch.no_grad(), pytest.warns(UserWarning, match="timing .* failed .*OutOfMemoryError.*; SDPA runs it"):
+        assert _attention_calls(lambda: m(torch.randint(0, 256, (2, 100)))) == 0
     with pytest.raises(ValueError, match="customops.optimize: attention must be one of sdpa, auto, customops"):
         customops.optimize(model(), attention="flash")
 
