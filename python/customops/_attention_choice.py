@@ -124,13 +124,16 @@ def sdpa_or_customops(sdpa, module, query, key, value, attention_mask, dropout=0
     from . import _ops
 
     policy = getattr(module, "_customops_attention", "sdpa")
+    if policy == "sdpa":  # before any test of the shapes, which would guard a trace on them
+        return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                    **kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = bool(q_len > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True)))
     plain = (attention_mask is None and not dropout and not any(kwargs.get(n) is not None for n in (
         "position_bias", "softcap", "sliding_window", "s_aux")) and not kwargs.get("output_attentions", False)
              and (not causal or q_len == kv_len) and query.shape[-1] == value.shape[-1]
              and query.shape[1] % key.shape[1] == 0 and query.dtype == key.dtype == value.dtype)
-    if policy == "sdpa" or not plain or _choose(policy, query, key, value, causal, scaling) != "customops":
+    if not plain or _choose(policy, query, key, value, causal, scaling) != "customops":
         return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
                     **kwargs)
     out = _ops.attention(query, key, value, causal=causal, scale=scaling)
