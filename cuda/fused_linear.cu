@@ -421,6 +421,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1) gemv_tma_kernel(GemvArgs<T> a)
     const int r = i % rows, m = i / rows;
     a.out[m * a.N + r0 + r] = static_cast<T>(acc[r * R + m]);
   }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // launch_tma launches only code compiled for sm_90+: never here
 #endif
 }
 
@@ -442,8 +444,8 @@ void launch_gemv(const GemvArgs<T>& a, int64_t smem, cudaStream_t stream) {
   launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), static_cast<size_t>(smem), stream, a);
 }
 
-// Launches gemv_tma_kernel; false where it does not apply (before sm_90, or more shared memory
-// than a block gets).
+// Launches gemv_tma_kernel; false where it does not apply (before sm_90 or code not compiled for
+// it, or more shared memory than a block gets).
 template <typename T, int R, Prologue P, int S>
 bool launch_tma(const GemvArgs<T>& a, cudaStream_t stream) {
   const auto* prop = at::cuda::getCurrentDeviceProperties();
@@ -452,8 +454,15 @@ bool launch_tma(const GemvArgs<T>& a, cudaStream_t stream) {
   const int64_t rows = (a.N + blocks - 1) / blocks;
   if (rows * ((a.K * int64_t{sizeof(T)} + kChunkBytes - 1) / kChunkBytes) > INT32_MAX / 2) return false;
   const int64_t smem = ring_bytes<S>() + int64_t{a.M} * a.K * sizeof(T) + rows * R * sizeof(float);
-  if (smem + 64 > static_cast<int64_t>(prop->sharedMemPerBlockOptin)) return false;
   auto* kernel = &gemv_tma_kernel<T, R, P, S>;
+  // Only code compiled for sm_90 has the kernel's body (a later GPU may run the sm_80 PTX), and the
+  // dynamic shared memory must fit beside the static.
+  cudaFuncAttributes attr{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  if (attr.ptxVersion < 90 ||
+      smem + static_cast<int64_t>(attr.sharedSizeBytes) > static_cast<int64_t>(prop->sharedMemPerBlockOptin)) {
+    return false;
+  }
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kTmaThreads), static_cast<size_t>(smem), stream,
                    a);

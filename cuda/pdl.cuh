@@ -14,6 +14,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <map>
+#include <mutex>
 #include <utility>
 
 namespace customops::cuda {
@@ -30,8 +32,27 @@ __device__ __forceinline__ void wait_prerequisites() {
 #endif
 }
 
+// Whether kernel's code on the current device was compiled for sm_90 or later (its griddepcontrol
+// instructions are there). A build may run code compiled for an older architecture on a newer GPU
+// (a later GPU JIT-compiles the sm_80 PTX, where griddepcontrol.wait is a no-op): that code must
+// not be launched early. ptxVersion is the virtual architecture the running code came from; the
+// answer is cached a kernel and device.
+inline bool compiled_for_sm90(const void* kernel) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, bool> cache;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  auto [it, inserted] = cache.try_emplace({kernel, device}, false);
+  if (inserted) {
+    cudaFuncAttributes attr{};
+    it->second = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.ptxVersion >= 90;
+  }
+  return it->second;
+}
+
 // kernel<<<grid, block, smem, stream>>>(args...), programmatically dependent on the kernel before
-// it on sm_90+.
+// it where the GPU and the kernel's code are sm_90 or later.
 template <typename... Params, typename... Args>
 void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                       Args&&... args) {
@@ -44,7 +65,7 @@ void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t s
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = at::cuda::getCurrentDeviceProperties()->major >= 9 ? 1 : 0;
+  cfg.numAttrs = at::cuda::getCurrentDeviceProperties()->major >= 9 && compiled_for_sm90(reinterpret_cast<const void*>(kernel)) ? 1 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 

@@ -170,10 +170,17 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual
             it is with half-type x).
 
     Returns:
-        A new tensor ``[..., N]``. On CUDA, up to 8 rows whose prologue fits in shared memory run
-        as one kernel that reads each weight element once; other inputs (and CPU) run the
-        prologue op, the GEMM and the add. Differentiable (taken apart into ATen ops when a
-        gradient is needed), twice too.
+        A new tensor ``[..., N]``. On CUDA, up to 4 rows whose prologue fits in shared memory run
+        as one kernel that reads each weight element once; other inputs run the prologue op, the
+        GEMM and the add. On CPU the product of 1-8 rows is split over torch's threads by output
+        features. Differentiable (taken apart into ATen ops when a gradient is needed), twice too.
+
+    Note:
+        On CUDA (sm_90) the kernel starts reading ``weight`` while the kernels ahead of it in the
+        stream finish (programmatic dependent launch), and waits for them before it reads x, bias,
+        residual or norm_weight. Kernels that launch their successors early are customops' own
+        decode kernels (and possibly NVIDIA libraries'), so a weight is expected to be a parameter,
+        not the output of a kernel launched just before on the same stream.
     """
     return _callable(_overloads.fused_linear)(x, weight, bias, residual, prologue=prologue, norm_weight=norm_weight,
                                               eps=eps)
