@@ -32,7 +32,8 @@ _choices: dict[tuple, str] = {}  # shape class -> "customops" or "sdpa"
 
 def choices() -> dict[tuple, str]:
     """The shape classes "auto" has timed so far and what each runs: ``(device, dtype, q heads, kv
-    heads, head dim, causal, query length bucket, key length bucket, backward) -> name``."""
+    heads, head dim, causal, query length bucket, key length bucket, backward, batch bucket) ->
+    name``."""
     return dict(_choices)
 
 
@@ -41,9 +42,9 @@ def _bucket(n: int) -> int:
 
 
 def _shape_class(q, k, causal: bool, backward: bool) -> tuple:
-    device = torch.cuda.get_device_name(q.device) if q.device.type == "cuda" else q.device.type
-    return (device, str(q.dtype).removeprefix("torch."), q.shape[1], k.shape[1], q.shape[-1], causal,
-            _bucket(q.shape[2]), _bucket(k.shape[2]), backward)
+    # the device as q names it (a device query would break a trace), the rest from shapes
+    return (str(q.device), str(q.dtype).removeprefix("torch."), q.shape[1], k.shape[1], q.shape[-1], causal,
+            _bucket(q.shape[2]), _bucket(k.shape[2]), backward, _bucket(q.shape[0]))
 
 
 def _time_ms(fn, device: torch.device) -> float:
@@ -72,10 +73,10 @@ def _faster(q, k, v, causal: bool, scale, backward: bool) -> str:
     and backward), SDPA on a tie."""
     from . import _ops
 
-    def inputs():
-        return [torch.randn(t.shape, dtype=t.dtype, device=t.device, requires_grad=backward) for t in (q, k, v)]
-
-    qs, ks, vs = inputs()
+    # a generator of its own (the global random stream stays where the model left it)
+    g = torch.Generator(device=q.device).manual_seed(0)
+    qs, ks, vs = [torch.randn(t.shape, dtype=t.dtype, device=t.device, generator=g).requires_grad_(backward)
+                  for t in (q, k, v)]
     gqa = q.shape[1] != k.shape[1]
 
     def run(fn):
@@ -88,7 +89,10 @@ def _faster(q, k, v, causal: bool, scale, backward: bool) -> str:
 
     custom = run(lambda: _ops.attention(qs, ks, vs, causal=causal, scale=scale))
     sdpa = run(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=gqa))
-    return "customops" if _time_ms(custom, q.device) < _time_ms(sdpa, q.device) else "sdpa"
+    # outside any saved-tensor hooks of the model's forward (non-reentrant activation checkpointing
+    # counts the tensors a forward saves: the timing's must not be among them)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        return "customops" if _time_ms(custom, q.device) < _time_ms(sdpa, q.device) else "sdpa"
 
 
 def _choose(policy: str, q, k, v, causal: bool, scale) -> str:
@@ -111,6 +115,8 @@ def _choose(policy: str, q, k, v, causal: bool, scale) -> str:
     try:
         _choices[key] = _faster(q, k, v, causal, scale, backward)
     except RuntimeError as e:  # out of memory, an input the kernel refuses: never fail the model's forward
+        if isinstance(e, getattr(torch, "AcceleratorError", ())):
+            raise  # a device error (an illegal address, ...) is sticky: never hidden
         warnings.warn(f"customops.optimize(attention='auto'): timing {key} failed ({type(e).__name__}: "
                       f"{(str(e).splitlines() or [''])[0][:200]}); SDPA runs it", stacklevel=3)
         _choices[key] = "sdpa"
@@ -129,8 +135,9 @@ def sdpa_or_customops(sdpa, module, query, key, value, attention_mask, dropout=0
                     **kwargs)
     q_len, kv_len = query.shape[2], key.shape[2]
     causal = bool(q_len > 1 and (is_causal if is_causal is not None else getattr(module, "is_causal", True)))
+    # A sliding window acts through the mask: without one (the window hides nothing) SDPA ignores it too.
     plain = (attention_mask is None and not dropout and not any(kwargs.get(n) is not None for n in (
-        "position_bias", "softcap", "sliding_window", "s_aux")) and not kwargs.get("output_attentions", False)
+        "position_bias", "softcap", "s_aux")) and not kwargs.get("output_attentions", False)
              and (not causal or q_len == kv_len) and query.shape[-1] == value.shape[-1]
              and query.shape[1] % key.shape[1] == 0 and query.dtype == key.dtype == value.dtype)
     if not plain or _choose(policy, query, key, value, causal, scaling) != "customops":

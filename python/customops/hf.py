@@ -77,16 +77,17 @@ class Summary:
         if self.attention is not None:
             lines.append("  attention: " + _ATTENTION_TEXT[self.attention])
             if self.attention == "auto":
-                lines += [f"    {c[0]} {c[1]} heads {c[2]}/{c[3]} dim {c[4]} causal={c[5]} q<={c[6]} k<={c[7]} "
-                          f"{'fwd+bwd' if c[8] else 'fwd'}: {name}" for c, name in _attention_choice.choices().items()]
+                lines += [f"    {c[0]} {c[1]} batch<={c[9]} heads {c[2]}/{c[3]} dim {c[4]} causal={c[5]} q<={c[6]} "
+                          f"k<={c[7]} {'fwd+bwd' if c[8] else 'fwd'}: {name}"
+                          for c, name in _attention_choice.choices().items()]
         lines += [f"  left alone: {why}" for why in self.left_alone]
         return "\n".join(lines)
 
 
 _ATTENTION_TEXT = {
     "sdpa": "SDPA (transformers' sdpa function, as before)",
-    "customops": "customops.attention wherever it computes the same attention (no mask, dropout or bias); SDPA "
-                 "elsewhere",
+    "customops": "customops.attention in place of SDPA wherever it computes the same attention (no mask, dropout "
+                 "or bias); SDPA elsewhere, and a model set to another attention implementation keeps it",
     "auto": "per shape class, the faster of customops.attention and SDPA on this GPU, timed at first use (SDPA on "
             "other devices and for masked attention); decided so far:",
 }

@@ -238,7 +238,7 @@ def _attention_calls(fn) -> int:
     return sum(e.name == "customops::attention" for e in p.events())
 
 
-@pytest.mark.parametrize("family", ["Llama", "Qwen3"])
+@pytest.mark.parametrize("family", ["Llama", "Mistral", "Qwen3"])  # Mistral: a sliding window (4096) hiding nothing
 def test_optimize_attention_customops_trains_and_evaluates_like_eager(family):
     m_ref, m = model(family).train(), model(family).train()
     _, summary = customops.optimize(m, attention="customops")
@@ -249,6 +249,7 @@ def test_optimize_attention_customops_trains_and_evaluates_like_eager(family):
     assert _attention_calls(lambda: m(ids, labels=ids)) == layers
     m.eval(), m_ref.eval()
     with torch.no_grad():
+        assert _attention_calls(lambda: m(ids)) == layers
         torch.testing.assert_close(m(ids).logits, m_ref(ids).logits, **tol(torch.float32))
         # a padding mask is not customops.attention's: SDPA runs it, the same result as Hugging Face's
         mask = torch.ones_like(ids)
@@ -256,6 +257,35 @@ def test_optimize_attention_customops_trains_and_evaluates_like_eager(family):
         assert _attention_calls(lambda: m(ids, attention_mask=mask)) == 0
         torch.testing.assert_close(m(ids, attention_mask=mask).logits, m_ref(ids, attention_mask=mask).logits,
                                    **tol(torch.float32))
+
+
+def test_optimize_attention_auto_times_for_real_under_checkpointing_and_compile(monkeypatch):
+    # the real timing (on the CPU here) inside a training step with non-reentrant activation
+    # checkpointing, without touching the global random stream; then a fullgraph trace reads the
+    # decision without timing
+    from customops import _attention_choice as ac
+
+    monkeypatch.setattr(ac, "TIMED_DEVICES", {"cpu"})
+    monkeypatch.setattr(ac, "_choices", {})
+    m_ref, m = model().train(), model().train()
+    with warnings.catch_warnings():  # transformers 5.24 renames it; 5.17 has only this name
+        warnings.simplefilter("ignore", FutureWarning)
+        for x in (m_ref, m):
+            x.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    customops.optimize(m, attention="auto")
+    ids = torch.randint(0, 256, (2, 16))
+    torch.manual_seed(1)
+    got = step(m, ids)
+    after = torch.rand(3)
+    torch.manual_seed(1)
+    want = step(m_ref, ids)
+    torch.testing.assert_close(after, torch.rand(3))  # the timing drew nothing from the global stream
+    assert_same_step(got, want, torch.float32)
+    [(key, _)] = ac.choices().items()
+    assert key[0] == "cpu" and key[8] is True  # forward+backward
+    monkeypatch.setattr(ac, "_faster", lambda *a: pytest.fail("a trace must not time"))
+    compiled = torch.compile(m, fullgraph=True, backend="eager")
+    assert_same_step(step(compiled, ids, params_of=m), want, torch.float32)
 
 
 def test_optimize_attention_customops_compiles_fullgraph():
