@@ -456,13 +456,14 @@ bool launch_tma(const GemvArgs<T>& a, cudaStream_t stream) {
   const int64_t smem = ring_bytes<S>() + int64_t{a.M} * a.K * sizeof(T) + rows * R * sizeof(float);
   auto* kernel = &gemv_tma_kernel<T, R, P, S>;
   // Only code compiled for sm_90 has the kernel's body (a later GPU may run the sm_80 PTX), and the
-  // dynamic shared memory must fit beside the static.
-  cudaFuncAttributes attr{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  if (attr.ptxVersion < 90 ||
-      smem + static_cast<int64_t>(attr.sharedSizeBytes) > static_cast<int64_t>(prop->sharedMemPerBlockOptin)) {
-    return false;
-  }
+  // dynamic shared memory must fit beside the static (the same for every device: asked once).
+  if (!cuda::compiled_for_sm90(reinterpret_cast<const void*>(kernel))) return false;
+  static const int64_t static_smem = [&] {
+    cudaFuncAttributes attr{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    return static_cast<int64_t>(attr.sharedSizeBytes);
+  }();
+  if (smem + static_smem > static_cast<int64_t>(prop->sharedMemPerBlockOptin)) return false;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kTmaThreads), static_cast<size_t>(smem), stream,
                    a);

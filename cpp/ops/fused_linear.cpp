@@ -33,6 +33,11 @@ const auto& fused_linear_op() {
 
 bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
+// prologue(x) by customops' rms_norm or swiglu op (x itself for none).
+at::Tensor apply_prologue(Prologue p, const at::Tensor& x, const std::optional<at::Tensor>& norm_weight, double eps) {
+  return p == Prologue::kRmsNorm ? rms_norm(x, norm_weight, eps) : p == Prologue::kSwiglu ? swiglu(x) : x;
+}
+
 }  // namespace
 
 at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -104,7 +109,7 @@ at::Tensor fused_linear_unfused(const at::Tensor& x, const at::Tensor& weight, c
                                 const std::optional<at::Tensor>& residual, c10::string_view prologue,
                                 const std::optional<at::Tensor>& norm_weight, double eps) {
   const Prologue p = check_fused_linear(x, weight, bias, residual, prologue, norm_weight);
-  const at::Tensor in = p == Prologue::kRmsNorm ? rms_norm(x, norm_weight, eps) : p == Prologue::kSwiglu ? swiglu(x) : x;
+  const at::Tensor in = apply_prologue(p, x, norm_weight, eps);
   at::Tensor y = at::linear(in, weight, bias);
   if (given(residual)) y.add_(*residual);
   return y;
@@ -131,10 +136,7 @@ at::Tensor fused_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const
       n * row_bytes < 2 * kMinBytesAThread || !weight.is_contiguous()) {
     return fused_linear_unfused(x, weight, bias, residual, prologue, norm_weight, eps);
   }
-  const at::Tensor in =
-      (p == Prologue::kRmsNorm ? rms_norm(x, norm_weight, eps) : p == Prologue::kSwiglu ? swiglu(x) : x)
-          .reshape({rows, k})
-          .contiguous();
+  const at::Tensor in = apply_prologue(p, x, norm_weight, eps).reshape({rows, k}).contiguous();
   at::Tensor out_t = at::empty({n, rows}, x.options());  // features x rows: a block of features is a block of rows
   at::parallel_for(0, n, std::max<int64_t>(1, kMinBytesAThread / row_bytes), [&](int64_t begin, int64_t end) {
     const at::Tensor w = weight.narrow(0, begin, end - begin);
