@@ -33,9 +33,11 @@ TORCH_LIBRARY(customops, m) {
   // "rms_norm" (rms_norm(x, norm_weight, eps), as customops.rms_norm rounds it) or "swiglu"
   // (swiglu(x): x holds gate then up, twice weight's in_features). weight [N, K]; residual is
   // shaped like the result, x.shape[:-1] + [N]. A few rows on CUDA read each weight element
-  // once in one kernel; more rows run the prologue, a GEMM and the add.
+  // once in one kernel; more rows run the prologue, a GEMM and the add. constant_weight: no kernel
+  // still running before this one in the stream writes weight (a parameter), so on CUDA the kernel
+  // may read it before they finish (programmatic dependent launch); otherwise it waits for them.
   m.def("fused_linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None, str prologue=\"none\", "
-        "Tensor? norm_weight=None, float eps=1e-06) -> Tensor");
+        "Tensor? norm_weight=None, float eps=1e-06, bool constant_weight=False) -> Tensor");
   // clamp(x * scale, lo, hi).
   m.def("scale_clamp(Tensor x, float scale, float lo, float hi) -> Tensor");
   // grad_y * scale where lo < x * scale < hi, else 0.

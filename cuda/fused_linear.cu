@@ -12,8 +12,10 @@
 // - The Hopper kernel (gemv_tma_kernel, sm_90): a producer thread streams the weight into a ring
 //   of shared memory through the tensor memory accelerator, for the larger weights at 1-2 rows.
 // Both are launched programmatically dependent (pdl.cuh): a product launched after another kernel
-// starts its blocks on the SMs the other frees and loads its first weights before waiting for it,
-// so a decode step's chain of kernels does not drain and refill the memory pipeline between them.
+// starts its blocks on the SMs the other frees and, given constant_weight (a parameter, which no
+// kernel before it writes), loads its first weights before waiting for it, so a decode step's chain
+// of kernels does not drain and refill the memory pipeline between them. Without constant_weight
+// it waits first: a weight written by the kernel just before would be read stale.
 // Other inputs (more than kMaxRows rows, rows that do not fit shared memory, float64, widths that
 // are not a whole number of 16-byte vectors, unaligned weights) take the unfused path: the
 // prologue op, cuBLAS, the add. Measured on an H100 (bench --decode, README): a Llama-3.2-1B
@@ -72,6 +74,7 @@ struct GemvArgs {
   int64_t N;
   int K;
   float eps;
+  bool constant_weight;  // no kernel still running writes weight: it may be read before they end
 };
 
 __device__ __forceinline__ uint4 load_streaming(const void* p) {
@@ -227,6 +230,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(GemvArgs<T> a) {
   k.count = static_cast<int>(rows * k.segments);
 
   PackT wa[kUnroll], wb[kUnroll];
+  if (!a.constant_weight) wait_prerequisites();
   k.load(0, wa);
   k.load(1, wb);
   launch_dependents();
@@ -255,8 +259,9 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(GemvArgs<T> a) {
 // chunks run row-major through the stages, warp w taking chunk w of each. Partial sums go to a
 // float32 accumulator per (row, input row) in shared memory, which starts at bias + residual; the
 // block writes its rows at the end. The producer never reads activations, so it streams from the
-// moment the block is resident, while the kernel before it in the stream still runs (launched
-// programmatically dependent); the consumers wait for that kernel before the prologue.
+// moment the block is resident (given constant_weight), while the kernel before it in the stream
+// still runs (launched programmatically dependent); the consumers wait for that kernel before the
+// prologue.
 namespace tma {
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
@@ -335,7 +340,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) gemv_tma_kernel(GemvArgs<T> a)
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       tma::mbar_init(full + 8 * s, 1);
-      tma::mbar_init(empty + 8 * s, kConsumers);
+      tma::mbar_init(empty + 8 * s, kConsumers * 32);  // every consumer thread releases what it read
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -344,6 +349,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) gemv_tma_kernel(GemvArgs<T> a)
 
   if (warp == kConsumers) {  // the producer
     if (lane != 0) return;
+    if (!a.constant_weight) wait_prerequisites();
     const uint64_t policy = tma::evict_first();
     int64_t start = 0;
     for (int i = 0; i < stages; ++i) {
@@ -413,8 +419,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) gemv_tma_kernel(GemvArgs<T> a)
         }
       }
     }
-    __syncwarp();
-    if (lane == 0) tma::mbar_arrive(empty + 8 * s);
+    tma::mbar_arrive(empty + 8 * s);  // (each thread's own reads: the producer's next copy waits for them)
   }
   tma::consumers_sync();
   for (int i = tid; i < rows * a.M; i += kConsumers * 32) {
@@ -493,7 +498,7 @@ void launch_rows(const GemvArgs<T>& a, int64_t smem, cudaStream_t stream) {
 
 at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                              const std::optional<at::Tensor>& residual, c10::string_view prologue_name,
-                             const std::optional<at::Tensor>& norm_weight, double eps) {
+                             const std::optional<at::Tensor>& norm_weight, double eps, bool constant_weight) {
   const Prologue p = check_fused_linear(x, weight, bias, residual, prologue_name, norm_weight);
   auto unfused = [&] { return fused_linear_unfused(x, weight, bias, residual, prologue_name, norm_weight, eps); };
   const at::ScalarType t = x.scalar_type();
@@ -537,6 +542,7 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
     a.N = n;
     a.K = static_cast<int>(k);
     a.eps = static_cast<float>(eps);
+    a.constant_weight = constant_weight;
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     if constexpr (!std::is_same_v<scalar_t, double>) {
       if (p == Prologue::kRmsNorm) {

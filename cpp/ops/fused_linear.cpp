@@ -27,7 +27,7 @@ const auto& fused_linear_op() {
                        .findSchemaOrThrow("customops::fused_linear", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                          const std::optional<at::Tensor>&, c10::string_view,
-                                         const std::optional<at::Tensor>&, double)>();
+                                         const std::optional<at::Tensor>&, double, bool)>();
   return op;
 }
 
@@ -42,9 +42,9 @@ at::Tensor apply_prologue(Prologue p, const at::Tensor& x, const std::optional<a
 
 at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& residual, std::string_view prologue,
-                        const std::optional<at::Tensor>& norm_weight, double eps) {
+                        const std::optional<at::Tensor>& norm_weight, double eps, bool constant_weight) {
   return fused_linear_op().call(x, weight, bias, residual, c10::string_view(prologue.data(), prologue.size()),
-                                norm_weight, eps);
+                                norm_weight, eps, constant_weight);
 }
 
 Prologue check_fused_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -128,7 +128,7 @@ constexpr int64_t kMinBytesAThread = 256 * 1024;
 
 at::Tensor fused_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& residual, c10::string_view prologue,
-                            const std::optional<at::Tensor>& norm_weight, double eps) {
+                            const std::optional<at::Tensor>& norm_weight, double eps, bool /*constant_weight*/) {
   const Prologue p = check_fused_linear(x, weight, bias, residual, prologue, norm_weight);
   const int64_t n = weight.size(0), k = weight.size(1), row_bytes = k * weight.element_size();
   const int64_t rows = x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
@@ -159,7 +159,7 @@ at::Tensor fused_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const
 // ---- Meta -------------------------------------------------------------------------------------
 at::Tensor fused_linear_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                              const std::optional<at::Tensor>& residual, c10::string_view prologue,
-                             const std::optional<at::Tensor>& norm_weight, double /*eps*/) {
+                             const std::optional<at::Tensor>& norm_weight, double /*eps*/, bool /*constant_weight*/) {
   check_fused_linear(x, weight, bias, residual, prologue, norm_weight);
   std::vector<c10::SymInt> sizes(x.sym_sizes().begin(), x.sym_sizes().end());
   sizes.back() = weight.sym_size(0);
@@ -171,7 +171,7 @@ at::Tensor fused_linear_meta(const at::Tensor& x, const at::Tensor& weight, cons
 // the fused kernels' within one rounding of the product.
 at::Tensor fused_linear_decomposed(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                    const std::optional<at::Tensor>& residual, c10::string_view prologue,
-                                   const std::optional<at::Tensor>& norm_weight, double eps) {
+                                   const std::optional<at::Tensor>& norm_weight, double eps, bool /*constant_weight*/) {
   const Prologue p = check_fused_linear(x, weight, bias, residual, prologue, norm_weight);
   const at::ScalarType acc = rms_norm_acc_dtype(x.scalar_type());
   at::Tensor in = x;
@@ -192,16 +192,17 @@ at::Tensor fused_linear_decomposed(const at::Tensor& x, const at::Tensor& weight
 // ---- Autograd ---------------------------------------------------------------------------------
 at::Tensor fused_linear_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                  const std::optional<at::Tensor>& residual, c10::string_view prologue,
-                                 const std::optional<at::Tensor>& norm_weight, double eps) {
+                                 const std::optional<at::Tensor>& norm_weight, double eps, bool constant_weight) {
   autograd::Recorder rec(x, weight, bias, residual, norm_weight);
-  if (!rec) return call_below_autograd(fused_linear_op(), x, weight, bias, residual, prologue, norm_weight, eps);
-  return fused_linear_decomposed(x, weight, bias, residual, prologue, norm_weight, eps);
+  if (!rec) return call_below_autograd(fused_linear_op(), x, weight, bias, residual, prologue, norm_weight, eps,
+                                                constant_weight);
+  return fused_linear_decomposed(x, weight, bias, residual, prologue, norm_weight, eps, constant_weight);
 }
 
 // ---- Autocast: as a linear layer, float32 tensors run in the autocast dtype --------------------
 at::Tensor fused_linear_autocast(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                  const std::optional<at::Tensor>& residual, c10::string_view prologue,
-                                 const std::optional<at::Tensor>& norm_weight, double eps) {
+                                 const std::optional<at::Tensor>& norm_weight, double eps, bool constant_weight) {
   const at::ScalarType low = at::autocast::get_autocast_dtype(x.device().type());
   auto cast = [&](const at::Tensor& t) { return t.defined() && t.scalar_type() == at::kFloat ? t.to(low) : t; };
   auto cast_opt = [&](const std::optional<at::Tensor>& t) {
@@ -209,7 +210,7 @@ at::Tensor fused_linear_autocast(const at::Tensor& x, const at::Tensor& weight, 
   };
   autocast::Below below;
   return fused_linear_op().call(cast(x), cast(weight), cast_opt(bias), cast_opt(residual), prologue,
-                                cast_opt(norm_weight), eps);
+                                cast_opt(norm_weight), eps, constant_weight);
 }
 
 }  // namespace

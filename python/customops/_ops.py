@@ -154,7 +154,8 @@ def swiglu(x: Tensor) -> Tensor:
 
 
 def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None, *,
-                 prologue: str = "none", norm_weight: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+                 prologue: str = "none", norm_weight: Tensor | None = None, eps: float = 1e-6,
+                 constant_weight: bool = False) -> Tensor:
     """``prologue(x) @ weight.T + bias + residual``: a linear layer with the work around it fused,
     for decoding, where a step is a chain of matrix-vector products.
 
@@ -168,22 +169,20 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual
             dtype as those ops round it.
         norm_weight: the RMSNorm weight of ``prologue="rms_norm"`` (optional; float32 is read as
             it is with half-type x).
+        constant_weight: ``weight`` is not written by any kernel still running ahead of this op
+            on the stream (a model's parameter). On CUDA (sm_90) the kernel then starts reading
+            it while those kernels finish (programmatic dependent launch), which is what keeps a
+            decode step's chain of products streaming; otherwise (the default) it waits for them
+            first, so a weight computed just before is read as written.
 
     Returns:
         A new tensor ``[..., N]``. On CUDA, up to 4 rows whose prologue fits in shared memory run
         as one kernel that reads each weight element once; other inputs run the prologue op, the
         GEMM and the add. On CPU the product of 1-8 rows is split over torch's threads by output
         features. Differentiable (taken apart into ATen ops when a gradient is needed), twice too.
-
-    Note:
-        On CUDA (sm_90) the kernel starts reading ``weight`` while the kernels ahead of it in the
-        stream finish (programmatic dependent launch), and waits for them before it reads x, bias,
-        residual or norm_weight. Kernels that launch their successors early are customops' own
-        decode kernels (and possibly NVIDIA libraries'), so a weight is expected to be a parameter,
-        not the output of a kernel launched just before on the same stream.
     """
     return _callable(_overloads.fused_linear)(x, weight, bias, residual, prologue=prologue, norm_weight=norm_weight,
-                                              eps=eps)
+                                              eps=eps, constant_weight=constant_weight)
 
 
 def scale_clamp(x: Tensor, scale: float, lo: float, hi: float) -> Tensor:

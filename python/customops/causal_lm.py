@@ -99,11 +99,14 @@ class DecodeLayer(nn.Module):
 
 def _linear(linear: nn.Linear, x: Tensor, *, norm: nn.Module | None = None, residual: Tensor | None = None,
             swiglu: bool = False) -> Tensor:
-    """linear(norm(x)) (or linear(swiglu(x)), or linear(x)), plus residual: one fused_linear."""
+    """linear(norm(x)) (or linear(swiglu(x)), or linear(x)), plus residual: one fused_linear, whose
+    weight is a parameter no kernel writes (constant_weight: on CUDA it streams while the kernel
+    before it finishes)."""
     if norm is not None:
         return fused_linear(x, linear.weight, linear.bias, residual, prologue="rms_norm", norm_weight=norm.weight,
-                            eps=norm.variance_epsilon)
-    return fused_linear(x, linear.weight, linear.bias, residual, prologue="swiglu" if swiglu else "none")
+                            eps=norm.variance_epsilon, constant_weight=True)
+    return fused_linear(x, linear.weight, linear.bias, residual, prologue="swiglu" if swiglu else "none",
+                        constant_weight=True)
 
 
 class CachedCausalLM(nn.Module):

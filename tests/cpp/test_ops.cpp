@@ -148,7 +148,8 @@ TEST(LlmOps, FusedLinearMatchesTheOpsItFuses) {
                                at::linear(customops::rms_norm(x, nw, 1e-5), w), 1e-4, 1e-4))
           << device;
       at::Tensor w_down = at::randn({24, 32}, opts) / 6;
-      EXPECT_TRUE(at::allclose(customops::fused_linear(x, w_down, std::nullopt, res, "swiglu"),
+      EXPECT_TRUE(at::allclose(customops::fused_linear(x, w_down, std::nullopt, res, "swiglu", std::nullopt, 1e-6,
+                                                       /*constant_weight=*/true),
                                at::linear(customops::swiglu(x), w_down) + res, 1e-4, 1e-4))
           << device;
     }

@@ -103,6 +103,7 @@ def test_rms_norm_kernel_paths(rows, n, dtype):
     torch.testing.assert_close(dw.double(), dw64, atol=tol["atol"] * 4 * rows**0.5, rtol=tol["rtol"] * 4)
 
 
+@pytest.mark.parametrize("constant_weight", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 4])
 @pytest.mark.parametrize("n, k, dtype, prologue, bias, residual", [
     (2048, 8192, torch.bfloat16, "swiglu", False, True),  # a decode step's down product: 4 chunks a row
@@ -110,7 +111,7 @@ def test_rms_norm_kernel_paths(rows, n, dtype):
     (3001, 2312, torch.float32, "rms_norm", True, True),  # 3 chunks a row, the last one short
     (4099, 4096, torch.float16, "none", False, True),
 ])
-def test_fused_linear_kernel_paths(m, n, k, dtype, prologue, bias, residual):
+def test_fused_linear_kernel_paths(m, n, k, dtype, prologue, bias, residual, constant_weight):
     """Weights of 25-34 MB: the Hopper kernel (1-2 rows: a producer streaming the weight into shared
     memory in chunks of rows) and the register kernel (4 rows); small weights are the op table's."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -119,8 +120,26 @@ def test_fused_linear_kernel_paths(m, n, k, dtype, prologue, bias, residual):
     b = torch.randn(n, device="cuda", dtype=dtype, generator=g) if bias else None
     r = torch.randn(m, n, device="cuda", dtype=dtype, generator=g) if residual else None
     nw = (1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.float32, generator=g)) if prologue == "rms_norm" else None
-    y = customops.fused_linear(x, w, b, r, prologue=prologue, norm_weight=nw)
+    y = customops.fused_linear(x, w, b, r, prologue=prologue, norm_weight=nw, constant_weight=constant_weight)
     ref = T.OPS_BY_NAME["fused_linear"].ref(*(t.double() if t is not None else None for t in (x, w, b, r)),
                                             prologue=prologue, norm_weight=None if nw is None else nw.double())
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(y.double(), ref, **tol)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_fused_linear_reads_a_weight_written_just_before(m):
+    """A weight computed by the kernel just before the product (rope here, which lets its successor
+    launch before it ends) is read as written: without constant_weight the product waits for that
+    kernel before its first weight load. 32 MB: the Hopper kernel at 1 row, the register one at 4."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    s, d = 4096, 128
+    cos = torch.randn(1, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    sin = torch.randn(1, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = torch.randn(m, s, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(1, 1, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    for i in range(4):  # a new weight each time, in memory the last one may still hold
+        q = torch.randn(1, 32, s, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        w = customops.rope(q, k, cos, sin)[0].view(s, s)  # 32 x 4096 x 128 = 4096 x 4096
+        y = customops.fused_linear(x, w)
+        torch.testing.assert_close(y.double(), x.double() @ w.double().T, atol=3e-2, rtol=2e-2, msg=f"weight {i}")

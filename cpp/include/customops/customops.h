@@ -94,11 +94,14 @@ CUSTOMOPS_API at::Tensor swiglu(const at::Tensor& x);
 // prologue(x) @ weight.T + bias + residual, one kernel for a few rows on CUDA (decoding).
 // prologue: "none", "rms_norm" (customops::rms_norm(x, norm_weight, eps)) or "swiglu"
 // (customops::swiglu(x), x twice weight's in_features wide); bias and residual optional.
+// constant_weight: weight is not written by a kernel still running on the stream (a parameter),
+// so the CUDA kernel may start reading it before the kernels ahead of it finish.
 CUSTOMOPS_API at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight,
                                       const std::optional<at::Tensor>& bias = std::nullopt,
                                       const std::optional<at::Tensor>& residual = std::nullopt,
                                       std::string_view prologue = "none",
-                                      const std::optional<at::Tensor>& norm_weight = std::nullopt, double eps = 1e-6);
+                                      const std::optional<at::Tensor>& norm_weight = std::nullopt, double eps = 1e-6,
+                                      bool constant_weight = false);
 // clamp(x * scale, lo, hi); requires lo <= hi.
 CUSTOMOPS_API at::Tensor scale_clamp(const at::Tensor& x, double scale, double lo, double hi);
 

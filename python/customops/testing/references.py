@@ -115,7 +115,8 @@ def _swiglu_ref(x):
     return gate * torch.sigmoid(gate) * up
 
 
-def _fused_linear_ref(x, weight, bias=None, residual=None, prologue="none", norm_weight=None, eps=1e-6):
+def _fused_linear_ref(x, weight, bias=None, residual=None, prologue="none", norm_weight=None, eps=1e-6,
+                      constant_weight=False):
     if prologue == "rms_norm":  # in x's dtype (a float32 norm weight with half x is read as it is)
         x = _rms_norm_ref(x, norm_weight, eps)[0].to(x.dtype)
     elif prologue == "swiglu":

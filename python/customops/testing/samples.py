@@ -352,6 +352,8 @@ def _fused_linear_samples(device, dtype, requires_grad):
 
     out = [
         Sample((x_((1, 64)), lin(24, 64)), {}, "contiguous none [1, 64] @ [24, 64]"),
+        Sample((x_((2, 64)), lin(24, 64), vec(24), x_((2, 24)), "none", None, 1e-6, True), {},
+               "contiguous none + bias + residual, constant weight"),
         Sample((x_((3, 32)), lin(20, 32), vec(20), x_((3, 20))), {}, "contiguous none [3, 32] + bias + residual"),
         Sample((x_((2, 3, 16), "transposed"), lin(12, 16, "transposed"), None, x_((2, 3, 12), "strided")), {},
                "transposed x and weight, strided residual, none"),
