@@ -103,4 +103,10 @@ TORCH_LIBRARY(customops, m) {
   // k, v [B, Hkv, T, D] written into the caches at positions [start[b], start[b] + T) of each
   // sequence b, in place (the mutation is in the schema, so export and AOTInductor keep it there).
   m.def("cache_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor start) -> ()");
+  // rope then cache_write, one launch on CUDA (a decode step's): q and k [B, H, T, D] rotated by
+  // cos, sin ([T, R] or [B, T, R], rotate-half pairs as rope's default), the rotated k and v written
+  // into the caches at [start[b], start[b] + T); returns the rotated q (in q's memory order, as rope).
+  m.def("rope_cache_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor q, Tensor k, Tensor v, Tensor cos, "
+        "Tensor sin, Tensor start) -> Tensor",
+        {at::Tag::needs_fixed_stride_order});
 }

@@ -1,4 +1,4 @@
-// The CUDA kernels of cache_attention and cache_write, which read each sequence's length and start
+// The CUDA kernels of cache_attention, cache_write and rope_cache_write, which read each sequence's length and start
 // position on the device: no host sync, so a CUDA graph can capture a decode step.
 //
 // cache_attention (float16/bfloat16, head dims 64/128/256, up to kCacheAttentionMaxQueries new
@@ -19,6 +19,8 @@
 // would need the host to wait). Other inputs go through the generic kernel, or, while a CUDA graph
 // is captured, cache_attention_masked: every path of the op can be captured.
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <c10/cuda/CUDAGuard.h>
@@ -35,8 +37,10 @@
 #include "attention.cuh"
 #include "attention_host.h"
 #include "cp_async.cuh"
+#include "elementwise.cuh"
 #include "ops/attention.h"
 #include "ops/cache_attention.h"
+#include "ops/layout.h"
 #include "pdl.cuh"
 
 namespace customops {
@@ -48,6 +52,7 @@ using cuda::cp_async_commit;
 using cuda::cp_async_wait;
 using cuda::launch_dependent;
 using cuda::launch_dependents;
+using cuda::Pack;
 using cuda::smem_addr;
 using cuda::wait_prerequisites;
 
@@ -506,11 +511,120 @@ void cache_write_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache, cons
   }
 }
 
+// ---- rope_cache_write: rope of q and k and the cache write of k and v in one launch -------------
+// A thread owns a unit of one head of one position: the 16-byte packs at u*V and D/2 + u*V, the
+// rotate-half pairs between them (q and k rotated in float32, as rope's kernel; v copied). Heads
+// are innermost (q's, k's, then v's), so consecutive threads read consecutive packs of a fused
+// qkv projection's [B, T, H, D] rows. The rotated q goes to a new tensor, k and v to the caches at
+// start[b] + t (read on the device; a row outside the cache is not written, as cache_write).
+template <typename T>
+struct RopeWriteParams {
+  const T* src[3];       // q, k, v
+  int64_t ss[3][3];      // their strides of B, H, T (D's is 1)
+  T* dst[3];             // q_out, k_cache, v_cache
+  int64_t ds[3][3];      // strides of B, H, T (q_out) or S (the caches)
+  const T* cos;          // contiguous [Bc, T, D]
+  const T* sin;
+  int64_t cos_b;         // elements between batch entries of cos: T * D, or 0 when shared
+  const int64_t* start;
+  int64_t hq, hkv, t, s, d, units, n;  // units: packs a half head; n: B * T * (Hq + 2 Hkv) * units
+};
+
+template <typename T, int V>
+__global__ void __launch_bounds__(256) rope_cache_write_kernel(RopeWriteParams<T> p) {
+  wait_prerequisites();
+  launch_dependents();
+  using P = Pack<T, V>;
+  using A = at::opmath_type<T>;
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= p.n) return;
+  const int64_t heads = p.hq + 2 * p.hkv;
+  const int64_t u = idx % p.units, hh = idx / p.units % heads, bt = idx / (p.units * heads);
+  const int64_t t = bt % p.t, b = bt / p.t;
+  const int w = hh < p.hq ? 0 : hh < p.hq + p.hkv ? 1 : 2;
+  const int64_t h = w == 0 ? hh : w == 1 ? hh - p.hq : hh - p.hq - p.hkv;
+  int64_t row = t;
+  if (w > 0) {
+    row = p.start[b] + t;
+    if (row < 0 || row >= p.s) return;  // outside the cache: nothing written
+  }
+  const int64_t half = p.d / 2, i1 = u * V, i2 = half + u * V;
+  const T* src = p.src[w] + b * p.ss[w][0] + h * p.ss[w][1] + t * p.ss[w][2];
+  T* dst = p.dst[w] + b * p.ds[w][0] + h * p.ds[w][1] + row * p.ds[w][2];
+  P x1 = *reinterpret_cast<const P*>(src + i1), x2 = *reinterpret_cast<const P*>(src + i2);
+  if (w < 2) {
+    const int64_t c0 = b * p.cos_b + t * p.d;
+    const P c1 = *reinterpret_cast<const P*>(p.cos + c0 + i1), c2 = *reinterpret_cast<const P*>(p.cos + c0 + i2);
+    const P s1 = *reinterpret_cast<const P*>(p.sin + c0 + i1), s2 = *reinterpret_cast<const P*>(p.sin + c0 + i2);
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const A a1 = A(x1.v[j]), a2 = A(x2.v[j]);
+      x1.v[j] = static_cast<T>(a1 * A(c1.v[j]) - a2 * A(s1.v[j]));
+      x2.v[j] = static_cast<T>(a2 * A(c2.v[j]) + a1 * A(s2.v[j]));
+    }
+  }
+  *reinterpret_cast<P*>(dst + i1) = x1;
+  *reinterpret_cast<P*>(dst + i2) = x2;
+}
+
+at::Tensor rope_cache_write_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q,
+                                 const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos_in,
+                                 const at::Tensor& sin_in, const at::Tensor& start_in) {
+  check_rope_cache_write(k_cache, v_cache, q, k, v, cos_in, sin_in, start_in);
+  const at::ScalarType dt = q.scalar_type();
+  const int64_t d = q.size(3), v16 = 16 / q.element_size();
+  // The kernel's inputs: rotate-half over the whole head dim in 16-byte packs, unit last strides.
+  const at::Tensor* ts[5] = {&q, &k, &v, &k_cache, &v_cache};
+  bool fits = (dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat) && cos_in.size(-1) == d &&
+              d % (2 * v16) == 0 && q.numel() > 0;
+  for (const at::Tensor* t : ts) {
+    if (!fits) break;
+    fits = t->stride(3) == 1 && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0;
+    for (int i = 0; i < 3 && fits; ++i) fits = t->stride(i) % v16 == 0;
+  }
+  if (!fits) return rope_cache_write_composite(k_cache, v_cache, q, k, v, cos_in, sin_in, start_in);
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor q_out = heads_layout_like(q);
+  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous(), start = start_in.contiguous();
+  const int64_t b = q.size(0), t = q.size(2), hq = q.size(1), hkv = k.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "customops::rope_cache_write", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      constexpr int V = 16 / sizeof(scalar_t);
+      RopeWriteParams<scalar_t> p{};
+      const at::Tensor* srcs[3] = {&q, &k, &v};
+      at::Tensor* dsts[3] = {&q_out, const_cast<at::Tensor*>(&k_cache), const_cast<at::Tensor*>(&v_cache)};
+      for (int w = 0; w < 3; ++w) {
+        p.src[w] = srcs[w]->const_data_ptr<scalar_t>();
+        p.dst[w] = dsts[w]->mutable_data_ptr<scalar_t>();
+        for (int i = 0; i < 3; ++i) {
+          p.ss[w][i] = srcs[w]->stride(i);
+          p.ds[w][i] = dsts[w]->stride(i);
+        }
+      }
+      p.cos = cos.const_data_ptr<scalar_t>();
+      p.sin = sin.const_data_ptr<scalar_t>();
+      p.cos_b = cos.dim() == 3 && cos.size(0) > 1 ? t * d : 0;
+      p.start = start.const_data_ptr<int64_t>();
+      p.hq = hq;
+      p.hkv = hkv;
+      p.t = t;
+      p.s = k_cache.size(2);
+      p.d = d;
+      p.units = d / 2 / V;
+      p.n = b * t * (hq + 2 * hkv) * p.units;
+      launch_dependent(rope_cache_write_kernel<scalar_t, V>, dim3(static_cast<unsigned>((p.n + 255) / 256)), dim3(256),
+                       0, at::cuda::getCurrentCUDAStream(), p);
+    }
+  });
+  return q_out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(customops, CUDA, m) {
   m.impl("cache_attention", &cache_attention_cuda);
   m.impl("cache_write", &cache_write_cuda);
+  m.impl("rope_cache_write", &rope_cache_write_cuda);
 }
 
 }  // namespace customops

@@ -1,4 +1,4 @@
-// cache_attention and cache_write: a static KV cache (the decode and prefill steps of a causal LM
+// cache_attention, cache_write and rope_cache_write: a static KV cache (the decode and prefill steps of a causal LM
 // packaged with customops.export.package_causal_lm), device-independent parts: argument checks,
 // Meta kernels, the device-generic kernels (every CPU input; the CUDA inputs the split-KV kernel
 // of cuda/cache_attention.cu does not take), Autograd kernels that refuse gradients (inference
@@ -18,12 +18,15 @@
 #include "ops/autocast.h"
 #include "ops/batching.h"
 #include "ops/checks.h"
+#include "ops/layout.h"
+#include "ops/rope.h"
 
 namespace customops {
 
 namespace {
 constexpr const char* kAttn = "customops::cache_attention";
 constexpr const char* kWrite = "customops::cache_write";
+constexpr const char* kRopeWrite = "customops::rope_cache_write";
 
 using Pair = std::tuple<at::Tensor, at::Tensor>;
 
@@ -40,6 +43,14 @@ const auto& cache_write_op() {
                        .findSchemaOrThrow("customops::cache_write", "")
                        .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                    const at::Tensor&)>();
+  return op;
+}
+
+const auto& rope_cache_write_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("customops::rope_cache_write", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>();
   return op;
 }
 
@@ -140,6 +151,79 @@ void cache_write_autograd(const at::Tensor& k_cache, const at::Tensor& v_cache, 
   v_cache.unsafeGetTensorImpl()->bump_version();
 }
 
+at::Tensor rope_cache_write_meta(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q,
+                                 const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                                 const at::Tensor& start) {
+  check_rope_cache_write(k_cache, v_cache, q, k, v, cos, sin, start);
+  return heads_layout_like(q);
+}
+
+at::Tensor rope_cache_write_autograd(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q,
+                                     const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                                     const at::Tensor& sin, const at::Tensor& start) {
+  refuse_grad(kRopeWrite, {k_cache, v_cache, q, k, v, cos, sin});
+  at::Tensor out;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    out = rope_cache_write_op().call(k_cache, v_cache, q, k, v, cos, sin, start);
+  }
+  k_cache.unsafeGetTensorImpl()->bump_version();
+  v_cache.unsafeGetTensorImpl()->bump_version();
+  return out;
+}
+
+// vmap: as cache_write's rule, an entry at a time; the rotated q of the entries stacked.
+at::Tensor rope_cache_write_batched(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q,
+                                    const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                                    const at::Tensor& sin, const at::Tensor& start) {
+  batching::Level level({k_cache, v_cache, q, k, v, cos, sin, start});
+  auto batch = level.batch_size({k_cache, v_cache, q, k, v, cos, sin, start});
+  if (!batch) return rope_cache_write_op().call(k_cache, v_cache, q, k, v, cos, sin, start);
+  TORCH_CHECK(level.batched(k_cache) && level.batched(v_cache), kRopeWrite,
+              ": vmap: k_cache and v_cache must be batched where another argument is (they are written in place)");
+  const c10::SymInt& e = *batch;
+  const at::Tensor kc = level.front(k_cache, e), vc = level.front(v_cache, e), qf = level.front(q, e),
+                   kf = level.front(k, e), vf = level.front(v, e), cf = level.front(cos, e), sf = level.front(sin, e),
+                   pf = level.front(start, e);
+  std::vector<at::Tensor> outs;
+  for (int64_t i = 0, n = e.guard_int(__FILE__, __LINE__); i < n; ++i) {
+    outs.push_back(rope_cache_write_op().call(kc[i], vc[i], qf[i], kf[i], vf[i], cf[i], sf[i], pf[i]));
+  }
+  return level.wrap(at::stack(outs));
+}
+
+// start read on the host (a device sync on CUDA) and checked against the cache's positions.
+at::Tensor start_on_host(const char* op, const at::Tensor& start, int64_t t, int64_t s) {
+  at::Tensor host = start.cpu().contiguous();
+  const int64_t* pos = host.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < host.numel(); ++i) {
+    TORCH_CHECK(pos[i] >= 0 && pos[i] <= s - t, op, ": start[", i, "] is ", pos[i], "; its ", t,
+                " new positions must fit in the cache's ", s, " (start in [0, ", s - t, "])");
+  }
+  return host;
+}
+
+void check_write(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
+                 const at::Tensor& v, const at::Tensor& start) {
+  check_cache(op, k_cache, v_cache);
+  checks::defined(op, "k", k);
+  checks::defined(op, "v", v);
+  TORCH_CHECK(k.dim() == 4, op, ": expected k of shape [B, Hkv, T, D], but got ", k.sym_sizes());
+  checks::same_shape(op, "v", v, "k", k);
+  checks::same_dtype(op, "k", k, "k_cache", k_cache);
+  checks::same_dtype(op, "v", v, "k_cache", k_cache);
+  checks::same_device(op, "k", k, "k_cache", k_cache);
+  checks::same_device(op, "v", v, "k_cache", k_cache);
+  TORCH_SYM_CHECK(k_cache.sym_size(0).sym_ge(k.sym_size(0)), op, ": the cache holds ", k_cache.sym_size(0),
+                  " sequences, fewer than k's batch (", k.sym_size(0), ")");
+  TORCH_SYM_CHECK(k.sym_size(1).sym_eq(k_cache.sym_size(1)).sym_and(k.sym_size(3).sym_eq(k_cache.sym_size(3))), op,
+                  ": expected k of shape [B, Hkv, T, D] with the cache's Hkv and D ", k_cache.sym_sizes(),
+                  ", but got ", k.sym_sizes());
+  TORCH_SYM_CHECK(k.sym_size(2).sym_le(k_cache.sym_size(2)), op, ": k has ", k.sym_size(2),
+                  " new positions a sequence, more than the cache's ", k_cache.sym_size(2));
+  check_positions(op, "start", start, k.sym_size(0), k_cache);
+}
+
 }  // namespace
 
 void check_cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -191,39 +275,36 @@ Pair cache_attention_generic(const at::Tensor& q, const at::Tensor& k_cache, con
 
 void check_cache_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& start) {
-  check_cache(kWrite, k_cache, v_cache);
-  checks::defined(kWrite, "k", k);
-  checks::defined(kWrite, "v", v);
-  TORCH_CHECK(k.dim() == 4, kWrite, ": expected k of shape [B, Hkv, T, D], but got ", k.sym_sizes());
-  checks::same_shape(kWrite, "v", v, "k", k);
-  checks::same_dtype(kWrite, "k", k, "k_cache", k_cache);
-  checks::same_dtype(kWrite, "v", v, "k_cache", k_cache);
-  checks::same_device(kWrite, "k", k, "k_cache", k_cache);
-  checks::same_device(kWrite, "v", v, "k_cache", k_cache);
-  TORCH_SYM_CHECK(k_cache.sym_size(0).sym_ge(k.sym_size(0)), kWrite, ": the cache holds ", k_cache.sym_size(0),
-                  " sequences, fewer than k's batch (", k.sym_size(0), ")");
-  TORCH_SYM_CHECK(k.sym_size(1).sym_eq(k_cache.sym_size(1)).sym_and(k.sym_size(3).sym_eq(k_cache.sym_size(3))), kWrite,
-                  ": expected k of shape [B, Hkv, T, D] with the cache's Hkv and D ", k_cache.sym_sizes(),
-                  ", but got ", k.sym_sizes());
-  TORCH_SYM_CHECK(k.sym_size(2).sym_le(k_cache.sym_size(2)), kWrite, ": k has ", k.sym_size(2),
-                  " new positions a sequence, more than the cache's ", k_cache.sym_size(2));
-  check_positions(kWrite, "start", start, k.sym_size(0), k_cache);
+  check_write(kWrite, k_cache, v_cache, k, v, start);
 }
 
 void cache_write_generic(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
                          const at::Tensor& start) {
   check_cache_write(k_cache, v_cache, k, v, start);
-  const int64_t b = k.size(0), t = k.size(2), s = k_cache.size(2);
-  const at::Tensor host = start.cpu().contiguous();
+  const int64_t b = k.size(0), t = k.size(2);
+  const at::Tensor host = start_on_host(kWrite, start, t, k_cache.size(2));
   const int64_t* pos = host.const_data_ptr<int64_t>();
-  for (int64_t i = 0; i < b; ++i) {
-    TORCH_CHECK(pos[i] >= 0 && pos[i] <= s - t, kWrite, ": start[", i, "] is ", pos[i], "; its ", t,
-                " new positions must fit in the cache's ", s, " (start in [0, ", s - t, "])");
-  }
   for (int64_t i = 0; i < b; ++i) {
     k_cache[i].narrow(1, pos[i], t).copy_(k[i]);
     v_cache[i].narrow(1, pos[i], t).copy_(v[i]);
   }
+}
+
+void check_rope_cache_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& start) {
+  check_rope(kRopeWrite, q, k, cos, sin);
+  check_write(kRopeWrite, k_cache, v_cache, k, v, start);
+}
+
+at::Tensor rope_cache_write_composite(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q,
+                                      const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                                      const at::Tensor& sin, const at::Tensor& start) {
+  check_rope_cache_write(k_cache, v_cache, q, k, v, cos, sin, start);
+  if (!k.is_cuda()) start_on_host(kRopeWrite, start, k.size(2), k_cache.size(2));  // errors name this op
+  auto [q_out, k_out] = customops::rope(q, k, cos, sin, /*interleaved=*/false);
+  customops::cache_write(k_cache, v_cache, k_out, v, start);
+  return q_out;
 }
 
 std::tuple<at::Tensor, at::Tensor> cache_attention(const at::Tensor& q, const at::Tensor& k_cache,
@@ -237,30 +318,41 @@ void cache_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at:
   cache_write_op().call(k_cache, v_cache, k, v, start);
 }
 
+at::Tensor rope_cache_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& start) {
+  return rope_cache_write_op().call(k_cache, v_cache, q, k, v, cos, sin, start);
+}
+
 // Meta, CPU cache_write (the generic kernel; cache_attention's CPU kernel is in
 // cpp/cpu/cache_attention.cpp, the CUDA ones in cuda/cache_attention.cu), Autograd and vmap
 // registrations.
 TORCH_LIBRARY_IMPL(customops, Meta, m) {
   m.impl("cache_attention", &cache_attention_meta);
   m.impl("cache_write", &cache_write_meta);
+  m.impl("rope_cache_write", &rope_cache_write_meta);
 }
 TORCH_LIBRARY_IMPL(customops, CPU, m) {  // cache_attention's CPU kernel: cpp/cpu/cache_attention.cpp
   m.impl("cache_write", &cache_write_generic);
+  m.impl("rope_cache_write", &rope_cache_write_composite);
 }
 #ifndef CUSTOMOPS_WITH_CUDA
 // A build without the CUDA kernels still runs CUDA tensors (a CUDA torch, no CUDA compiler).
 TORCH_LIBRARY_IMPL(customops, CUDA, m) {
   m.impl("cache_attention", &cache_attention_generic);
   m.impl("cache_write", &cache_write_generic);
+  m.impl("rope_cache_write", &rope_cache_write_composite);
 }
 #endif
 TORCH_LIBRARY_IMPL(customops, Autograd, m) {
   m.impl("cache_attention", &cache_attention_autograd);
   m.impl("cache_write", &cache_write_autograd);
+  m.impl("rope_cache_write", &rope_cache_write_autograd);
 }
 TORCH_LIBRARY_IMPL(customops, FuncTorchBatched, m) {
   m.impl("cache_attention", &cache_attention_batched);
   m.impl("cache_write", &cache_write_batched);
+  m.impl("rope_cache_write", &rope_cache_write_batched);
 }
 
 }  // namespace customops

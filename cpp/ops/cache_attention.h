@@ -44,4 +44,14 @@ void check_cache_write(const at::Tensor& k_cache, const at::Tensor& v_cache, con
 void cache_write_generic(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
                          const at::Tensor& v, const at::Tensor& start);
 
+void check_rope_cache_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q,
+                            const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& start);
+
+// rope, then cache_write, as the two ops (the CPU kernel; on CUDA, for inputs the fused kernel
+// does not take, both ops' CUDA kernels, which read start on the device).
+at::Tensor rope_cache_write_composite(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q,
+                                      const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                                      const at::Tensor& sin, const at::Tensor& start);
+
 }  // namespace customops

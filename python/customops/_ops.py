@@ -314,6 +314,30 @@ def cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, start: T
     _callable(_overloads.cache_write)(k_cache, v_cache, k, v, start)
 
 
+def rope_cache_write(k_cache: Tensor, v_cache: Tensor, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
+                     start: Tensor) -> Tensor:
+    """:func:`rope` of q and k, then :func:`cache_write` of the rotated k and v: a decode step's
+    work between the qkv projection and attention, one kernel on CUDA.
+
+    Args:
+        k_cache, v_cache: ``[Bc, Hkv, S, D]``, written in place as by :func:`cache_write`.
+        q: ``[B, Hq, T, D]``; k, v: ``[B, Hkv, T, D]`` (views of a fused qkv projection stay in
+            place), the caches' dtype and device.
+        cos, sin: ``[T, R]`` or ``[B, T, R]`` as :func:`rope` takes them (rotate-half pairs; the
+            first R dims rotate).
+        start: int64 ``[B]``: sequence b's new keys and values go to positions
+            ``[start[b], start[b] + T)``.
+
+    Returns:
+        The rotated q, as :func:`rope` returns it (dense in q's memory order). On CUDA, float32,
+        float16 and bfloat16 inputs that rotate every dim, in 16-byte aligned rows, run as one
+        kernel that reads ``start`` on the device (a CUDA graph can capture it; rows outside the
+        cache are not written); others run the two ops (a position outside the cache raises on
+        CPU). Inference only: inputs that require grad raise under grad mode.
+    """
+    return _callable(_overloads.rope_cache_write)(k_cache, v_cache, q, k, v, cos, sin, start)
+
+
 def _reduce(loss: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:
     if reduction == "none":
         return loss

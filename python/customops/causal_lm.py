@@ -23,8 +23,8 @@ and not the model's separate ones), and each of the four products is one customo
 with the work around it: the norm before the qkv and gate-up products, SwiGLU before the down
 product, the residual add after the output and down products. On CUDA a decode step's few rows
 then run each product as one kernel that reads its weight once (prefill's many rows run the norm
-or SwiGLU op, cuBLAS and the add). The new keys and values go into
-the cache through customops.cache_write (in place: its schema declares the mutation, which export
+or SwiGLU op, cuBLAS and the add). q and k are rotated and the new keys and values go into the
+cache in one customops.rope_cache_write (in place: its schema declares the mutation, which export
 and AOTInductor keep), and attention reads each sequence's filled part of the cache only
 (customops.cache_attention, whose CUDA kernel reads the lengths on the device, so a CUDA graph can
 replay a decode step).
@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._ops import cache_attention, cache_write, fused_linear, rms_norm, rope
+from ._ops import cache_attention, fused_linear, rms_norm, rope_cache_write
 
 # config.model_type -> the family's name in the package's metadata
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -160,7 +160,6 @@ class CachedCausalLM(nn.Module):
         if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before the rotation
             q = rms_norm(q, layer.q_norm.weight, layer.q_norm.variance_epsilon)
             k = rms_norm(k, layer.k_norm.weight, layer.k_norm.variance_epsilon)
-        q, k = rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        cache_write(k_cache, v_cache, k, v.transpose(1, 2), start)
+        q = rope_cache_write(k_cache, v_cache, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cos, sin, start)
         o, _ = cache_attention(q, k_cache, v_cache, lengths, scale=layer.scaling)
         return o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)

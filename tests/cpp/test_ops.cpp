@@ -175,6 +175,34 @@ TEST(LlmOps, AttentionFromCppMergesSplitKeys) {
   }
 }
 
+// rope_cache_write from C++: the rotated q of rope, the caches as cache_write of rope's k leaves
+// them (a decode step's layout: q, k, v views of one fused qkv projection; bf16 on CUDA takes the
+// one-kernel path).
+TEST(LlmOps, RopeCacheWriteIsRopeThenCacheWrite) {
+  for (auto device : devices()) {
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+      auto opts = at::TensorOptions().device(device).dtype(dtype);
+      at::Tensor qkv = at::randn({2, 1, 8, 64}, opts);  // [B, T, Hq + 2 Hkv, D]: Hq 4, Hkv 2
+      at::Tensor q = qkv.narrow(2, 0, 4).transpose(1, 2), k = qkv.narrow(2, 4, 2).transpose(1, 2),
+                 v = qkv.narrow(2, 6, 2).transpose(1, 2);
+      at::Tensor angle = at::rand({2, 1, 32}, opts.dtype(at::kFloat)) * 6.0;
+      angle = at::cat({angle, angle}, -1);
+      at::Tensor cos = angle.cos().to(dtype), sin = angle.sin().to(dtype);
+      at::Tensor start = at::tensor({3, 0}, opts.dtype(at::kLong));
+      at::Tensor kc = at::randn({2, 2, 8, 64}, opts), vc = at::randn({2, 2, 8, 64}, opts);
+      at::Tensor kc_ref = kc.clone(), vc_ref = vc.clone();
+      at::Tensor q_out = customops::rope_cache_write(kc, vc, q, k, v, cos, sin, start);
+      auto [q_ref, k_ref] = customops::rope(q, k, cos, sin);
+      customops::cache_write(kc_ref, vc_ref, k_ref, v, start);
+      // the same float32 rotation, rounded once (a contraction into a different fma may differ by an ulp)
+      const double tol = dtype == at::kFloat ? 1e-6 : 1e-2;
+      EXPECT_TRUE(at::allclose(q_out, q_ref, tol, tol)) << device << " " << dtype;
+      EXPECT_TRUE(at::allclose(kc, kc_ref, tol, tol)) << device << " " << dtype;
+      EXPECT_TRUE(at::equal(vc, vc_ref)) << device << " " << dtype;
+    }
+  }
+}
+
 TEST(LlmOps, CrossEntropyFromCpp) {
   for (auto device : devices()) {
     auto opts = at::TensorOptions().device(device).dtype(at::kDouble);

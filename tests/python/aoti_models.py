@@ -57,8 +57,7 @@ class EveryOp(torch.nn.Module):
             # Positional first: in op(*gen, **{...}) Python builds the dict before it drains gen.
             a = [take(*x) for x in args]
             y = op(*a, **{k: take(*v) for k, v in kwargs.items()})
-            if writes:  # an op that returns nothing: what it wrote (clones of the inputs) is its output
-                y = tuple(a[i] for i in writes)
+            y = T.with_written(y, a, writes)  # what it wrote (into clones of the inputs) after what it returns
             outs.extend(y if isinstance(y, (tuple, list)) else (y,))
         return tuple(outs)
 

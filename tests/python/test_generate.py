@@ -259,7 +259,8 @@ def test_cached_module_matches_hugging_face_for_each_family(family):
 def test_each_product_of_the_exported_graph_is_one_fused_linear():
     """What package_causal_lm exports: a layer's four products and the LM head are
     customops.fused_linear calls carrying the norms, SwiGLU and the residual adds; no other matrix
-    product, norm or activation op is left beside them (the adds left are of positions)."""
+    product, norm or activation op is left beside them (the adds left are of positions). A layer's
+    rotation and cache write are one rope_cache_write."""
     from customops.causal_lm import CachedCausalLM
 
     lm = CachedCausalLM(_model(), max_batch=1, max_seq_len=16)
@@ -270,6 +271,8 @@ def test_each_product_of_the_exported_graph_is_one_fused_linear():
     assert targets.count("customops.fused_linear.default") == 4 * 2 + 1, targets
     left = [t for t in targets if any(k in t for k in ("linear.", "mm.", "matmul", "rms_norm", "swiglu"))]
     assert left == ["customops.fused_linear.default"] * 9, left
+    assert targets.count("customops.rope_cache_write.default") == 2, targets
+    assert not [t for t in targets if t in ("customops.rope.default", "customops.cache_write.default")], targets
 
 
 def test_package_causal_lm_refuses_an_activation_it_does_not_compute(tmp_path):
@@ -382,7 +385,7 @@ def test_cache_write_writes_each_sequence_at_its_start_in_place(device):
 
 
 def test_cache_write_stays_in_place_in_the_package(packaged):
-    # The package's graph calls cache_write on the cache buffers themselves: no copy of a cache
+    # The package's graph calls rope_cache_write on the cache buffers themselves: no copy of a cache
     import zipfile
 
     _, path = packaged
@@ -390,5 +393,5 @@ def test_cache_write_stays_in_place_in_the_package(packaged):
         (wrapper,) = [n for n in z.namelist() if n.endswith(".wrapper.cpp")]
         code = z.read(wrapper).decode()
     calls = [line for line in code.splitlines() if "proxy_executor_call_function" in line and "{k_cache_0, v_cache_0," in line]
-    assert len(calls) == 1, "cache_write is not called on the package's own cache buffers"
+    assert len(calls) == 1, "rope_cache_write is not called on the package's own cache buffers"
     assert not [line for line in code.splitlines() if "copy_" in line and "k_cache_0" in line]

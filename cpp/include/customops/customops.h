@@ -65,6 +65,11 @@ CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> cache_attention(const at::Tenso
 // device and writes no row outside the cache.
 CUSTOMOPS_API void cache_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
                                const at::Tensor& v, const at::Tensor& start);
+// rope(q, k, cos, sin), then cache_write of the rotated k and v; returns the rotated q. One kernel
+// on CUDA (rotate-half pairs over the whole head dim; other inputs run the two ops' kernels).
+CUSTOMOPS_API at::Tensor rope_cache_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q,
+                                          const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                                          const at::Tensor& sin, const at::Tensor& start);
 // Cross-entropy of logits [N, V] (float32/64, float16, bfloat16; computed in float32) against
 // target [N] (int64; rows whose target is ignore_index give 0). Returns (loss [N], lse [N]), both
 // float32 (float64 for float64): lse, the rows' log-sum-exp, is differentiable (a z-loss needs no

@@ -195,6 +195,25 @@ def _cache_write_bad_inputs(device):
     return cases
 
 
+def _rope_cache_write_bad_inputs(device):
+    op = "customops::rope_cache_write"
+    kc = torch.zeros(2, 2, 6, 8, device=device)
+    q, k, c = torch.randn(2, 4, 3, 8, device=device), torch.randn(2, 2, 3, 8, device=device), torch.randn(3, 8, device=device)
+    s = torch.tensor([0, 3], device=device)
+    cases = [
+        (Sample((kc, kc, q, k.double(), k, c, c, s)), rf"{op}: expected k to have the dtype of q"),
+        (Sample((kc, kc, q, k, k, c[:2], c[:2], s)), rf"{op}: expected cos of shape \[S, R\] or \[B, S, R\] with S = 3"),
+        (Sample((kc, kc, q, k, k.double(), c, c, s)), rf"{op}: expected v to have the dtype of k_cache"),
+        (Sample((kc[:, :1], kc[:, :1], q, k, k, c, c, s)), rf"{op}: expected k of shape \[B, Hkv, T, D\] with the cache's"),
+        (Sample((kc, kc, q, k, k, c, c, s.int())), rf"{op}: expected start of dtype int64"),
+        (Sample((kc, kc, q.clone().requires_grad_(), k, k, c, c, s)), rf"{op} is not differentiable"),
+    ]
+    if torch.device(device).type == "cpu":  # on CUDA start is read on the device: rows outside are not written
+        cases.append((Sample((kc, kc, q, k, k, c, c, torch.tensor([0, 4], device=device))),
+                      rf"{op}: start\[1\] is 4; its 3 new positions must fit in the cache's 6"))
+    return cases
+
+
 def _merge_attention_bad_inputs(device):
     op = "customops::merge_attention"
     o, l = torch.randn(2, 4, 8, device=device), torch.randn(2, 4, device=device)

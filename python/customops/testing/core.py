@@ -38,6 +38,14 @@ class Sample:
     error: str | None = None  # a drawn sample the op must reject: the regex of its error
 
 
+def with_written(y, args, writes: tuple):
+    """An op's result y followed by (copies of) the arguments it wrote in place."""
+    if not writes:
+        return y
+    returned = () if y is None else tuple(y) if isinstance(y, (tuple, list)) else (y,)
+    return returned + tuple(args[i].clone() for i in writes)
+
+
 @dataclasses.dataclass
 class OpInfo:
     name: str  # "muladd" or "muladd.out": the row's label and the overload it tests
@@ -62,14 +70,15 @@ class OpInfo:
     cancels: bool = False
     # Draws one random sample from a FuzzSource (the property-based suite, test_fuzz.py).
     fuzz: Callable[["FuzzSource", torch.device, torch.dtype], Sample] | None = None
-    # Positions of the arguments an op that returns nothing writes in place (cache_write): the
-    # checks take their new values (copies) as its outputs, and the reference returns them.
+    # Positions of the arguments the op writes in place (cache_write, rope_cache_write): the checks
+    # take their new values (copies) as outputs after what it returns, and the reference returns
+    # them there too.
     writes: tuple = ()
 
     def run(self, *args, **kwargs):
-        """The op's outputs: what it returns, or copies of what it wrote (``writes``)."""
+        """The op's outputs: what it returns, then copies of what it wrote (``writes``)."""
         y = self.op(*args, **kwargs)
-        return tuple(args[i].clone() for i in self.writes) if self.writes else y
+        return with_written(y, args, self.writes)
 
     def differentiable_arg(self, i: int, x) -> bool:
         if not (self.differentiable and isinstance(x, torch.Tensor) and x.is_floating_point()):

@@ -201,6 +201,24 @@ def _fuzz_cache_write(src, device, dtype):
                   f"k {list(k.shape)} cache {list(k_cache.shape)} start {start.tolist()}")
 
 
+def _fuzz_rope_cache_write(src, device, dtype):
+    b, hkv, t, s = src.size(3), max(src.size(4), 1), src.size(20), src.size(300)
+    hq = hkv * src.choice([1, 2, 4])
+    d = 2 * max(src.size(64), 1)
+    r = src.choice([d, 2 * src.choice(range(d // 2 + 1))])
+    s = max(s, t)
+    bc = b + src.choice([0, 1])
+    k_cache, v_cache = (src.tensor((bc, hkv, s, d), dtype, device, writable=True) for _ in range(2))
+    q = src.tensor((b, hq, t, d), dtype, device)
+    k, v = (src.tensor((b, hkv, t, d), dtype, device) for _ in range(2))
+    cs_shape = src.choice([(t, r), (1, t, r), (b, t, r)])
+    cos, sin = (src.tensor(cs_shape, dtype, device, values="finite") for _ in range(2))
+    start = torch.tensor([src.choice([0, s - t, (s - t) // 2]) for _ in range(b)], dtype=torch.long, device=device)
+    return Sample((k_cache, v_cache, q, k, v, cos, sin, start), {},
+                  f"q {list(q.shape)} k {list(k.shape)} cos {list(cs_shape)} cache {list(k_cache.shape)} "
+                  f"start {start.tolist()}")
+
+
 def _fuzz_merge_attention(src, device, dtype):
     shape = src.shape(min_rank=1, max_rank=4)
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32

@@ -96,6 +96,12 @@ def _cache_write_ref(k_cache, v_cache, k, v, start):
     return k_cache, v_cache
 
 
+def _rope_cache_write_ref(k_cache, v_cache, q, k, v, cos, sin, start):
+    """rope, then the rotated k and v written into (copies of) the caches."""
+    q_rot, k_rot = _rope_ref(q, k, cos, sin)
+    return (q_rot, *_cache_write_ref(k_cache, v_cache, k_rot, v, start))
+
+
 def _merge_attention_ref(out_a, lse_a, out_b, lse_b):
     lse = torch.logaddexp(lse_a, lse_b)
     safe = lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1)

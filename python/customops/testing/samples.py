@@ -292,6 +292,48 @@ def _cache_write_batch(device, dtype, n):
     return Sample((kc, vc, k, v, start), {}, f"batch {n}")
 
 
+def _rope_cache_write_samples(device, dtype, requires_grad):
+    """q [B, Hq, T, D], k and v [B, Hkv, T, D] rotated and written into caches of Bc >= B sequences:
+    views of a fused qkv projection (the decode layout: CUDA's one kernel), contiguous and strided
+    inputs, cos shared or per sequence, a partial rotation (R < D), T of 0."""
+    out = []
+    for (b, bc, hq, hkv, t, s, d, r), start, layout, per_seq in [
+        ((1, 1, 4, 2, 1, 8, 16, 16), (5,), "qkv", True),  # a decode step
+        ((2, 3, 4, 2, 3, 8, 16, 16), (0, 5), "qkv", False),
+        ((2, 2, 2, 1, 2, 6, 8, 8), (1, 4), "contiguous", True),
+        ((2, 2, 2, 2, 2, 5, 8, 4), (3, 0), "strided", True),  # rotates the first 4 of 8 dims
+        ((1, 1, 4, 1, 5, 300, 64, 64), (290,), "transposed", False),
+        ((2, 2, 2, 1, 0, 8, 8, 8), (3, 8), "contiguous", False),
+    ]:
+        if layout == "qkv":  # q, k, v: head views of one [B, T, (Hq + 2 Hkv) * D] projection
+            qkv = torch.randn(b, t, hq + 2 * hkv, d, device=device, dtype=dtype)
+            q, k, v = (x.transpose(1, 2) for x in qkv.split([hq, hkv, hkv], dim=2))
+        elif layout == "transposed":
+            q, k, v = (torch.randn(b, t, h, d, device=device, dtype=dtype).transpose(1, 2) for h in (hq, hkv, hkv))
+        else:
+            q, k, v = (_rand((b, h, t, d), device, dtype, layout=layout) for h in (hq, hkv, hkv))
+        angle = torch.rand(b if per_seq else 1, t, r // 2, device=device, dtype=torch.float64) * 6.3
+        angle = torch.cat((angle, angle), -1)
+        cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+        if not per_seq:
+            cos, sin = cos[0], sin[0]  # [T, R], shared by the sequences
+        kc, vc = (_rand((bc, hkv, s, d), device, dtype, layout="strided" if layout == "strided" else "contiguous")
+                  for _ in range(2))
+        out.append(Sample((kc, vc, q, k, v, cos, sin, torch.tensor(start, device=device)), {},
+                          f"{layout} q {[b, hq, t, d]} k {[b, hkv, t, d]} R {r} cache {[bc, hkv, s, d]} "
+                          f"start {list(start)}"))
+    return out
+
+
+def _rope_cache_write_batch(device, dtype, n):
+    start = torch.arange(n, device=device) % 5  # 2 new positions of 6
+    kc, vc = (torch.randn(n, 2, 6, 8, device=device, dtype=dtype) for _ in range(2))
+    q, k, v = (torch.randn(n, h, 2, 8, device=device, dtype=dtype) for h in (4, 2, 2))
+    angle = torch.rand(n, 2, 4, device=device, dtype=dtype) * 6.3
+    angle = torch.cat((angle, angle), -1)
+    return Sample((kc, vc, q, k, v, angle.cos(), angle.sin(), start), {}, f"batch {n}")
+
+
 def _merge_attention_samples(device, dtype, requires_grad):
     lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     out = []

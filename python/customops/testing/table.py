@@ -9,17 +9,17 @@ from __future__ import annotations
 import torch
 
 from .bad_inputs import (_add_rms_norm_bad_inputs, _attention_bad_inputs, _binary_bad_inputs,
-                         _cache_attention_bad_inputs, _cache_write_bad_inputs, _cross_entropy_bad_inputs,
+                         _cache_attention_bad_inputs, _cache_write_bad_inputs, _cross_entropy_bad_inputs, _rope_cache_write_bad_inputs,
                          _fused_linear_bad_inputs,
                          _linear_cross_entropy_bad_inputs, _merge_attention_bad_inputs, _rms_norm_bad_inputs,
                          _rope_bad_inputs, _scale_clamp_bad_inputs, _silu_mul_bad_inputs, _swiglu_bad_inputs,
                          _unary_bad_inputs)
 from .core import ROUNDED_ONCE, SUMMED_THEN_ROUNDED, OpInfo
 from .fuzz import (_fuzz_attention, _fuzz_cache_attention, _fuzz_cache_write, _fuzz_cross_entropy, _fuzz_elementwise,
-                   _fuzz_fused_linear,
+                   _fuzz_fused_linear, _fuzz_rope_cache_write,
                    _fuzz_linear_cross_entropy, _fuzz_merge_attention, _fuzz_muladd_c, _fuzz_rms_norm, _fuzz_rope,
                    _fuzz_scale_clamp, _fuzz_swiglu)
-from .references import (_add_rms_norm_ref, _attention_ref, _cache_attention_ref, _cache_write_ref,
+from .references import (_add_rms_norm_ref, _attention_ref, _cache_attention_ref, _cache_write_ref, _rope_cache_write_ref,
                          _cross_entropy_ref, _fused_linear_ref, _linear_cross_entropy_ref, _merge_attention_ref,
                          _mul_ref, _muladd_ref,
                          _rms_norm_ref, _rope_ref, _scale_clamp_ref, _silu_mul_ref, _silu_ref, _swiglu_ref)
@@ -29,7 +29,8 @@ from .samples import (_add_rms_norm_batch, _add_rms_norm_samples, _attention_bat
                       _fused_linear_batch, _fused_linear_samples,
                       _halves_samples, _linear_cross_entropy_batch, _linear_cross_entropy_samples,
                       _merge_attention_batch, _merge_attention_samples, _rms_norm_batch, _rms_norm_samples,
-                      _rope_batch, _rope_samples, _swiglu_batch, _swiglu_samples)
+                      _rope_batch, _rope_cache_write_batch, _rope_cache_write_samples, _rope_samples, _swiglu_batch,
+                      _swiglu_samples)
 
 
 OPS: list[OpInfo] = [
@@ -173,6 +174,17 @@ OPS: list[OpInfo] = [
         differentiable=False,
         writes=(0, 1),
         fuzz=_fuzz_cache_write,
+    ),
+    OpInfo(
+        name="rope_cache_write",
+        samples=_rope_cache_write_samples,
+        ref=_rope_cache_write_ref,
+        batch=_rope_cache_write_batch,
+        bad_inputs=_rope_cache_write_bad_inputs,
+        differentiable=False,
+        writes=(0, 1),
+        cancels=True,  # a rotation
+        fuzz=_fuzz_rope_cache_write,
     ),
     OpInfo(
         name="silu",
