@@ -18,8 +18,8 @@
 // it waits first: a weight written by the kernel just before would be read stale.
 // Other inputs (more than kMaxRows rows, rows that do not fit shared memory, float64, widths that
 // are not a whole number of 16-byte vectors, unaligned weights) take the unfused path: the
-// prologue op, cuBLAS, the add. Measured on an H100 (bench --decode, README): a Llama-3.2-1B
-// decode step at batch 1 replays in 1.26 ms with these kernels.
+// prologue op, cuBLAS, the add. Measured on an H100 (README): a Llama-3.2-1B decode step at batch
+// 1 replays in 1.20 ms with these kernels (constant_weight), 1.28 when they wait before reading.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>

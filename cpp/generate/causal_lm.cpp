@@ -12,6 +12,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
@@ -194,14 +195,16 @@ GenerateResult CausalLM::generate(const std::vector<std::vector<int64_t>>& promp
   r.prefill_ms = ms_since(t0);
 
   std::vector<bool> done(b, false);
-  auto take = [&](const at::Tensor& next_ids) {
+  // Takes the ids sampled from a step whose inputs filled each sequence's cache up to filled[i];
+  // true once every sequence is done.
+  auto take = [&](const at::Tensor& next_ids, const std::vector<int64_t>& filled) {
     auto acc = next_ids.accessor<int64_t, 1>();
     bool all_done = true;
     for (int64_t i = 0; i < b; ++i) {
       if (!done[i]) {
         r.ids[i].push_back(acc[i]);
         if ((o.stop_at_eos && m.eos && acc[i] == *m.eos) || static_cast<int64_t>(r.ids[i].size()) >= o.max_new_tokens ||
-            lengths[i] >= m.max_seq_len) {
+            filled[i] >= m.max_seq_len) {
           done[i] = true;
         }
       }
@@ -209,41 +212,90 @@ GenerateResult CausalLM::generate(const std::vector<std::vector<int64_t>>& promp
     }
     return all_done;
   };
-  t0 = std::chrono::steady_clock::now();
-  const at::Tensor ones = at::ones({b}, ids_options);
-  // One decode step: T = 1, each sequence's start; through the batch size's CUDA graph where there
-  // is one (captured at its first step).
-  auto decode = [&](const at::Tensor& ids, const std::vector<int64_t>& start) -> at::Tensor {
-#ifdef CUSTOMOPS_WITH_CUDA
-    if (m.graphs && o.cuda_graph) {
-      auto& step = m.steps[b];
-      if (!step.ids.defined()) {
-        const auto on_device = ids_options.device(m.device);
-        step.ids = at::empty({b, 1}, on_device);
-        step.start = at::empty({b}, on_device);
-        step.count = at::ones({b}, on_device);
-      }
-      step.ids.copy_(ids);
-      step.start.copy_(at::tensor(start, ids_options));
-      r.cuda_graph = true;
-      if (!step.graph) {
-        step.graph = std::make_unique<DecodeGraph>(
-            m.device, [&] { return m.loader->run({step.ids, step.start, step.count}); });
-        return sample(step.graph->first().at(0), o, gen).cpu();
-      }
-      return sample(step.graph->replay().at(0), o, gen).cpu();
-    }
-#endif
-    return run(ids, start, ones);
-  };
-  while (!take(next)) {
-    // The new id goes in at each sequence's length; a finished one is fed its last id again at its
-    // last position (its cache row is its own, and its ids are no longer read).
+  // The next step's start: a new id goes in at its sequence's length (which grows by one); a
+  // finished sequence is fed its last id again at its last position (its cache row is its own, and
+  // its ids are no longer read).
+  auto advance = [&](std::vector<int64_t>& len, const std::vector<bool>& finished) {
     std::vector<int64_t> start(b);
-    for (int64_t i = 0; i < b; ++i) start[i] = done[i] ? std::min(lengths[i], m.max_seq_len - 1) : lengths[i]++;
-    next = decode(next.view({b, 1}), start);
-    ++r.decode_steps;
+    for (int64_t i = 0; i < b; ++i) start[i] = finished[i] ? std::min(len[i], m.max_seq_len - 1) : len[i]++;
+    return start;
+  };
+  t0 = std::chrono::steady_clock::now();
+  if (take(next, lengths)) {
+    r.decode_ms = ms_since(t0);
+    return r;
   }
+#ifdef CUSTOMOPS_WITH_CUDA
+  if (m.graphs && o.cuda_graph) {
+    // Decode steps replayed from the batch size's CUDA graph (captured at its first step), one step
+    // ahead of the host: step k + 1 is enqueued, its ids copied on the device from step k's sample,
+    // before the host waits for step k's ids, so the GPU does not idle while the host reads them,
+    // decides and launches. Step k + 1's start assumes step k ends no sequence but by the counts
+    // (max_new_tokens, max_seq_len), which the host knows ahead; a sequence that ends with eos at
+    // step k is fed one more id at step k + 1, whose id is not taken (its cache row is its own). A
+    // step enqueued after the last one is finished (done) before generate returns.
+    r.cuda_graph = true;
+    auto& step = m.steps[b];
+    if (!step.ids.defined()) {
+      const auto on_device = ids_options.device(m.device);
+      step.ids = at::empty({b, 1}, on_device);
+      step.start = at::empty({b}, on_device);
+      step.count = at::ones({b}, on_device);
+    }
+    const c10::Stream stream = c10::impl::getDeviceGuardImpl(m.device.type())->getStream(m.device);
+    struct Launched {
+      at::Tensor ids, host;                        // the sampled ids on the device, their pinned host copy
+      c10::Event copied{c10::DeviceType::CUDA};  // recorded after the host copy
+      std::vector<int64_t> filled;                 // each sequence's filled length once its inputs are in
+    };
+    auto launch = [&](const at::Tensor& ids, const std::vector<int64_t>& start, std::vector<int64_t> filled) {
+      auto l = std::make_unique<Launched>();
+      step.ids.copy_(ids.view({b, 1}), /*non_blocking=*/true);
+      step.start.copy_(at::tensor(start, ids_options).pin_memory(), /*non_blocking=*/true);
+      if (!step.graph) {
+        step.graph = std::make_unique<DecodeGraph>(m.device,
+                                                   [&] { return m.loader->run({step.ids, step.start, step.count}); });
+        l->ids = sample(step.graph->first().at(0), o, gen);
+      } else {
+        l->ids = sample(step.graph->replay().at(0), o, gen);
+      }
+      l->host = at::empty({b}, ids_options.pinned_memory(true));
+      l->host.copy_(l->ids, /*non_blocking=*/true);
+      l->copied.record(stream);
+      l->filled = std::move(filled);
+      return l;
+    };
+    std::vector<int64_t> start = advance(lengths, done);
+    std::unique_ptr<Launched> cur = launch(next, start, lengths), ahead;
+    for (;;) {
+      std::vector<bool> ends = done;  // what cur's ids end by the counts alone
+      bool more = false;
+      for (int64_t i = 0; i < b; ++i) {
+        if (!done[i] && (static_cast<int64_t>(r.ids[i].size()) + 1 >= o.max_new_tokens || cur->filled[i] >= m.max_seq_len)) {
+          ends[i] = true;
+        }
+        more = more || !ends[i];
+      }
+      if (more) {
+        start = advance(lengths, ends);
+        ahead = launch(cur->ids, start, lengths);
+      }
+      cur->copied.synchronize();
+      ++r.decode_steps;
+      if (take(cur->host, cur->filled)) break;  // (more was true: take ends no more than ends but by eos)
+      cur = std::move(ahead);
+    }
+    r.decode_ms = ms_since(t0);
+    if (ahead) ahead->copied.synchronize();  // a step past the end: finished, not timed
+    return r;
+  }
+#endif
+  const at::Tensor ones = at::ones({b}, ids_options);
+  do {
+    const std::vector<int64_t> start = advance(lengths, done);
+    next = run(next.view({b, 1}), start, ones);
+    ++r.decode_steps;
+  } while (!take(next, lengths));
   r.decode_ms = ms_since(t0);
   return r;
 }

@@ -121,6 +121,31 @@ def test_runner_fills_the_cache_to_max_seq_len(packaged, tmp_path):
     assert list(map(int, r.stdout.split())) == _hf_generate(model, full, 1)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_runner_stops_a_sequence_at_its_eos_while_the_other_goes_on(device, tmp_path):
+    """The eos id is one the first prompt's greedy ids reach at its third new id: that line ends
+    there and the other prompt's goes on, as model.generate gives them. On CUDA the runner queues
+    each decode step before it reads the step before (a CUDA graph, head dim 64), so the ended
+    sequence is fed one more id, which must not show."""
+    model = _model(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    if device == "cuda":
+        model = model.to("cuda", torch.bfloat16)
+    model.generation_config.eos_token_id = model.config.eos_token_id = None
+    for seed in range(2, 20):  # prompts whose first's greedy ids reach an id the other's never do
+        prompts = _prompts(9, 4, seed=seed)
+        free = [_hf_generate(model, p, 8) for p in prompts]
+        eos = next((i for i in free[0][2:] if i not in free[0][:2] and i not in free[1]), None)
+        if eos is not None:
+            break
+    model.generation_config.eos_token_id = model.config.eos_token_id = eos
+    path = customops.export.package_causal_lm(model, tmp_path / "llama-eos.pt2", max_batch=MAX_BATCH,
+                                              max_seq_len=MAX_SEQ_LEN)
+    r = _generates_hf_greedy_ids(model, path, prompts, 8)
+    first, second = (line.split() for line in r.stdout.splitlines())
+    assert first[-1] == str(eos) and len(first) < 8 and len(second) == 8, r.stdout
+    assert ("CUDA graph" in r.stderr) == (device == "cuda"), r.stderr
+
+
 def test_seeded_sampling_is_reproducible(packaged):
     _, path = packaged
     prompt = " ".join(map(str, _prompts(5)[0]))
