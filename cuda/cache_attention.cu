@@ -573,19 +573,22 @@ at::Tensor rope_cache_write_cuda(const at::Tensor& k_cache, const at::Tensor& v_
   check_rope_cache_write(k_cache, v_cache, q, k, v, cos_in, sin_in, start_in);
   const at::ScalarType dt = q.scalar_type();
   const int64_t d = q.size(3), v16 = 16 / q.element_size();
-  // The kernel's inputs: rotate-half over the whole head dim in 16-byte packs, unit last strides.
+  auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
+  // The kernel's inputs: rotate-half over the whole head dim in 16-byte packs, unit last strides,
+  // 16-byte aligned rows (cos and sin dense: a contiguous one may still start mid-pack).
+  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
   const at::Tensor* ts[5] = {&q, &k, &v, &k_cache, &v_cache};
-  bool fits = (dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat) && cos_in.size(-1) == d &&
-              d % (2 * v16) == 0 && q.numel() > 0;
+  bool fits = (dt == at::kHalf || dt == at::kBFloat16 || dt == at::kFloat) && cos.size(-1) == d &&
+              d % (2 * v16) == 0 && q.numel() > 0 && aligned(cos) && aligned(sin);
   for (const at::Tensor* t : ts) {
     if (!fits) break;
-    fits = t->stride(3) == 1 && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0;
+    fits = t->stride(3) == 1 && aligned(*t);
     for (int i = 0; i < 3 && fits; ++i) fits = t->stride(i) % v16 == 0;
   }
   if (!fits) return rope_cache_write_composite(k_cache, v_cache, q, k, v, cos_in, sin_in, start_in);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor q_out = heads_layout_like(q);
-  const at::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous(), start = start_in.contiguous();
+  const at::Tensor start = start_in.contiguous();
   const int64_t b = q.size(0), t = q.size(2), hq = q.size(1), hkv = k.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "customops::rope_cache_write", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {

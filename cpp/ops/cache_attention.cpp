@@ -192,6 +192,20 @@ at::Tensor rope_cache_write_batched(const at::Tensor& k_cache, const at::Tensor&
   return level.wrap(at::stack(outs));
 }
 
+// Autocast: q, k, v, cos and sin follow the caches' dtype (the caches are written in place, so
+// theirs is the one dtype that cannot change); the rotated q comes back in it.
+at::Tensor rope_cache_write_autocast(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q,
+                                     const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                                     const at::Tensor& sin, const at::Tensor& start) {
+  const at::ScalarType dt = k_cache.scalar_type();
+  auto like_cache = [&](const at::Tensor& t) {
+    return t.defined() && t.is_floating_point() && k_cache.is_floating_point() && t.scalar_type() != dt ? t.to(dt) : t;
+  };
+  autocast::Below below;
+  return rope_cache_write_op().call(k_cache, v_cache, like_cache(q), like_cache(k), like_cache(v), like_cache(cos),
+                                    like_cache(sin), start);
+}
+
 // start read on the host (a device sync on CUDA) and checked against the cache's positions.
 at::Tensor start_on_host(const char* op, const at::Tensor& start, int64_t t, int64_t s) {
   at::Tensor host = start.cpu().contiguous();
@@ -349,6 +363,7 @@ TORCH_LIBRARY_IMPL(customops, Autograd, m) {
   m.impl("cache_write", &cache_write_autograd);
   m.impl("rope_cache_write", &rope_cache_write_autograd);
 }
+CUSTOMOPS_AUTOCAST_IMPL(m) { m.impl("rope_cache_write", &rope_cache_write_autocast); }
 TORCH_LIBRARY_IMPL(customops, FuncTorchBatched, m) {
   m.impl("cache_attention", &cache_attention_batched);
   m.impl("cache_write", &cache_write_batched);

@@ -209,8 +209,10 @@ at::Tensor fused_linear_autocast(const at::Tensor& x, const at::Tensor& weight, 
     return given(t) ? std::optional<at::Tensor>(cast(*t)) : t;
   };
   autocast::Below below;
-  return fused_linear_op().call(cast(x), cast(weight), cast_opt(bias), cast_opt(residual), prologue,
-                                cast_opt(norm_weight), eps, constant_weight);
+  const at::Tensor w = cast(weight);
+  // a cast weight is the output of the cast's kernel, just before: not constant to the product
+  return fused_linear_op().call(cast(x), w, cast_opt(bias), cast_opt(residual), prologue, cast_opt(norm_weight), eps,
+                                constant_weight && w.is_same(weight));
 }
 
 }  // namespace

@@ -127,6 +127,42 @@ def test_fused_linear_kernel_paths(m, n, k, dtype, prologue, bias, residual, con
     torch.testing.assert_close(y.double(), ref, **tol)
 
 
+def test_rope_cache_write_runs_one_kernel_and_writes_no_row_outside_the_cache():
+    """A decode step's layout (q, k, v views of one qkv projection, HF's [B, T, D] cos and sin)
+    takes the one-kernel path; a sequence whose rows fall outside the cache (start read on the
+    device) gets its rotated q and no write, the other sequence its rows; a cos that starts
+    mid-pack takes the two ops, with the same values."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, t, hq, hkv, d, s = 2, 3, 8, 2, 128, 6
+    qkv = torch.randn(b, t, hq + 2 * hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    q, k, v = (x.transpose(1, 2) for x in qkv.split([hq, hkv, hkv], dim=2))
+    buf = torch.randn(b * t * d + 1, device="cuda", dtype=torch.bfloat16, generator=g)
+    cos, sin = buf[:-1].view(b, t, d).cos(), buf[:-1].view(b, t, d).sin()
+    start = torch.tensor([1, 4], device="cuda")  # the second's 3 rows would end past the 6 positions
+    kc, vc = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    k0, v0 = kc.clone(), vc.clone()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+        got = customops.rope_cache_write(kc, vc, q, k, v, cos, sin, start)
+        torch.cuda.synchronize()
+    names = [e.name for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("rope_cache_write_kernel" in n for n in names) and not any("rope_kernel" in n for n in names), names
+    q_ref, k_ref = customops.rope(q, k, cos, sin)
+    torch.testing.assert_close(got, q_ref, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(kc[0, :, 1:4], k_ref[0], atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(vc[0, :, 1:4], v[0], atol=0, rtol=0)
+    for c, c0 in ((kc, k0), (vc, v0)):
+        torch.testing.assert_close(c[1], c0[1], atol=0, rtol=0)  # nothing of the sequence outside
+        torch.testing.assert_close(c[0, :, [0, 4, 5]], c0[0, :, [0, 4, 5]], atol=0, rtol=0)
+    # cos and sin starting 2 bytes into a 16-byte pack: the two ops, not a misaligned load
+    cos1, sin1 = buf[1:].view(b, t, d).cos(), buf[1:].view(b, t, d).sin()
+    cos1, sin1 = torch.empty_like(buf)[1:].view(b, t, d).copy_(cos1), torch.empty_like(buf)[1:].view(b, t, d).copy_(sin1)
+    kc2 = k0.clone()
+    got = customops.rope_cache_write(kc2, vc.clone(), q, k, v, cos1, sin1, torch.tensor([0, 0], device="cuda"))
+    q_ref, k_ref = customops.rope(q, k, cos1, sin1)
+    torch.testing.assert_close(got, q_ref, atol=0, rtol=0)
+    torch.testing.assert_close(kc2[:, :, :t], k_ref, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("m", [1, 4])
 def test_fused_linear_reads_a_weight_written_just_before(m):
     """A weight computed by the kernel just before the product (rope here, which lets its successor

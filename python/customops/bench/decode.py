@@ -9,7 +9,8 @@ sliced to the filled length (equal lengths: it has no per-sequence ones) with ``
 
 The second table is a decode step's matrix products at Llama-3.2-1B's shapes (hidden 2048,
 intermediate 8192, vocabulary 128256), one token a sequence: :func:`customops.fused_linear` (the
-norm, SwiGLU or residual add fused with the product) against the unfused ops a layer would call
+norm, SwiGLU or residual add fused with the product; ``constant_weight``, as a model's parameters
+are) against the unfused ops a layer would call
 (customops' rms_norm or swiglu, ``F.linear``, the add), with the weight bytes' share of the copy
 speed.
 
@@ -114,7 +115,7 @@ def _products(args, speed: float, flush: torch.Tensor) -> list[dict]:
             r = torch.randn(b, n, device="cuda", dtype=dtype) if with_residual else None
 
             def fused():
-                return customops.fused_linear(x, w, None, r, prologue=prologue, norm_weight=nw)
+                return customops.fused_linear(x, w, None, r, prologue=prologue, norm_weight=nw, constant_weight=True)
 
             def unfused():
                 h = x
