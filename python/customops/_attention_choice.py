@@ -12,6 +12,10 @@ attention function a swapped forward finds for ``"sdpa"`` (:func:`sdpa_or_custom
   inputs of its shape; the faster runs from then on. A class not timed yet runs SDPA in a trace
   (and a trace with dynamic lengths always does: a bucket would specialize them).
   The decisions are visible in :func:`choices` and in the optimize summary.
+
+The ``"customops"`` compile backend takes the same policies (``options={"attention": ...}``) for
+the SDPA calls of a graph (:func:`choose_in_graph`); its "auto" times a class when it rewrites the
+graph (static shapes; dynamic ones keep SDPA) and shares the decisions with optimize's.
 """
 
 from __future__ import annotations
@@ -112,15 +116,41 @@ def _choose(policy: str, q, k, v, causal: bool, scale) -> str:
         return _choices[key]
     if q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return "sdpa"  # no timing inside a CUDA-graph capture; a later call decides
+    return _decide(key, q, k, v, causal, scale, backward, "customops.optimize(attention='auto')")
+
+
+def _decide(key: tuple, q, k, v, causal: bool, scale, backward: bool, who: str) -> str:
+    """Times the class key once (on inputs of q, k and v's shapes) and keeps the decision."""
     try:
         _choices[key] = _faster(q, k, v, causal, scale, backward)
     except RuntimeError as e:  # out of memory, an input the kernel refuses: never fail the model's forward
         if isinstance(e, getattr(torch, "AcceleratorError", ())):
             raise  # a device error (an illegal address, ...) is sticky: never hidden
-        warnings.warn(f"customops.optimize(attention='auto'): timing {key} failed ({type(e).__name__}: "
-                      f"{(str(e).splitlines() or [''])[0][:200]}); SDPA runs it", stacklevel=3)
+        warnings.warn(f"{who}: timing {key} failed ({type(e).__name__}: "
+                      f"{(str(e).splitlines() or [''])[0][:200]}); SDPA runs it", stacklevel=4)
         _choices[key] = "sdpa"
     return _choices[key]
+
+
+def choose_in_graph(policy: str, q, k, v, causal: bool, scale, backward: bool) -> tuple[str, str | None]:
+    """For a compile pass: what an SDPA call of a graph runs under ``policy``, given the fake
+    values of its inputs; ``(name, why SDPA stays)``. "auto" times the shape class now, on real
+    inputs of those shapes, if no call has yet (static shapes on a timed device only)."""
+    if policy != "auto":
+        return policy, None
+    if q.device.type not in TIMED_DEVICES:
+        return "sdpa", f"attention='auto' times on {', '.join(sorted(TIMED_DEVICES))} only"
+    if not all(isinstance(n, int) for n in (*q.shape, *k.shape)):
+        return "sdpa", "attention='auto' with dynamic shapes (one graph serves every length)"
+    key = _shape_class(q, k, causal, backward)
+    if key not in _choices:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            _decide(key, q, k, v, causal, scale, backward, "customops backend (attention='auto')")
+    if _choices[key] == "sdpa":
+        return "sdpa", f"attention='auto': SDPA timed faster for {key}"
+    return "customops", None
 
 
 def sdpa_or_customops(sdpa, module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,

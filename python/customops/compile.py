@@ -513,6 +513,52 @@ def _silu(match: Match, x):
 
 
 # ----------------------------------------------------------------------------------------------
+# Attention: SDPA -> customops.attention where the backend's attention option chooses it
+# ("customops": wherever the two compute the same attention; "auto": per shape class, the faster
+# on the device, as customops.optimize's attention= does).
+
+def _attention_apply(graph: torch.fx.Graph, policy: str) -> None:
+    from . import _attention_choice
+
+    for node in list(graph.find_nodes(op="call_function", target=aten.scaled_dot_product_attention.default)):
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+        args = dict(zip(names, node.args), **node.kwargs)
+        q, k, v = (args[n] for n in names[:3])
+        qv, kv, vv = (_val(n) for n in (q, k, v))
+        mask, dropout, causal = args.get("attn_mask"), args.get("dropout_p", 0.0), args.get("is_causal", False)
+        scale, gqa = args.get("scale"), args.get("enable_gqa", False)
+        if mask is not None:
+            _skip("SDPA with an attention mask (customops.attention takes none)")
+            continue
+        if isinstance(dropout, Node) or dropout != 0.0 or isinstance(causal, Node) or isinstance(scale, Node):
+            _skip("SDPA with dropout, or a causal flag or scale computed in the graph")
+            continue
+        if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (qv, kv, vv)):
+            _skip("SDPA of inputs that are not [B, H, S, D]")
+            continue
+        from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+
+        same = (qv.dtype == kv.dtype == vv.dtype and known(qv.shape[-1] == kv.shape[-1])
+                and known(vv.shape[-1] == qv.shape[-1]) and known(qv.shape[1] % kv.shape[1] == 0)
+                and (gqa or known(qv.shape[1] == kv.shape[1])))
+        if not same:
+            _skip("SDPA with unequal head dims or dtypes, or heads that are not grouped-query")
+            continue
+        if causal and not known(qv.shape[2] == kv.shape[2]):
+            # SDPA's causal mask is aligned top-left, customops' bottom-right: the same when Sq == Sk
+            _skip("causal SDPA whose query and key lengths may differ")
+            continue
+        backward = any(n.meta.get("customops_grad", True) for n in (q, k, v))
+        name, why = _attention_choice.choose_in_graph(policy, qv, kv, vv, bool(causal), scale, backward)
+        if name != "customops":
+            _skip(why)
+            continue
+        _emit(graph, lambda q, k, v: cops.attention.default(q, k, v, bool(causal), scale)[0], [q, k, v], [node],
+              f"SDPA -> customops.attention (attention={policy!r})")
+        graph.erase_node(node)
+
+
+# ----------------------------------------------------------------------------------------------
 
 def _op_counts(graph: torch.fx.Graph) -> Counter:
     return Counter(str(getattr(n.target, "__name__", n.target)) if not isinstance(n.target, torch._ops.OpOverload)
@@ -529,9 +575,43 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__
 
 
-def rewrite(gm: GraphModule, example_inputs: list) -> tuple[GraphModule, GraphReport]:
+def _give_checkpoint_bodies_their_context(gm: GraphModule) -> None:
+    """Activation checkpointing under Dynamo is a tag_activation_checkpoint call on a body graph;
+    its pre-dispatch trace reads the body's ``meta["_checkpoint_context_fn"]``, which Dynamo sets
+    only for checkpoints given a context_fn (torch 2.11-2.13: a KeyError otherwise, so a graph of
+    ``customops.optimize``'s training forward, which checkpoints the MLP, could not be rewritten).
+    Bodies without one get the policy torch runs them with: recompute everything."""
+    import functools
+
+    try:
+        from torch._higher_order_ops.wrap import tag_activation_checkpoint
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    except ImportError:
+        return
+    for node in gm.graph.find_nodes(op="call_function", target=tag_activation_checkpoint):
+        body = node.args[0]
+        sub = getattr(gm, body.target, None) if isinstance(body, Node) and body.op == "get_attr" else None
+        if isinstance(sub, GraphModule):
+            sub.meta.setdefault("_checkpoint_context_fn",
+                                functools.partial(create_selective_checkpoint_contexts, _recompute_all))
+
+
+def _recompute_all(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def rewrite(gm: GraphModule, example_inputs: list, *, attention: str = "sdpa") -> tuple[GraphModule, GraphReport]:
     """Traces a graph Dynamo captured into pre-dispatch ATen and replaces the patterns customops
     computes faster with customops ops.
+
+    Args:
+        attention: What the graph's SDPA calls run, as ``customops.optimize``'s ``attention=``:
+            ``"sdpa"`` (left as they are), ``"customops"`` (:func:`customops.attention` wherever
+            it computes the same attention: no mask or dropout, equal query and key lengths when
+            causal) or ``"auto"`` (per shape class, the faster of the two on the device, timed
+            now if no call has yet; static shapes on CUDA only).
 
     Returns:
         ``(graph module, report)``. When the graph cannot be traced, ``gm`` itself comes back and
@@ -541,7 +621,9 @@ def rewrite(gm: GraphModule, example_inputs: list) -> tuple[GraphModule, GraphRe
     from torch.fx.experimental.proxy_tensor import make_fx
 
     global _report
+    _check_attention(attention)
     report = GraphReport(next(_graph_count), _op_counts(gm.graph))
+    _give_checkpoint_bodies_their_context(gm)
     try:
         # Fakes of the inputs in the backend's fake mode (as compile_fx makes them); symbolic
         # sizes passed as inputs keep Dynamo's SymInt.
@@ -567,6 +649,8 @@ def rewrite(gm: GraphModule, example_inputs: list) -> tuple[GraphModule, GraphRe
             if p is _rope_pass:
                 _rope_apply(graph)
             graph.eliminate_dead_code()
+        if attention != "sdpa":
+            _attention_apply(graph, attention)
         graph.lint()
         traced.recompile()
     except Exception as e:  # noqa: BLE001  (a rewrite that fails must not fail the user's compile)
@@ -581,22 +665,40 @@ def rewrite(gm: GraphModule, example_inputs: list) -> tuple[GraphModule, GraphRe
     return traced, report
 
 
-def backend(gm: GraphModule, example_inputs: list, **kwargs):
+def _check_attention(attention: str) -> None:
+    from ._attention_choice import POLICIES
+
+    if attention not in POLICIES:
+        raise ValueError(f"customops backend: the attention option must be one of {', '.join(POLICIES)}, "
+                         f"got {attention!r}")
+
+
+def backend(gm: GraphModule, example_inputs: list, *, mode: str | None = None, options: dict | None = None):
     """The ``"customops"`` torch.compile backend: :func:`rewrite`, then Inductor (``compile_fx``).
 
-    Graphs with nothing to rewrite, or that cannot be traced, go to Inductor unchanged.
+    ``torch.compile(model, backend="customops", mode=..., options=...)``: ``options["attention"]``
+    is :func:`rewrite`'s ``attention`` (default ``"sdpa"``); ``mode`` and the other options are
+    Inductor's, as with ``backend="inductor"``. Graphs with nothing to rewrite, or that cannot be
+    traced, go to Inductor unchanged.
     """
+    from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    new_gm, report = rewrite(gm, example_inputs)
+    options = dict(options or {})
+    attention = options.pop("attention", "sdpa")
+    _check_attention(attention)
+    patches = {**(list_mode_options(mode) if mode else {}), **options}
+    new_gm, report = rewrite(gm, example_inputs, attention=attention)
     if report.error:
         warnings.warn(f"customops backend: {report.error}; compiling the graph with plain Inductor", stacklevel=2)
-    return compile_fx(new_gm if report.matched else gm, example_inputs, **kwargs)
+    return compile_fx(new_gm if report.matched else gm, example_inputs, config_patches=patches or None)
 
 
-def explain(model: Callable, *args, print_report: bool = True, **kwargs) -> list[GraphReport]:
+def explain(model: Callable, *args, print_report: bool = True, attention: str = "sdpa",
+            **kwargs) -> list[GraphReport]:
     """Runs ``model(*args, **kwargs)`` once under torch.compile with the customops rewrite and
-    reports, per graph Dynamo captured, its ops, what matched and what was replaced.
+    reports, per graph Dynamo captured, its ops, what matched and what was replaced (the graph's
+    SDPA calls as the backend's ``attention`` option would have them).
 
     The graphs run eagerly after the rewrite (no Inductor), so this is quick; the model's output
     is discarded.
@@ -606,8 +708,10 @@ def explain(model: Callable, *args, print_report: bool = True, **kwargs) -> list
     """
     reports: list[GraphReport] = []
 
+    _check_attention(attention)
+
     def recorder(gm, example_inputs):
-        new_gm, report = rewrite(gm, example_inputs)
+        new_gm, report = rewrite(gm, example_inputs, attention=attention)
         reports.append(report)
         return new_gm
 

@@ -543,6 +543,81 @@ def test_explain_on_llama(capsys):
     assert matched["cross_entropy -> customops.cross_entropy"] == 1
 
 
+def test_backend_attention_option_puts_customops_attention_in_place_of_sdpa(monkeypatch):
+    """options={"attention": "customops"}: SDPA calls that compute what customops.attention does
+    become it; "sdpa" (the default) leaves them; masked ones and causal ones of unequal lengths stay
+    SDPA, and the report says why; "auto" times each static shape class once (here on the CPU,
+    with a stub for the timing) and follows it."""
+    from customops import _attention_choice as ac
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) * 2
+
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    [r] = customops.explain(attend, q, k, v, print_report=False, attention="customops")
+    assert r.matched["SDPA -> customops.attention (attention='customops')"] == 1, r
+    assert r.customops_calls["customops.attention"] == 1 and "scaled_dot_product_attention" not in str(r.customops_calls)
+    [r] = customops.explain(attend, q, k, v, print_report=False)
+    assert not r.customops_calls and r.ops["aten.scaled_dot_product_attention"] == 1
+    torch._dynamo.reset()
+    got = torch.compile(attend, backend="customops", options={"attention": "customops"}, fullgraph=True)(q, k, v)
+    torch.testing.assert_close(got, attend(q, k, v), **tol(torch.float32))
+    # left alone, with the reason: a mask; causal with fewer queries than keys (SDPA aligns top-left)
+    masked = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool))  # noqa: E731
+    [r] = customops.explain(masked, q[:, :2], k, v, print_report=False, attention="customops")
+    assert not r.customops_calls and "SDPA with an attention mask (customops.attention takes none)" in r.skipped
+    [r] = customops.explain(attend, q[:, :, :5], k, v, print_report=False, attention="customops")
+    assert not r.customops_calls and "causal SDPA whose query and key lengths may differ" in r.skipped
+    # auto: the CPU is not timed (SDPA stays); with it timed, once per shape class
+    torch._dynamo.reset()
+    [r] = customops.explain(attend, q, k, v, print_report=False, attention="auto")
+    assert not r.customops_calls and "attention='auto' times on cuda only" in r.skipped
+    timed = []
+    monkeypatch.setattr(ac, "TIMED_DEVICES", {"cpu"})
+    monkeypatch.setattr(ac, "_choices", {})
+    monkeypatch.setattr(ac, "_faster", lambda q, k, v, causal, scale, backward: timed.append(
+        (tuple(q.shape), causal, backward, isinstance(torch.empty(1), torch._subclasses.FakeTensor))) or
+        ("customops" if q.shape[2] <= 16 else "sdpa"))  # (timing runs outside the fake mode: real tensors)
+    long = torch.randn(2, 4, 40, 8), torch.randn(2, 2, 40, 8), torch.randn(2, 2, 40, 8)
+    for n, calls in ((16, 1), (12, 1), (40, 0)):  # 12 falls in 16's class: timed once
+        torch._dynamo.reset()  # (a second length would make Dynamo's next graph dynamic)
+        [r] = customops.explain(attend, *(t[:, :, :n] for t in long), print_report=False, attention="auto")
+        assert r.customops_calls["customops.attention"] == calls, (n, r)
+    assert timed == [((2, 4, 16, 8), True, False, False), ((2, 4, 40, 8), True, False, False)]
+    assert any("attention='auto': SDPA timed faster" in s for s in r.skipped), r.skipped
+    with pytest.raises(ValueError, match="customops backend: the attention option must be one of sdpa, auto, "
+                                         "customops, got 'flash'"):
+        customops.explain(attend, q, k, v, attention="flash")
+
+
+def test_backend_attention_option_trains_an_optimized_llama_like_eager():
+    # optimize's training forward gives SDPA is_causal and no mask: the backend's option then
+    # puts customops.attention in each layer, gradients and all
+    m = customops.optimize(model().train())[0]
+    ids = torch.randint(0, 256, (2, 16))
+    want = step(model().train(), ids)
+    [r] = customops.explain(m, ids, labels=ids, print_report=False, attention="customops")
+    assert r.customops_calls["customops.attention"] == SMALL["num_hidden_layers"], r
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend="customops", options={"attention": "customops"}, fullgraph=True)
+    assert_same_step(step(compiled, ids, params_of=m), want, torch.float32)
+
+
+def test_backend_passes_mode_and_other_options_to_inductor(monkeypatch):
+    import torch._inductor.compile_fx as cf
+
+    seen = []
+    monkeypatch.setattr(cf, "compile_fx", lambda gm, ex, config_patches=None: seen.append(config_patches) or gm)
+    torch._dynamo.reset()
+    x = torch.randn(8)
+    torch.compile(lambda x: x.sin() + 1, backend="customops", mode="max-autotune-no-cudagraphs")(x)
+    assert seen[-1]["max_autotune"] is True
+    torch._dynamo.reset()
+    torch.compile(lambda x: x.sin() + 2, backend="customops", options={"attention": "customops",
+                                                                      "epilogue_fusion": False})(x)
+    assert seen[-1] == {"epilogue_fusion": False}
+
+
 # ---- deployment: an optimized Llama in an AOTInductor package ---------------------------------
 
 @pytest.mark.parametrize("device", DEVICES)
