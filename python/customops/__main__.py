@@ -27,6 +27,14 @@ USAGE = """commands:
   python -m customops bench --model llama [options]
                                     a Hugging Face Llama training step and inference forward
                                     (needs the hf extra)
+  python -m customops bench --generate [options]
+                                    text generation: Hugging Face's against customops-run generate
+  python -m customops bench --decode [options]
+                                    decode attention and products against a KV cache (CUDA)
+  python -m customops bench --attention [options]
+                                    attention against SDPA, forward and forward+backward
+  python -m customops bench --ring [options]
+                                    ring attention across GPUs (under torchrun)
 Each has its own --help."""
 
 

@@ -73,6 +73,8 @@ def test_help_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "customops", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "python -m customops bench [OP ...]" in out.stdout and "bench --model llama" in out.stdout
+    for family in ("--generate", "--decode", "--attention", "--ring"):
+        assert f"python -m customops bench {family}" in out.stdout, family
 
 
 def test_a_missing_extra_is_named_before_any_work():
@@ -85,6 +87,28 @@ def test_a_missing_extra_is_named_before_any_work():
                                   "tqdm matplotlib (or, in a customops checkout, pip install --no-build-isolation "
                                   "'.[cli]')"), out.stderr
     assert "customops speed-up" not in out.stdout
+
+
+def test_bench_attention_report(tmp_path):
+    """--attention: both implementations timed forward and forward+backward at the shapes asked for,
+    with TFLOP/s, the ratio to SDPA and the errors against SDPA in float32."""
+    out = subprocess.run(
+        [sys.executable, "-m", "customops", "bench", "--attention", "--device", "cpu", "--quick", "--no-progress",
+         "--shapes", "1,4,2,64,32,causal,float32", "1,2,2,48,16,full,bfloat16", "--json", "report.json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "target forward >= 1.0x SDPA" in out.stdout and "B1 Hq4 Hkv2 S64 D32 causal float32" in out.stdout
+    rows = json.loads((tmp_path / "report.json").read_text())["rows"]
+    assert [(r["hq"], r["hkv"], r["causal"], r["dtype"]) for r in rows] == [(4, 2, True, "float32"),
+                                                                          (2, 2, False, "bfloat16")]
+    for r in rows:
+        for mode in ("fwd", "fwd_bwd"):
+            assert r[f"{mode}_customops_ms"] > 0 and r[f"{mode}_sdpa_ms"] > 0
+            assert r[f"{mode}_vs_sdpa"] == r[f"{mode}_sdpa_ms"] / r[f"{mode}_customops_ms"]
+        assert r["max_err_customops"] < (1e-5 if r["dtype"] == "float32" else 5e-2), r
+    bad = subprocess.run([sys.executable, "-m", "customops", "bench", "--attention", "--shapes", "1,2,2,8"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "expected B,Hq,Hkv,S,D,causal|full,dtype" in bad.stderr, bad.stderr
 
 
 def test_bench_generate_rounds_report(tmp_path):

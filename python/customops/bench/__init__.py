@@ -4,7 +4,9 @@ output :mod:`.report`); ``--model`` times a Hugging Face model's training step a
 forward (:mod:`.model`, with ``--fsdp`` under FSDP2); ``--ring`` times ring attention across GPUs
 against one (:mod:`.ring`); ``--generate`` times text generation, Python's against
 ``customops-run generate`` (:mod:`.generate`); ``--decode`` times decode attention against a KV
-cache, customops' split-KV kernel against SDPA (:mod:`.decode`). The families share :mod:`.timers` and :mod:`.common`.
+cache, customops' split-KV kernel against SDPA (:mod:`.decode`); ``--attention`` times attention
+against SDPA at the attention issue's shapes, forward and forward+backward (:mod:`.attention`).
+The families share :mod:`.timers` and :mod:`.common`.
 
 A family is a module whose ``main(argv) -> int`` parses its own options and runs it; a new family
 is that module and one line in :data:`FAMILIES`. Only the family that runs is imported.
@@ -21,6 +23,7 @@ FAMILIES = {
     "--ring": "customops.bench.ring",
     "--generate": "customops.bench.generate",
     "--decode": "customops.bench.decode",
+    "--attention": "customops.bench.attention",
 }
 
 
