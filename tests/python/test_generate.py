@@ -146,6 +146,14 @@ def test_runner_stops_a_sequence_at_its_eos_while_the_other_goes_on(device, tmp_
     first, second = (line.split() for line in r.stdout.splitlines())
     assert first[-1] == str(eos) and len(first) < 8 and len(second) == 8, r.stdout
     assert ("CUDA graph" in r.stderr) == (device == "cuda"), r.stderr
+    # a prompt one short of the cache beside a short one: the first ends when the cache is full
+    # (which the CUDA loop knows ahead: no step past it), the second goes on
+    full = _prompts(MAX_SEQ_LEN - 1)[0]
+    r = _generate(path, "--prompt", " ".join(map(str, full)), "--prompt", " ".join(map(str, prompts[1])),
+                  "--max-new-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    assert [list(map(int, line.split())) for line in r.stdout.splitlines()] == [
+        _hf_generate(model, full, 2), _hf_generate(model, prompts[1], 4)]
 
 
 def test_seeded_sampling_is_reproducible(packaged):
