@@ -544,6 +544,17 @@ def _attention_apply(graph: torch.fx.Graph, policy: str) -> None:
         if not same:
             _skip("SDPA with unequal head dims or dtypes, or heads that are not grouped-query")
             continue
+        if not (known(qv.shape[0] == kv.shape[0]) and all(known(vv.shape[i] == kv.shape[i]) for i in range(3))):
+            _skip("SDPA broadcasting a batch, or with k and v of different shapes")
+            continue
+        # customops.attention's output is dense in q's order ([B, S, H, D] for transposed views);
+        # SDPA's (on CUDA [B, S, H, D] whatever q's) is what the graph was traced with: only the same
+        # layout keeps every view after it valid
+        out = _val(node)
+        bshd = known(qv.stride(1) < qv.stride(2))
+        if not (out.transpose(1, 2).is_contiguous() if bshd else out.is_contiguous()):
+            _skip("SDPA whose output layout differs from customops.attention's for this q")
+            continue
         if causal and not known(qv.shape[2] == kv.shape[2]):
             # SDPA's causal mask is aligned top-left, customops' bottom-right: the same when Sq == Sk
             _skip("causal SDPA whose query and key lengths may differ")
@@ -553,8 +564,14 @@ def _attention_apply(graph: torch.fx.Graph, policy: str) -> None:
         if name != "customops":
             _skip(why)
             continue
-        _emit(graph, lambda q, k, v: cops.attention.default(q, k, v, bool(causal), scale)[0], [q, k, v], [node],
-              f"SDPA -> customops.attention (attention={policy!r})")
+        try:
+            _emit(graph, lambda q, k, v: cops.attention.default(q, k, v, bool(causal), scale)[0], [q, k, v], [node],
+                  f"SDPA -> customops.attention (attention={policy!r})")
+        except Exception as e:  # noqa: BLE001  (this call stays SDPA; the graph's other rewrites stand)
+            if isinstance(e, getattr(torch, "AcceleratorError", ())):
+                raise
+            _skip(f"SDPA left as it is: customops.attention refused it ({_why(e)})")
+            continue
         graph.erase_node(node)
 
 
@@ -575,31 +592,56 @@ def _why(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:200]}" if first else type(e).__name__
 
 
-def _give_checkpoint_bodies_their_context(gm: GraphModule) -> None:
-    """Activation checkpointing under Dynamo is a tag_activation_checkpoint call on a body graph;
-    its pre-dispatch trace reads the body's ``meta["_checkpoint_context_fn"]``, which Dynamo sets
-    only for checkpoints given a context_fn (torch 2.11-2.13: a KeyError otherwise, so a graph of
-    ``customops.optimize``'s training forward, which checkpoints the MLP, could not be rewritten).
-    Bodies without one get the policy torch runs them with: recompute everything."""
-    import functools
-
-    try:
-        from torch._higher_order_ops.wrap import tag_activation_checkpoint
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-    except ImportError:
-        return
-    for node in gm.graph.find_nodes(op="call_function", target=tag_activation_checkpoint):
-        body = node.args[0]
-        sub = getattr(gm, body.target, None) if isinstance(body, Node) and body.op == "get_attr" else None
-        if isinstance(sub, GraphModule):
-            sub.meta.setdefault("_checkpoint_context_fn",
-                                functools.partial(create_selective_checkpoint_contexts, _recompute_all))
+_CONTEXT_KEY = "_checkpoint_context_fn"
 
 
 def _recompute_all(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@functools.cache
+def _default_checkpoint_context():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return functools.partial(create_selective_checkpoint_contexts, _recompute_all)
+
+
+@contextlib.contextmanager
+def _checkpoint_bodies_with_context(gm: GraphModule):
+    """Activation checkpointing under Dynamo is a tag_activation_checkpoint call on a body graph;
+    its pre-dispatch trace reads the body's ``meta["_checkpoint_context_fn"]``, which Dynamo sets
+    only for checkpoints given a context_fn (torch 2.11-2.13: a KeyError otherwise, so a graph of
+    ``customops.optimize``'s training forward, which checkpoints the MLP, could not be rewritten).
+    For the trace, bodies without one (nested ones too) get the policy torch runs them with,
+    recompute everything; afterwards the key goes again, from them and from the traced copies
+    (``traced()`` gives those), so that Inductor and AOTAutograd's cache see what torch made."""
+    try:
+        from torch._higher_order_ops.wrap import tag_activation_checkpoint
+    except ImportError:
+        yield lambda traced: None
+        return
+    added = []
+    for mod in gm.modules():
+        if not isinstance(mod, GraphModule):
+            continue
+        for node in mod.graph.find_nodes(op="call_function", target=tag_activation_checkpoint):
+            body = node.args[0]
+            sub = getattr(mod, body.target, None) if isinstance(body, Node) and body.op == "get_attr" else None
+            if isinstance(sub, GraphModule) and _CONTEXT_KEY not in sub.meta:
+                sub.meta[_CONTEXT_KEY] = _default_checkpoint_context()
+                added.append(sub)
+    traced_out = []
+    try:
+        yield traced_out.append
+    finally:
+        for sub in added:
+            sub.meta.pop(_CONTEXT_KEY, None)
+        for traced in traced_out:
+            for mod in traced.modules():
+                if isinstance(mod, GraphModule) and mod.meta.get(_CONTEXT_KEY) is _default_checkpoint_context():
+                    del mod.meta[_CONTEXT_KEY]
 
 
 def rewrite(gm: GraphModule, example_inputs: list, *, attention: str = "sdpa") -> tuple[GraphModule, GraphReport]:
@@ -623,7 +665,6 @@ def rewrite(gm: GraphModule, example_inputs: list, *, attention: str = "sdpa") -
     global _report
     _check_attention(attention)
     report = GraphReport(next(_graph_count), _op_counts(gm.graph))
-    _give_checkpoint_bodies_their_context(gm)
     try:
         # Fakes of the inputs in the backend's fake mode (as compile_fx makes them); symbolic
         # sizes passed as inputs keep Dynamo's SymInt.
@@ -632,8 +673,10 @@ def rewrite(gm: GraphModule, example_inputs: list, *, attention: str = "sdpa") -
         fakes = [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor)
                  else m if isinstance(m, torch.SymInt) else x
                  for x, m in zip(example_inputs, metas + [None] * (len(example_inputs) - len(metas)))]
-        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        with _checkpoint_bodies_with_context(gm) as keep, (fake_mode if fake_mode is not None
+                                                             else contextlib.nullcontext()):
             traced = make_fx(gm, pre_dispatch=True)(*fakes)
+            keep(traced)
     except Exception as e:  # noqa: BLE001  (any tracing failure: leave the graph to Inductor as it is)
         report.error = f"pre-dispatch trace failed ({_why(e)})"
         return gm, report
@@ -654,6 +697,8 @@ def rewrite(gm: GraphModule, example_inputs: list, *, attention: str = "sdpa") -
         graph.lint()
         traced.recompile()
     except Exception as e:  # noqa: BLE001  (a rewrite that fails must not fail the user's compile)
+        if isinstance(e, getattr(torch, "AcceleratorError", ())):
+            raise  # a device error (from timing under attention="auto") is sticky: never hidden
         report.error = f"rewrite failed ({_why(e)})"
         report.matched.clear()
         return gm, report
@@ -681,12 +726,18 @@ def backend(gm: GraphModule, example_inputs: list, *, mode: str | None = None, o
     Inductor's, as with ``backend="inductor"``. Graphs with nothing to rewrite, or that cannot be
     traced, go to Inductor unchanged.
     """
+    from torch._inductor import config as inductor_config
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
-    options = dict(options or {})
+    options = {k.replace("-", "_"): v for k, v in (options or {}).items()}  # as torch.compile's Inductor options
     attention = options.pop("attention", "sdpa")
     _check_attention(attention)
+    known = inductor_config.get_config_copy()
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        raise RuntimeError(f"customops backend: unknown option(s) {', '.join(map(repr, unknown))}: the options are "
+                           f"'attention' and Inductor's (torch._inductor.list_options())")
     patches = {**(list_mode_options(mode) if mode else {}), **options}
     new_gm, report = rewrite(gm, example_inputs, attention=attention)
     if report.error:

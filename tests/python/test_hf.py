@@ -554,9 +554,18 @@ def test_backend_attention_option_puts_customops_attention_in_place_of_sdpa(monk
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True) * 2
 
     q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    graphs = []
+
+    def keep(gm, example_inputs):
+        new, report = cc.rewrite(gm, example_inputs, attention="customops")
+        graphs.append(str(new.graph))
+        return new
+
+    torch._dynamo.reset()
+    torch.compile(attend, backend=keep, fullgraph=True)(q, k, v)
+    assert "customops.attention" in graphs[0] and "scaled_dot_product_attention" not in graphs[0], graphs[0]
     [r] = customops.explain(attend, q, k, v, print_report=False, attention="customops")
     assert r.matched["SDPA -> customops.attention (attention='customops')"] == 1, r
-    assert r.customops_calls["customops.attention"] == 1 and "scaled_dot_product_attention" not in str(r.customops_calls)
     [r] = customops.explain(attend, q, k, v, print_report=False)
     assert not r.customops_calls and r.ops["aten.scaled_dot_product_attention"] == 1
     torch._dynamo.reset()
@@ -568,6 +577,8 @@ def test_backend_attention_option_puts_customops_attention_in_place_of_sdpa(monk
     assert not r.customops_calls and "SDPA with an attention mask (customops.attention takes none)" in r.skipped
     [r] = customops.explain(attend, q[:, :, :5], k, v, print_report=False, attention="customops")
     assert not r.customops_calls and "causal SDPA whose query and key lengths may differ" in r.skipped
+    [r] = customops.explain(attend, q, k[:1], v[:1], print_report=False, attention="customops")  # k, v broadcast
+    assert not r.customops_calls and "SDPA broadcasting a batch, or with k and v of different shapes" in r.skipped
     # auto: the CPU is not timed (SDPA stays); with it timed, once per shape class
     torch._dynamo.reset()
     [r] = customops.explain(attend, q, k, v, print_report=False, attention="auto")
@@ -600,7 +611,15 @@ def test_backend_attention_option_trains_an_optimized_llama_like_eager():
     assert r.customops_calls["customops.attention"] == SMALL["num_hidden_layers"], r
     torch._dynamo.reset()
     compiled = torch.compile(m, backend="customops", options={"attention": "customops"}, fullgraph=True)
-    assert_same_step(step(compiled, ids, params_of=m), want, torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_same_step(step(compiled, ids, params_of=m), want, torch.float32)
+    assert not [w for w in caught if "customops backend" in str(w.message)], [str(w.message) for w in caught]
+    # Hugging Face's own checkpointing around each layer nests optimize's MLP checkpoint in it
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch._dynamo.reset()
+    [r] = customops.explain(m, ids, labels=ids, print_report=False, attention="customops")
+    assert r.error is None, r
 
 
 def test_backend_passes_mode_and_other_options_to_inductor(monkeypatch):
@@ -614,8 +633,11 @@ def test_backend_passes_mode_and_other_options_to_inductor(monkeypatch):
     assert seen[-1]["max_autotune"] is True
     torch._dynamo.reset()
     torch.compile(lambda x: x.sin() + 2, backend="customops", options={"attention": "customops",
-                                                                      "epilogue_fusion": False})(x)
-    assert seen[-1] == {"epilogue_fusion": False}
+                                                                      "epilogue-fusion": False})(x)
+    assert seen[-1] == {"epilogue_fusion": False}  # spelled with a dash too, as Inductor's options
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="customops backend: unknown option\\(s\\) 'fusion_of_everything'"):
+        torch.compile(lambda x: x.sin() + 3, backend="customops", options={"fusion_of_everything": True})(x)
 
 
 # ---- deployment: an optimized Llama in an AOTInductor package ---------------------------------
