@@ -13,6 +13,8 @@
 #include <c10/core/GradMode.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "customops/customops.h"
 #include "ops/attention.h"
 #include "ops/autocast.h"
@@ -278,6 +280,14 @@ Pair cache_attention_generic(const at::Tensor& q, const at::Tensor& k_cache, con
   const int64_t* len = host.const_data_ptr<int64_t>();
   // attention of the input dtype, as the op's (autocast would run a float32 call in half precision)
   autocast::Below below;
+  if (b > 1 && std::all_of(len, len + b, [&](int64_t n) { return n == len[0]; })) {
+    // one length (a prefill of equal prompts): one call over the batch, not one a sequence
+    auto [o, l] = customops::attention(q, k_cache.narrow(0, 0, b).narrow(2, 0, len[0]),
+                                       v_cache.narrow(0, 0, b).narrow(2, 0, len[0]), /*causal=*/true, scale);
+    out.copy_(o);
+    lse.copy_(l);
+    return {out, lse};
+  }
   for (int64_t i = 0; i < b; ++i) {
     auto [o, l] = customops::attention(q.narrow(0, i, 1), k_cache.narrow(0, i, 1).narrow(2, 0, len[i]),
                                        v_cache.narrow(0, i, 1).narrow(2, 0, len[i]), /*causal=*/true, scale);

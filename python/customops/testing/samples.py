@@ -248,6 +248,7 @@ def _cache_attention_samples(device, dtype, requires_grad):
         ((1, 2, 2, 1, 2, 70, 256), (70,), "contiguous", None),
         ((1, 1, 4, 1, 1, 1000, 128), (777,), "transposed", 0.05),
         ((1, 1, 2, 1, 17, 40, 64), (33,), "contiguous", None),  # CUDA: more queries than its kernel takes
+        ((3, 4, 4, 2, 18, 40, 16), (25, 25, 25), "transposed", None),  # a prefill of equal prompts: one call
         ((2, 2, 2, 2, 0, 5, 8), (0, 3), "contiguous", None),
     ]:
         q = q_of(b, hq, t, d, layout)
