@@ -195,6 +195,10 @@ GenerateResult CausalLM::generate(const std::vector<std::vector<int64_t>>& promp
   r.prefill_ms = ms_since(t0);
 
   std::vector<bool> done(b, false);
+  // Whether a sequence ends by the counts alone, with `ids` new ids and its cache filled to `filled`.
+  auto ends_by_count = [&](size_t ids, int64_t filled) {
+    return static_cast<int64_t>(ids) >= o.max_new_tokens || filled >= m.max_seq_len;
+  };
   // Takes the ids sampled from a step whose inputs filled each sequence's cache up to filled[i];
   // true once every sequence is done.
   auto take = [&](const at::Tensor& next_ids, const std::vector<int64_t>& filled) {
@@ -203,10 +207,7 @@ GenerateResult CausalLM::generate(const std::vector<std::vector<int64_t>>& promp
     for (int64_t i = 0; i < b; ++i) {
       if (!done[i]) {
         r.ids[i].push_back(acc[i]);
-        if ((o.stop_at_eos && m.eos && acc[i] == *m.eos) || static_cast<int64_t>(r.ids[i].size()) >= o.max_new_tokens ||
-            filled[i] >= m.max_seq_len) {
-          done[i] = true;
-        }
+        if ((o.stop_at_eos && m.eos && acc[i] == *m.eos) || ends_by_count(r.ids[i].size(), filled[i])) done[i] = true;
       }
       all_done = all_done && done[i];
     }
@@ -271,9 +272,7 @@ GenerateResult CausalLM::generate(const std::vector<std::vector<int64_t>>& promp
       std::vector<bool> ends = done;  // what cur's ids end by the counts alone
       bool more = false;
       for (int64_t i = 0; i < b; ++i) {
-        if (!done[i] && (static_cast<int64_t>(r.ids[i].size()) + 1 >= o.max_new_tokens || cur->filled[i] >= m.max_seq_len)) {
-          ends[i] = true;
-        }
+        if (!done[i] && ends_by_count(r.ids[i].size() + 1, cur->filled[i])) ends[i] = true;
         more = more || !ends[i];
       }
       if (more) {

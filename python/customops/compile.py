@@ -518,15 +518,19 @@ def _silu(match: Match, x):
 # on the device, as customops.optimize's attention= does).
 
 def _attention_apply(graph: torch.fx.Graph, policy: str) -> None:
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+
     from . import _attention_choice
 
-    for node in list(graph.find_nodes(op="call_function", target=aten.scaled_dot_product_attention.default)):
-        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
-        args = dict(zip(names, node.args), **node.kwargs)
-        q, k, v = (args[n] for n in names[:3])
+    sdpa = aten.scaled_dot_product_attention.default
+    schema = sdpa._schema.arguments
+    defaults = {a.name: a.default_value for a in schema if a.has_default_value()}
+    for node in list(graph.find_nodes(op="call_function", target=sdpa)):
+        args = {**defaults, **dict(zip((a.name for a in schema), node.args)), **node.kwargs}
+        q, k, v = args["query"], args["key"], args["value"]
         qv, kv, vv = (_val(n) for n in (q, k, v))
-        mask, dropout, causal = args.get("attn_mask"), args.get("dropout_p", 0.0), args.get("is_causal", False)
-        scale, gqa = args.get("scale"), args.get("enable_gqa", False)
+        mask, dropout, causal = args["attn_mask"], args["dropout_p"], args["is_causal"]
+        scale, gqa = args["scale"], args["enable_gqa"]
         if mask is not None:
             _skip("SDPA with an attention mask (customops.attention takes none)")
             continue
@@ -536,8 +540,6 @@ def _attention_apply(graph: torch.fx.Graph, policy: str) -> None:
         if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (qv, kv, vv)):
             _skip("SDPA of inputs that are not [B, H, S, D]")
             continue
-        from torch.fx.experimental.symbolic_shapes import statically_known_true as known
-
         same = (qv.dtype == kv.dtype == vv.dtype and known(qv.shape[-1] == kv.shape[-1])
                 and known(vv.shape[-1] == qv.shape[-1]) and known(qv.shape[1] % kv.shape[1] == 0)
                 and (gqa or known(qv.shape[1] == kv.shape[1])))

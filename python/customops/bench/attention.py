@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 import customops
 
 from . import timers
-from .common import DTYPES, pick_device, versions
+from .common import DTYPES, pick_device, versions, write_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +172,5 @@ def main(argv: list[str]) -> int:
     args.device = pick_device(p, args.device)
     report = run(args)
     print_report(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.json, report)
     return 0

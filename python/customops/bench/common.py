@@ -5,6 +5,7 @@ the versions and CPU a report records, and writing a report into a Markdown file
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 
 import torch
@@ -68,3 +69,10 @@ def update_doc(path: str, name: str, section: str) -> None:
         raise SystemExit(f"customops bench: --doc {path} has no '{begin}' ... '{end}' markers to write between")
     with open(path, "w") as f:
         f.write(text[: i + len(begin)] + "\n" + section + "\n" + text[j:])
+
+
+def write_json(path: str | None, report) -> None:
+    """A family's report as JSON at path (--json), if one was given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)

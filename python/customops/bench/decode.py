@@ -22,7 +22,6 @@ memory; the median of ``--iters``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 import torch
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 
 import customops
 
-from .common import pick_device, versions
+from .common import pick_device, versions, write_json
 
 BATCHES = (1, 4, 8, 16)
 # (name, out_features, in_features, prologue, residual): a Llama-3.2-1B decode step's products.
@@ -180,7 +179,5 @@ def main(argv: list[str]) -> int:
         p.error("--decode times CUDA kernels")
     report = run(args)
     print_report(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.json, report)
     return 0

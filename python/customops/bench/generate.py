@@ -16,7 +16,6 @@ speed drifts during the run (a shared CPU machine) moves both sides of each rati
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import subprocess
@@ -28,7 +27,7 @@ import torch
 import customops
 
 from .. import _cli
-from .common import pick_device, versions
+from .common import pick_device, versions, write_json
 from .model import LLAMA_1B
 
 SMALL = dict(hidden_size=256, intermediate_size=768, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
@@ -237,7 +236,5 @@ def main(argv: list[str]) -> int:
         p.error("--rounds must be at least 1")
     report = run(args)
     print_report(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.json, report)
     return 1 if any("error" in r for r in report["rows"] if r["variant"] != "static cache + torch.compile") else 0

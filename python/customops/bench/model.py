@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 from typing import Callable
 
@@ -29,7 +28,7 @@ import torch._dynamo
 import customops
 
 from .. import _cli
-from .common import DTYPES, pick_device, update_doc, versions
+from .common import DTYPES, pick_device, update_doc, versions, write_json
 from .timers import iteration_timer
 
 
@@ -389,9 +388,7 @@ def main(argv: list[str]) -> int:
     if args.rank:  # rank 0 reports
         return 1 if report["mismatches"] or report["failures"] else 0
     print_report(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.json, report)
     if args.doc:
         update_doc(args.doc, args.section, markdown(report))
     return 1 if report["mismatches"] or report["failures"] else 0

@@ -14,7 +14,6 @@ import argparse
 import datetime
 import functools
 import gc
-import json
 import os
 import statistics
 import time
@@ -25,7 +24,7 @@ import torch._dynamo
 
 from .. import _cli
 from . import timers
-from .common import DTYPES, cpu_name, pick_device, update_doc, versions
+from .common import DTYPES, cpu_name, pick_device, update_doc, versions, write_json
 from .op_table import (ALTERNATIVES, BENCHES, BENCHES_BY_NAME, IMPL_LABEL, IMPLS, OVERHEAD_MAX, PASSES, Bench,
                        Shape)
 from .report import markdown, plot, print_report
@@ -397,9 +396,7 @@ def main(argv: list[str]) -> int:
         for r in rows:
             print(f"{r['op']:14s} {'x'.join(map(str, r['entry'])):>10s} {r['vmap']:9.3f} {r['loop']:9.3f} "
                   f"{r['one call']:9.3f} {r['loop'] / r['vmap']:8.1f}x {r['vmap'] / r['one call']:8.2f}x")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+        write_json(args.json, rows)
         return 0
     unknown = [o for o in args.ops if o not in BENCHES_BY_NAME]
     if unknown:
@@ -409,9 +406,7 @@ def main(argv: list[str]) -> int:
     env = [f"{k}={v}" for k, v in report["meta"]["env"].items()]
     report["meta"]["command"] = " ".join([*env, "python -m customops bench", *argv])
     print_report(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.json, report)
     if args.plot:
         plot(report, args.plot)
     if args.doc:

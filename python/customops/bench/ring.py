@@ -14,7 +14,6 @@ rank's computation of a 2-rank ring against one GPU, the speedup if every transf
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 
@@ -24,7 +23,7 @@ import torch.distributed as dist
 import customops
 from customops.distributed import ring
 
-from .common import versions
+from .common import versions, write_json
 
 
 def _time(fn, iters: int, warmup: int = 2) -> float:
@@ -144,9 +143,7 @@ def main(argv: list[str]) -> int:
             (rf, rfb), (cf, cfb), (tf, tfb) = (rows[n] for n in list(rows)[1:4])
             print(f"communication hidden: forward {(cf + tf - rf) / tf:.0%}, forward + backward "
                   f"{(cfb + tfb - rfb) / tfb:.0%}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"world": world, "args": vars(args), "rows": rows}, f, indent=1)
+        write_json(args.json, {"world": world, "args": vars(args), "rows": rows})
     if torchrun:
         dist.destroy_process_group()
     return 0
