@@ -129,9 +129,10 @@ def test_fused_linear_kernel_paths(m, n, k, dtype, prologue, bias, residual, con
 
 def test_rope_cache_write_runs_one_kernel_and_writes_no_row_outside_the_cache():
     """A decode step's layout (q, k, v views of one qkv projection, HF's [B, T, D] cos and sin)
-    takes the one-kernel path; a sequence whose rows fall outside the cache (start read on the
-    device) gets its rotated q and no write, the other sequence its rows; a cos that starts
-    mid-pack takes the two ops, with the same values."""
+    takes the one-kernel path; a sequence whose last row falls outside the cache (start read on the
+    device) gets its rotated q and the rows inside written, nothing past the cache (the op's
+    contract on CUDA, where it cannot raise); a cos that starts mid-pack takes the two ops, with the
+    same values."""
     g = torch.Generator(device="cuda").manual_seed(0)
     b, t, hq, hkv, d, s = 2, 3, 8, 2, 128, 6
     qkv = torch.randn(b, t, hq + 2 * hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -150,8 +151,10 @@ def test_rope_cache_write_runs_one_kernel_and_writes_no_row_outside_the_cache():
     torch.testing.assert_close(got, q_ref, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(kc[0, :, 1:4], k_ref[0], atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(vc[0, :, 1:4], v[0], atol=0, rtol=0)
+    torch.testing.assert_close(kc[1, :, 4:], k_ref[1, :, :2], atol=1e-2, rtol=1e-2)  # positions 4 and 5, not 6
+    torch.testing.assert_close(vc[1, :, 4:], v[1, :, :2], atol=0, rtol=0)
     for c, c0 in ((kc, k0), (vc, v0)):
-        torch.testing.assert_close(c[1], c0[1], atol=0, rtol=0)  # nothing of the sequence outside
+        torch.testing.assert_close(c[1, :, :4], c0[1, :, :4], atol=0, rtol=0)
         torch.testing.assert_close(c[0, :, [0, 4, 5]], c0[0, :, [0, 4, 5]], atol=0, rtol=0)
     # cos and sin starting 2 bytes into a 16-byte pack: the two ops, not a misaligned load
     cos1, sin1 = buf[1:].view(b, t, d).cos(), buf[1:].view(b, t, d).sin()
