@@ -9,11 +9,14 @@
 // v are read once for all the heads of a group. Its split is an equal share of the sequence's
 // filled length, read on the device, in whole tiles of kKeys keys, so the work follows each
 // sequence's length while the grid depends only on shapes. The block's 4 warps each take 16 keys
-// of every tile (loaded by cp.async, the next tile in flight while this one is computed) with
-// their own online softmax: the tensor cores compute S = Q K^T and O += P V (mma.sync m16n8k16, the
-// rows in the M dimension), and the warps' partials merge through shared memory at the end. With
-// one split the block writes out and lse; otherwise it writes a float32 partial (out normalized,
-// lse) and a second kernel merges the splits of each row.
+// of every tile (loaded by cp.async into a ring of kStages tiles, the next ones in flight while
+// this one is computed) with their own online softmax: the tensor cores compute S = Q K^T and
+// O += P V (mma.sync m16n8k16, the rows in the M dimension), and the warps' partials merge through
+// shared memory at the end. With one split the block writes out and lse. With more, the splits
+// merge: on sm_90 the splits of a (sequence, kv head, rows) are one thread-block cluster, whose
+// blocks merge their partials through distributed shared memory (one kernel, nothing in global
+// memory between); before sm_90 each block writes a float32 partial (out normalized, lse) and a
+// second kernel merges the splits of each row.
 //
 // A length outside [T, S] makes its sequence's rows NaN (the generic kernel raises; raising here
 // would need the host to wait). Other inputs go through the generic kernel, or, while a CUDA graph
@@ -24,13 +27,17 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <c10/cuda/CUDAGuard.h>
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <tuple>
 
@@ -51,6 +58,7 @@ using cuda::cp_async16;
 using cuda::cp_async_commit;
 using cuda::cp_async_wait;
 using cuda::launch_dependent;
+using cuda::launch_dependent_in_clusters;
 using cuda::launch_dependents;
 using cuda::Pack;
 using cuda::smem_addr;
@@ -59,7 +67,15 @@ using cuda::wait_prerequisites;
 constexpr int kWarps = 4, kThreads = kWarps * 32;
 constexpr int kRows = 16;               // query rows a block (one mma M tile)
 constexpr int kKeys = 16 * kWarps;      // keys a tile: 16 a warp
-constexpr int kMaxSplits = 64;
+constexpr int kMaxSplits = 64;          // splits merged by the merge kernel
+constexpr int kMaxClusterSplits = 16;   // splits merged in a cluster (16: a non-portable cluster size)
+
+// Tiles of k and v in the ring: two in flight while one is computed, one at D = 256 (whose 64 KiB a
+// tile already keep the loads of one block per SM in flight).
+template <int D>
+constexpr int stages() {
+  return D == 256 ? 2 : 3;
+}
 
 struct CacheParams {
   const void* q;
@@ -68,7 +84,7 @@ struct CacheParams {
   const int64_t* lengths;
   void* out;          // q's sizes, unit last stride
   float* lse;         // contiguous [B, Hq, T]
-  float* part_o;      // [splits, B * Hq * T, D] (splits > 1)
+  float* part_o;      // [splits, B * Hq * T, D] (splits > 1, no cluster)
   float* part_lse;    // [splits, B * Hq * T]
   int64_t qs[3], ks[3], vs[3], os[3];  // strides of B, H, T/S (D's is 1)
   int64_t hq, hkv, group, t, s, rows;  // rows = group * t: the query rows of one kv head
@@ -78,7 +94,7 @@ struct CacheParams {
 
 template <int D>
 constexpr int smem_bytes() {
-  return (kRows + 4 * kKeys) * D * 2;  // q, then k and v in two stages
+  return (kRows + 2 * stages<D>() * kKeys) * D * 2;  // q, then k and v a stage
 }
 
 template <typename T>
@@ -90,11 +106,13 @@ __device__ __forceinline__ T from_float(float x) {
   }
 }
 
-template <typename T, int D>
+// kCluster: the splits (gridDim.x of them) are one cluster and merge in it (sm_90 code only).
+template <typename T, int D, bool kCluster>
 __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p) {
   wait_prerequisites();
   launch_dependents();
   constexpr int kDT = D / 8;
+  constexpr int kStages = stages<D>();
   constexpr uint32_t kTileBytes = kKeys * D * 2;
   extern __shared__ __align__(128) char smem[];
   const uint32_t s0 = smem_addr(smem);
@@ -109,6 +127,8 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
   const int64_t b = blockIdx.z / p.hkv, hk = blockIdx.z % p.hkv;
   const int64_t len = p.lengths[b];
   const int64_t total = int64_t(gridDim.z / p.hkv) * p.hq * p.t;  // rows of out: B * Hq * T
+  // Whether this block writes out and lse (else a partial for the merge kernel).
+  const bool direct = kCluster || p.splits == 1;
 
   // Where row i of this block goes: (head, query) -> the row index in [B, Hq, T], or -1 (padding).
   auto out_row = [&](int i) -> int64_t {
@@ -117,12 +137,11 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
     const int64_t h = hk * p.group + r / p.t;
     return (b * p.hq + h) * p.t + r % p.t;
   };
-  // Writes the block's result for row i, column c: out and lse directly with one split, else the
-  // split's partial.
+  // Writes the result for row i, column c: out and lse directly, or the split's partial.
   auto store = [&](int i, int c, float o, float l, bool with_lse) {
     const int64_t row = out_row(i);
     if (row < 0) return;
-    if (p.splits == 1) {
+    if (direct) {
       const int64_t bh = row / p.t, tq = row % p.t;
       T* dst = static_cast<T*>(p.out) + (bh / p.hq) * p.os[0] + (bh % p.hq) * p.os[1] + tq * p.os[2] + c;
       *dst = from_float<T>(o);
@@ -134,6 +153,8 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
   };
 
   if (len < p.t || len > p.s) {  // no valid keys to read: NaN rows, which the merge keeps
+    // (a cluster's blocks share the sequence, so all of them return here, and its first writes)
+    if (kCluster && split != 0) return;
     const float nan = std::numeric_limits<float>::quiet_NaN();
     for (int idx = threadIdx.x; idx < kRows * D; idx += kThreads) store(idx / D, idx % D, nan, nan, idx % D == 0);
     return;
@@ -150,8 +171,17 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
 #pragma unroll
   for (int dt = 0; dt < kDT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
 
+  // Tile j of the split into its stage of the ring (nothing past the split's tiles).
+  auto load_kv = [&](int j) {
+    if (j < nblocks) {
+      const int64_t first = k0 + int64_t(j) * kKeys;
+      load_tile<kKeys, D, kThreads>(k_tile(j % kStages), kp, p.ks[2], first, k1);
+      load_tile<kKeys, D, kThreads>(v_tile(j % kStages), vp, p.vs[2], first, k1);
+    }
+  };
   if (nblocks > 0) {
-    // q's rows (gathered from their heads and positions; padding rows zero), then the first tile.
+    // q's rows (gathered from their heads and positions; padding rows zero), then the first tiles,
+    // a commit group each (empty groups past the split's tiles keep the count the loop waits on).
 #pragma unroll
     for (int it = 0; it < kRows * (D / 8) / kThreads; ++it) {
       const int idx = it * kThreads + threadIdx.x;
@@ -162,9 +192,11 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
       const T* src = static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1] + tq * p.qs[2] + c * 8;
       cp_async16(sq.at(i, c * 8), src, valid);
     }
-    load_tile<kKeys, D, kThreads>(k_tile(0), kp, p.ks[2], k0, k1);
-    load_tile<kKeys, D, kThreads>(v_tile(0), vp, p.vs[2], k0, k1);
-    cp_async_commit();
+#pragma unroll
+    for (int j = 0; j < kStages - 1; ++j) {
+      load_kv(j);
+      cp_async_commit();
+    }
   }
 
   // q's A fragments stay in registers for D <= 128; at D = 256 they would spill (with o's 128
@@ -179,21 +211,17 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
     limit[e] = len - p.t + (r < p.rows ? r % p.t : p.t - 1);
   }
   for (int j = 0; j < nblocks; ++j) {
-    const int st = j & 1;
-    cp_async_wait<0>();
-    __syncthreads();
+    const int st = j % kStages;
+    cp_async_wait<kStages - 2>();  // tile j is here
+    __syncthreads();               // for every thread, and every warp is done with tile j - 1
     if constexpr (kQInRegisters) {
       if (j == 0) {
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) ldmatrix_x4(qa[kk], a_frag(sq, 0, kk * 16, lane));
       }
     }
-    if (j + 1 < nblocks) {
-      const int64_t next = k0 + int64_t(j + 1) * kKeys;
-      load_tile<kKeys, D, kThreads>(k_tile(st ^ 1), kp, p.ks[2], next, k1);
-      load_tile<kKeys, D, kThreads>(v_tile(st ^ 1), vp, p.vs[2], next, k1);
-      cp_async_commit();
-    }
+    load_kv(j + kStages - 1);  // into tile j - 1's stage
+    cp_async_commit();
     // s = q k^T over this warp's 16 keys of the tile.
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
@@ -227,13 +255,18 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
       mma<T>(o[dt + 1], a, bf[2], bf[3]);
     }
   }
+  cp_async_wait<0>();  // no copy lands in the ring after this
 
   // The warps' partials (their own max and sum per row) merge through shared memory, which the
-  // tiles no longer need: o [warp][row][D] in float32, then max and sum [warp][row].
+  // tiles no longer need: o [warp][row][D] in float32, then max and sum [warp][row]; in a cluster
+  // the block's result follows, out [row][D] in float32 and lse [row].
   __syncthreads();
   float* mo = reinterpret_cast<float*>(smem);
   float* mm = mo + kWarps * kRows * D;
   float* ml = mm + kWarps * kRows;
+  float* fo = ml + kWarps * kRows;
+  float* fl = fo + kRows * D;
+  static_assert((kWarps * kRows * (D + 2) + kRows * (D + 1)) * 4 <= smem_bytes<D>(), "the merge fits the ring");
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
@@ -251,6 +284,16 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
     }
   }
   __syncthreads();
+  // The block's out and lse of row i, column c: to out, or to the partials (the merge kernel's or
+  // the cluster's).
+  auto block_result = [&](int i, int c, float o, float l) {
+    if constexpr (kCluster) {
+      fo[i * D + c] = o;
+      if (c == 0) fl[i] = l;
+    } else {
+      store(i, c, o, l, c == 0);
+    }
+  };
   for (int idx = threadIdx.x; idx < kRows * D; idx += kThreads) {
     const int i = idx / D, c = idx % D;
     float m = -kInfF;
@@ -260,7 +303,7 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
     if (m == -kInfF) {  // no key seen: 0 and -inf, unless a NaN score made a sum NaN
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) sum += ml[w * kRows + i];
-      store(i, c, sum == 0.f ? 0.f : sum, sum == 0.f ? -kInfF : sum, c == 0);
+      block_result(i, c, sum == 0.f ? 0.f : sum, sum == 0.f ? -kInfF : sum);
       continue;
     }
 #pragma unroll
@@ -269,7 +312,49 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
       sum += ml[w * kRows + i] * f;
       acc += mo[(w * kRows + i) * D + c] * f;
     }
-    store(i, c, acc / sum, (m + __log2f(sum)) * kLn2, c == 0);
+    block_result(i, c, acc / sum, (m + __log2f(sum)) * kLn2);
+  }
+  if constexpr (kCluster) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // The cluster's blocks (its splits) merge: each takes a share of the rows' elements and reads
+    // every split's out and lse from that block's shared memory. A NaN lse (a NaN score) makes the
+    // row NaN; no key in any split, 0 and -inf.
+    namespace cg = cooperative_groups;
+    const cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();  // every block's result is in its shared memory
+    const int n = static_cast<int>(cluster.num_blocks());
+    const int valid = static_cast<int>(std::min<int64_t>(kRows, p.rows - r0));
+    for (int idx = split * kThreads + threadIdx.x; idx < valid * D; idx += n * kThreads) {
+      const int i = idx / D, c = idx % D;
+      float l[kMaxClusterSplits], v[kMaxClusterSplits];
+      float m = -kInfF;
+      bool nan = false;
+#pragma unroll
+      for (int r = 0; r < kMaxClusterSplits; ++r) {
+        if (r < n) {
+          l[r] = cluster.map_shared_rank(fl, r)[i];
+          v[r] = cluster.map_shared_rank(fo, r)[i * D + c];
+          nan |= isnan(l[r]);
+          m = fmaxf(m, l[r]);
+        }
+      }
+      float sum = 0.f, acc = 0.f;
+#pragma unroll
+      for (int r = 0; r < kMaxClusterSplits; ++r) {
+        if (r < n && m != -kInfF) {
+          const float w = __expf(l[r] - m);
+          sum += w;
+          acc += w * v[r];
+        }
+      }
+      const float nanf = std::numeric_limits<float>::quiet_NaN();
+      store(i, c, nan ? nanf : m == -kInfF ? 0.f : acc / sum, nan ? nanf : m == -kInfF ? -kInfF : m + __logf(sum),
+            c == 0);
+    }
+    cluster.sync();  // no block leaves while another reads its shared memory
+#else
+    __trap();  // launched only where the code is sm_90's
+#endif
   }
 }
 
@@ -350,8 +435,6 @@ void with_types(const at::Tensor& q, Fn&& fn) {
   }
 }
 
-// Splits a sequence's keys go in: enough blocks for about two waves of the GPU, at least a tile of
-// keys each (a split past a sequence's length does nothing).
 // Inputs the kernel does not take, while a CUDA graph is being captured (where the generic kernel's
 // host read of lengths cannot run): attention over each sequence's whole cache with the keys past
 // its length masked out, in ATen ops on the device. It reads every position of the cache, not the
@@ -385,10 +468,55 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_masked(const at::Tensor& q, c
   return {o, l};
 }
 
-int choose_splits(const at::Tensor& q, int64_t work, int64_t s) {
-  const int sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
-  const int64_t want = (2 * sms + work - 1) / work;
-  return static_cast<int>(std::clamp<int64_t>(want, 1, std::min<int64_t>(kMaxSplits, (s + kKeys - 1) / kKeys)));
+// Splits a sequence's keys go in: as many as give each SM at most one block (all SMs busy where the
+// work allows, none with more keys to stream than another), at least a tile of keys each, at most
+// max_splits.
+int choose_splits(int sms, int64_t work, int64_t s, int max_splits) {
+  return static_cast<int>(std::clamp<int64_t>(sms / work, 1, std::min<int64_t>(max_splits, (s + kKeys - 1) / kKeys)));
+}
+
+// The largest cluster the kernel's splits merge in on the current device: 8, or 0 where clusters
+// are not there (before sm_90, or code compiled for an older architecture).
+// CUSTOMOPS_CACHE_ATTENTION_CLUSTER sets it instead, up to 16 (a non-portable size, where the GPU
+// takes it) or 0 (the merge kernel, as before sm_90; the tests run every path on one GPU with it).
+// 8 rather than 16: on the H100, batch 1 with 8 kv heads, 600-32k positions, 8 splits of a
+// sequence in clusters were as fast as 16 or faster.
+int cluster_limit(const void* kernel, int smem) {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, int> cache;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  int limit = 0;
+  {
+    const std::lock_guard<std::mutex> lock(mutex);
+    auto [it, inserted] = cache.try_emplace({kernel, device}, 0);
+    if (inserted && at::cuda::getCurrentDeviceProperties()->major >= 9 && cuda::compiled_for_sm90(kernel)) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+      for (const int size : {kMaxClusterSplits, 8}) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(size);
+        cfg.blockDim = dim3(kThreads);
+        cfg.dynamicSmemBytes = smem;
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = size;
+        attr[0].val.clusterDim.y = 1;
+        attr[0].val.clusterDim.z = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = 1;
+        int clusters = 0;
+        if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0) {
+          it->second = size;
+          break;
+        }
+        (void)cudaGetLastError();  // a size the device does not take
+      }
+    }
+    limit = it->second;
+  }
+  const char* cap = std::getenv("CUSTOMOPS_CACHE_ATTENTION_CLUSTER");
+  return std::clamp(cap != nullptr && *cap != '\0' ? std::atoi(cap) : 8, 0, limit);
 }
 
 std::tuple<at::Tensor, at::Tensor> cache_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
@@ -426,22 +554,34 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_cuda(const at::Tensor& q_in, 
   p.t = t;
   p.s = s;
   p.rows = rows;
-  p.splits = choose_splits(q, b * hkv * groups, s);
-  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-  at::Tensor part_o, part_lse;
-  if (p.splits > 1) {
-    part_o = at::empty({p.splits, b * hq * t, q.size(3)}, q.options().dtype(at::kFloat));
-    part_lse = at::empty({p.splits, b * hq * t}, q.options().dtype(at::kFloat));
-    p.part_o = part_o.data_ptr<float>();
-    p.part_lse = part_lse.data_ptr<float>();
-  }
+  const int sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
   const auto stream = at::cuda::getCurrentCUDAStream();
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   with_types(q, [&](auto tag, auto d) {
     using T = decltype(tag);
     constexpr int D = decltype(d)::value;
-    auto kernel = cache_attention_kernel<T, D>;
+    auto kernel = cache_attention_kernel<T, D, false>;
+    auto clustered = cache_attention_kernel<T, D, true>;
+    const int64_t work = b * hkv * groups;
+    int limit = cluster_limit(reinterpret_cast<const void*>(clustered), smem_bytes<D>());
+    // A few (sequence, kv head)s (batch 1 of a model with one or two kv heads) want more splits
+    // than a cluster holds: the merge kernel takes up to 64.
+    if (sms / work > 2 * limit) limit = 0;
+    p.splits = choose_splits(sms, work, s, limit > 0 ? limit : kMaxSplits);
+    const dim3 grid(p.splits, groups, b * hkv);
+    if (p.splits > 1 && limit > 0) {  // the splits merge in their cluster
+      launch_dependent_in_clusters(clustered, grid, p.splits, dim3(kThreads), smem_bytes<D>(), stream, p);
+      return;
+    }
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<D>()));
-    launch_dependent(kernel, dim3(p.splits, groups, b * hkv), dim3(kThreads), smem_bytes<D>(), stream, p);
+    at::Tensor part_o, part_lse;
+    if (p.splits > 1) {
+      part_o = at::empty({p.splits, b * hq * t, q.size(3)}, q.options().dtype(at::kFloat));
+      part_lse = at::empty({p.splits, b * hq * t}, q.options().dtype(at::kFloat));
+      p.part_o = part_o.data_ptr<float>();
+      p.part_lse = part_lse.data_ptr<float>();
+    }
+    launch_dependent(kernel, grid, dim3(kThreads), smem_bytes<D>(), stream, p);
     if (p.splits > 1) {
       MergeParams mp{part_o.data_ptr<float>(), part_lse.data_ptr<float>(), p.out, p.lse, {}, hq, t, b * hq * t,
                      p.splits};

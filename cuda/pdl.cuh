@@ -52,21 +52,36 @@ inline bool compiled_for_sm90(const void* kernel) {
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), programmatically dependent on the kernel before
-// it where the GPU and the kernel's code are sm_90 or later.
+// it where the GPU and the kernel's code are sm_90 or later, the grid's x dimension in clusters of
+// cluster_x blocks (which must divide it; more than 1 only where the GPU and the code are sm_90's).
 template <typename... Params, typename... Args>
-void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                      Args&&... args) {
+void launch_dependent_in_clusters(void (*kernel)(Params...), dim3 grid, unsigned cluster_x, dim3 block, size_t smem,
+                                  cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
   cfg.attrs = attr;
-  cfg.numAttrs = at::cuda::getCurrentDeviceProperties()->major >= 9 && compiled_for_sm90(reinterpret_cast<const void*>(kernel)) ? 1 : 0;
+  if (at::cuda::getCurrentDeviceProperties()->major >= 9 && compiled_for_sm90(reinterpret_cast<const void*>(kernel))) {
+    attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[cfg.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster_x > 1) {
+    attr[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
+    attr[cfg.numAttrs].val.clusterDim.x = cluster_x;
+    attr[cfg.numAttrs].val.clusterDim.y = 1;
+    attr[cfg.numAttrs++].val.clusterDim.z = 1;
+  }
   C10_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+// The same without clusters.
+template <typename... Params, typename... Args>
+void launch_dependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                      Args&&... args) {
+  launch_dependent_in_clusters(kernel, grid, 1, block, smem, stream, std::forward<Args>(args)...);
 }
 
 }  // namespace customops::cuda

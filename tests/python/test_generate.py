@@ -384,6 +384,32 @@ def test_cache_attention_cuda_gives_nan_rows_for_a_length_out_of_range():
     assert out[1].isfinite().all() and lse[1].isfinite().all()
 
 
+@pytest.mark.skipif(not any(d == "cuda" for d in DEVICES), reason="the CUDA kernel's paths")
+@pytest.mark.parametrize("cluster", ["", "16", "0"], ids=["clusters", "clusters-of-16", "merge-kernel"])
+@pytest.mark.parametrize("d,t,dtype", [(128, 1, torch.bfloat16), (64, 4, torch.float16), (256, 3, torch.bfloat16)])
+def test_cache_attention_cuda_merges_its_splits(monkeypatch, cluster, d, t, dtype):
+    # Long caches at batches 1 and 3 give several splits a sequence, merged in a thread-block cluster on
+    # sm_90 (at most 8 blocks, or 16) or by the merge kernel (CUSTOMOPS_CACHE_ATTENTION_CLUSTER=0, as before
+    # sm_90); lengths that leave some splits without keys, and one out of range (NaN rows), in one batch.
+    monkeypatch.setenv("CUSTOMOPS_CACHE_ATTENTION_CLUSTER", cluster)
+    if not cluster:
+        monkeypatch.delenv("CUSTOMOPS_CACHE_ATTENTION_CLUSTER")
+    g = torch.Generator().manual_seed(d + t)
+    for lengths in ([4096], [3000, 70, 4097]):
+        b = len(lengths)
+        q = torch.randn(b, 32, t, d, generator=g).to("cuda", dtype)
+        k_cache, v_cache = (torch.randn(b, 8, 4096, d, generator=g).to("cuda", dtype) for _ in range(2))
+        out, lse = customops.cache_attention(q, k_cache, v_cache, torch.tensor(lengths, device="cuda"))
+        for i, n in enumerate(lengths):
+            if n > 4096:
+                assert out[i].isnan().all() and lse[i].isnan().all()
+                continue
+            o, l = customops.attention(q[i:i + 1].float(), k_cache[i:i + 1, :, :n].float(),
+                                       v_cache[i:i + 1, :, :n].float(), causal=True, return_lse=True)
+            torch.testing.assert_close(out[i:i + 1].float(), o, atol=1e-2, rtol=1e-2)
+            torch.testing.assert_close(lse[i:i + 1], l, atol=1e-3, rtol=1e-3)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_cache_write_writes_each_sequence_at_its_start_in_place(device):
     k_cache, v_cache = torch.zeros(3, 2, 8, 4, device=device), torch.zeros(3, 2, 8, 4, device=device)
