@@ -140,16 +140,15 @@ def _canonicalize(graph: torch.fx.Graph) -> None:
             _fill_defaults(node)
 
 
-def _mark_requires_grad(graph: torch.fx.Graph, example_inputs: list) -> None:
+def _mark_requires_grad(graph: torch.fx.Graph, inputs_grad: list[bool]) -> None:
     """node.meta["customops_grad"]: whether the node's value may require grad (the traced fake
-    values do not say: make_fx keeps them detached). Grad mode starts as it is now and follows
-    the graph's _set_grad_enabled calls; detach cuts."""
+    values do not say: make_fx keeps them detached), given whether each input may. Grad mode
+    starts as it is now and follows the graph's _set_grad_enabled calls; detach cuts."""
     enabled = torch.is_grad_enabled()
-    inputs = iter(example_inputs)
+    inputs = iter(inputs_grad)
     for node in graph.nodes:
         if node.op == "placeholder":
-            x = next(inputs, None)
-            node.meta["customops_grad"] = not isinstance(x, torch.Tensor) or x.requires_grad
+            node.meta["customops_grad"] = next(inputs, True)
         elif node.op == "get_attr":
             node.meta["customops_grad"] = bool(getattr(getattr(graph.owning_module, node.target, None),
                                                        "requires_grad", True))
@@ -579,10 +578,12 @@ def _attention_apply(graph: torch.fx.Graph, policy: str) -> None:
 
 # ----------------------------------------------------------------------------------------------
 
-def _op_counts(graph: torch.fx.Graph) -> Counter:
+def _op_counts(gm: GraphModule) -> Counter:
+    """The calls of gm's graph and of the graphs it calls (checkpointed regions' bodies)."""
+    graphs = [m.graph for m in gm.modules() if isinstance(m, GraphModule)]
     return Counter(str(getattr(n.target, "__name__", n.target)) if not isinstance(n.target, torch._ops.OpOverload)
                    else str(n.target).removesuffix(".default")
-                   for n in graph.nodes if n.op == "call_function")
+                   for g in graphs for n in g.nodes if n.op == "call_function")
 
 
 _graph_count = itertools.count()
@@ -666,7 +667,7 @@ def rewrite(gm: GraphModule, example_inputs: list, *, attention: str = "sdpa") -
 
     global _report
     _check_attention(attention)
-    report = GraphReport(next(_graph_count), _op_counts(gm.graph))
+    report = GraphReport(next(_graph_count), _op_counts(gm))
     try:
         # Fakes of the inputs in the backend's fake mode (as compile_fx makes them); symbolic
         # sizes passed as inputs keep Dynamo's SymInt.
@@ -682,22 +683,12 @@ def rewrite(gm: GraphModule, example_inputs: list, *, attention: str = "sdpa") -
     except Exception as e:  # noqa: BLE001  (any tracing failure: leave the graph to Inductor as it is)
         report.error = f"pre-dispatch trace failed ({_why(e)})"
         return gm, report
-    report.ops = _op_counts(traced.graph)
+    report.ops = _op_counts(traced)
     _report = report
     _rope_found.clear()
     try:
-        graph = traced.graph
-        _canonicalize(graph)
-        _mark_requires_grad(graph, example_inputs)
-        for p in _PASSES:  # dead code goes after each (unused outputs' getitems hide a node's one use)
-            p.apply(traced)
-            if p is _rope_pass:
-                _rope_apply(graph)
-            graph.eliminate_dead_code()
-        if attention != "sdpa":
-            _attention_apply(graph, attention)
-        graph.lint()
-        traced.recompile()
+        _rewrite_graph(traced, [not isinstance(x, torch.Tensor) or x.requires_grad for x in example_inputs],
+                       attention, set())
     except Exception as e:  # noqa: BLE001  (a rewrite that fails must not fail the user's compile)
         if isinstance(e, getattr(torch, "AcceleratorError", ())):
             raise  # a device error (from timing under attention="auto") is sticky: never hidden
@@ -707,9 +698,33 @@ def rewrite(gm: GraphModule, example_inputs: list, *, attention: str = "sdpa") -
     finally:
         _report = None
         _rope_found.clear()
-    report.customops_calls = Counter({k: v for k, v in _op_counts(traced.graph).items()
+    report.customops_calls = Counter({k: v for k, v in _op_counts(traced).items()
                                       if k.startswith("customops.")})
     return traced, report
+
+
+def _rewrite_graph(gm: GraphModule, inputs_grad: list[bool], attention: str, done: set) -> None:
+    """The passes on gm's graph, then on the body of each checkpointed region in it (a graph of its
+    own, which Hugging Face's gradient checkpointing puts every decoder layer in), nested ones
+    too; a body's inputs require grad as the region's operands do."""
+    graph = gm.graph
+    _canonicalize(graph)
+    _mark_requires_grad(graph, inputs_grad)
+    for p in _PASSES:  # dead code goes after each (unused outputs' getitems hide a node's one use)
+        p.apply(graph)
+        if p is _rope_pass:
+            _rope_apply(graph)
+        graph.eliminate_dead_code()
+    if attention != "sdpa":
+        _attention_apply(graph, attention)
+    for node in graph.find_nodes(op="call_function", target=torch.ops.higher_order.tag_activation_checkpoint):
+        body = getattr(gm, node.args[0].target)
+        if id(body) not in done:  # a body two regions share is rewritten once
+            done.add(id(body))
+            _rewrite_graph(body, [a.meta.get("customops_grad", True) if isinstance(a, Node) else True
+                                  for a in node.args[1:]], attention, done)
+    graph.lint()
+    gm.recompile()
 
 
 def _check_attention(attention: str) -> None:

@@ -615,11 +615,35 @@ def test_backend_attention_option_trains_an_optimized_llama_like_eager():
         warnings.simplefilter("always")
         assert_same_step(step(compiled, ids, params_of=m), want, torch.float32)
     assert not [w for w in caught if "customops backend" in str(w.message)], [str(w.message) for w in caught]
-    # Hugging Face's own checkpointing around each layer nests optimize's MLP checkpoint in it
+    # Hugging Face's own checkpointing around each layer nests optimize's MLP checkpoint in it: the
+    # layers' bodies are rewritten too
     m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     torch._dynamo.reset()
     [r] = customops.explain(m, ids, labels=ids, print_report=False, attention="customops")
     assert r.error is None, r
+    assert r.customops_calls["customops.attention"] == SMALL["num_hidden_layers"], r
+
+
+def test_backend_rewrites_inside_gradient_checkpointed_layers():
+    # Hugging Face's gradient checkpointing puts each decoder layer in a checkpointed region, whose
+    # body is a graph of its own: the norms, SwiGLU and RoPE in it are rewritten as outside, and a
+    # step (the bodies recomputed in the backward) matches eager's
+    ids = torch.randint(0, 256, (2, 16))
+    want = step(model().train(), ids)
+    m = model().train()
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch._dynamo.reset()
+    [r] = customops.explain(m, ids, labels=ids, print_report=False)
+    layers = SMALL["num_hidden_layers"]
+    assert r.ops["tag_activation_checkpoint"] == layers, r
+    for op in ("customops.silu_mul", "customops.rope", "customops.add_rms_norm"):
+        assert r.customops_calls[op] == layers, r
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend="customops", fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_same_step(step(compiled, ids, params_of=m), want, torch.float32)
+    assert not [w for w in caught if "customops backend" in str(w.message)], [str(w.message) for w in caught]
 
 
 def test_backend_passes_mode_and_other_options_to_inductor(monkeypatch):
