@@ -516,6 +516,61 @@ def _silu(match: Match, x):
 # ("customops": wherever the two compute the same attention; "auto": per shape class, the faster
 # on the device, as customops.optimize's attention= does).
 
+_CAUSAL_MASK_KEY = "customops_causal_mask"
+_MASK_MAX_ELEMENTS = 1 << 24
+
+
+def _causal_mask(mask: Any, masks: dict) -> bool:
+    """Whether an SDPA attn_mask is the causal mask customops.attention computes: boolean, of static
+    shape [..., Sq, Sk] with Sq <= Sk, True where key j <= query i + Sk - Sq, alike along the
+    leading dims. Hugging Face's forward under torch.compile builds this mask from aranges (it
+    cannot tell while tracing that it could pass is_causal instead); a mask computed from no input
+    of the graph is evaluated once, here. A checkpointed body's input that was such a mask in the
+    calling graph is one too. ``masks`` caches the answers of a graph."""
+    if not isinstance(mask, Node):
+        return False
+    if mask.op == "placeholder":
+        return bool(mask.meta.get(_CAUSAL_MASK_KEY, False))
+    if mask in masks:
+        return masks[mask]
+    masks[mask] = False
+    val = _val(mask)
+    if (not isinstance(val, torch.Tensor) or val.dtype != torch.bool or val.dim() < 2
+            or not all(isinstance(n, int) for n in val.shape) or val.numel() > _MASK_MAX_ELEMENTS
+            or val.shape[-2] > val.shape[-1]):
+        return False
+    # The nodes it is computed from: aten calls (and getitems) only, none reading an input
+    nodes, stack, seen = [], [mask], {mask}
+    while stack:
+        n = stack.pop()
+        if n.op != "call_function" or not (isinstance(n.target, torch._ops.OpOverload) or n.target is operator.getitem):
+            return False
+        if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
+            return False
+        nodes.append(n)
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    order = {n: i for i, n in enumerate(mask.graph.nodes)}
+    sub = torch.fx.Graph()
+    env: dict[Node, Node] = {}
+    for n in sorted(nodes, key=order.__getitem__):
+        env[n] = sub.node_copy(n, env.__getitem__)
+    sub.output(env[mask])
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    try:
+        with unset_fake_temporarily(), torch.no_grad():
+            got = GraphModule({}, sub)()
+    except Exception:  # noqa: BLE001  (a mask that cannot be computed here stays SDPA's)
+        return False
+    sq, sk = val.shape[-2:]
+    want = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
+    masks[mask] = bool(got.shape == val.shape and torch.equal(got.cpu(), want.expand(val.shape)))
+    return masks[mask]
+
+
 def _attention_apply(graph: torch.fx.Graph, policy: str) -> None:
     from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
@@ -524,14 +579,17 @@ def _attention_apply(graph: torch.fx.Graph, policy: str) -> None:
     sdpa = aten.scaled_dot_product_attention.default
     schema = sdpa._schema.arguments
     defaults = {a.name: a.default_value for a in schema if a.has_default_value()}
+    masks: dict[Node, bool] = {}
     for node in list(graph.find_nodes(op="call_function", target=sdpa)):
         args = {**defaults, **dict(zip((a.name for a in schema), node.args)), **node.kwargs}
         q, k, v = args["query"], args["key"], args["value"]
         qv, kv, vv = (_val(n) for n in (q, k, v))
         mask, dropout, causal = args["attn_mask"], args["dropout_p"], args["is_causal"]
         scale, gqa = args["scale"], args["enable_gqa"]
-        if mask is not None:
-            _skip("SDPA with an attention mask (customops.attention takes none)")
+        # a causal mask given as a tensor is causal=True, aligned bottom-right as customops' is
+        masked_causal = mask is not None and causal is False and _causal_mask(mask, masks)
+        if mask is not None and not masked_causal:
+            _skip("SDPA with an attention mask other than the causal one (customops.attention takes none)")
             continue
         if isinstance(dropout, Node) or dropout != 0.0 or isinstance(causal, Node) or isinstance(scale, Node):
             _skip("SDPA with dropout, or a causal flag or scale computed in the graph")
@@ -556,7 +614,12 @@ def _attention_apply(graph: torch.fx.Graph, policy: str) -> None:
         if not (out.transpose(1, 2).is_contiguous() if bshd else out.is_contiguous()):
             _skip("SDPA whose output layout differs from customops.attention's for this q")
             continue
-        if causal and not known(qv.shape[2] == kv.shape[2]):
+        if masked_causal:
+            causal = True
+            if not (known(qv.shape[2] == _val(mask).shape[-2]) and known(kv.shape[2] == _val(mask).shape[-1])):
+                _skip("SDPA with a causal mask that is broadcast along the query or key positions")
+                continue
+        elif causal and not known(qv.shape[2] == kv.shape[2]):
             # SDPA's causal mask is aligned top-left, customops' bottom-right: the same when Sq == Sk
             _skip("causal SDPA whose query and key lengths may differ")
             continue
@@ -715,14 +778,20 @@ def _rewrite_graph(gm: GraphModule, inputs_grad: list[bool], attention: str, don
         if p is _rope_pass:
             _rope_apply(graph)
         graph.eliminate_dead_code()
-    if attention != "sdpa":
-        _attention_apply(graph, attention)
     for node in graph.find_nodes(op="call_function", target=torch.ops.higher_order.tag_activation_checkpoint):
         body = getattr(gm, node.args[0].target)
         if id(body) not in done:  # a body two regions share is rewritten once
             done.add(id(body))
+            if attention != "sdpa":  # a causal mask passed in is one in the body too
+                masks: dict[Node, bool] = {}
+                for ph, a in zip(body.graph.find_nodes(op="placeholder"), node.args[1:]):
+                    if _causal_mask(a, masks):
+                        ph.meta[_CAUSAL_MASK_KEY] = True
             _rewrite_graph(body, [a.meta.get("customops_grad", True) if isinstance(a, Node) else True
                                   for a in node.args[1:]], attention, done)
+    if attention != "sdpa":
+        _attention_apply(graph, attention)
+        graph.eliminate_dead_code()  # the masks the calls no longer read
     graph.lint()
     gm.recompile()
 

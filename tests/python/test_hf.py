@@ -574,7 +574,15 @@ def test_backend_attention_option_puts_customops_attention_in_place_of_sdpa(monk
     # left alone, with the reason: a mask; causal with fewer queries than keys (SDPA aligns top-left)
     masked = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool))  # noqa: E731
     [r] = customops.explain(masked, q[:, :2], k, v, print_report=False, attention="customops")
-    assert not r.customops_calls and "SDPA with an attention mask (customops.attention takes none)" in r.skipped
+    assert not r.customops_calls
+    assert "SDPA with an attention mask other than the causal one (customops.attention takes none)" in r.skipped
+    # a constant mask that is causal aligned bottom-right (2 queries, the last of 16 keys) is causal=True
+    bottom_right = lambda q, k, v: F.scaled_dot_product_attention(  # noqa: E731
+        q, k, v, attn_mask=torch.ones(2, 16, dtype=torch.bool).tril(14), enable_gqa=True)
+    [r] = customops.explain(bottom_right, q[:, :, :2], k, v, print_report=False, attention="customops")
+    assert r.customops_calls["customops.attention"] == 1, r
+    torch.testing.assert_close(torch.compile(bottom_right, backend="customops", options={"attention": "customops"})(
+        q[:, :, :2], k, v), customops.attention(q[:, :, :2], k, v, causal=True), **tol(torch.float32))
     [r] = customops.explain(attend, q[:, :, :5], k, v, print_report=False, attention="customops")
     assert not r.customops_calls and "causal SDPA whose query and key lengths may differ" in r.skipped
     [r] = customops.explain(attend, q, k[:1], v[:1], print_report=False, attention="customops")  # k, v broadcast
@@ -622,6 +630,39 @@ def test_backend_attention_option_trains_an_optimized_llama_like_eager():
     [r] = customops.explain(m, ids, labels=ids, print_report=False, attention="customops")
     assert r.error is None, r
     assert r.customops_calls["customops.attention"] == SMALL["num_hidden_layers"], r
+
+
+def test_backend_attention_option_takes_hugging_faces_causal_mask_as_causal():
+    # Under torch.compile Hugging Face's forward passes SDPA a boolean causal mask built from aranges
+    # (it cannot see while tracing that is_causal would do): the pass evaluates a mask computed from
+    # no input and, being the causal one, drops it for causal=True. A padding mask (an input) stays.
+    ids = torch.randint(0, 256, (2, 16))
+    layers = SMALL["num_hidden_layers"]
+    m = model().eval()
+    with torch.no_grad():
+        want = m(ids).logits
+        torch._dynamo.reset()
+        [r] = customops.explain(m, ids, print_report=False, attention="customops")
+        assert r.customops_calls["customops.attention"] == layers, r
+        torch._dynamo.reset()
+        got = torch.compile(m, backend="customops", options={"attention": "customops"}, fullgraph=True)(ids).logits
+        torch.testing.assert_close(got, want, **tol(torch.float32))
+        padding = torch.ones(2, 16, dtype=torch.long)
+        padding[0, :3] = 0
+        torch._dynamo.reset()
+        [r] = customops.explain(m, ids, attention_mask=padding, print_report=False, attention="customops")
+        assert "customops.attention" not in r.customops_calls, r
+        assert any("mask other than the causal one" in why for why in r.skipped), r.skipped
+    # with each layer checkpointed, the mask reaches SDPA as an input of the layer's body
+    m = model().train()
+    want = step(model().train(), ids)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch._dynamo.reset()
+    [r] = customops.explain(m, ids, labels=ids, print_report=False, attention="customops")
+    assert r.customops_calls["customops.attention"] == layers, r
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend="customops", options={"attention": "customops"}, fullgraph=True)
+    assert_same_step(step(compiled, ids, params_of=m), want, torch.float32)
 
 
 def test_backend_rewrites_inside_gradient_checkpointed_layers():
