@@ -70,10 +70,15 @@ constexpr int kKeys = 16 * kWarps;      // keys a tile: 16 a warp
 constexpr int kMaxSplits = 64;          // splits merged by the merge kernel
 constexpr int kMaxClusterSplits = 16;   // splits merged in a cluster (16: a non-portable cluster size)
 
-// Tiles of k and v in the ring: two in flight while one is computed, one at D = 256 (whose 64 KiB a
-// tile already keep the loads of one block per SM in flight).
+// Shared memory of a block: q, then a ring of `stages` tiles of k and v.
+constexpr int ring_bytes(int d, int stages) {
+  return (kRows + 2 * stages * kKeys) * d * 2;
+}
+// Tiles of k and v in the ring: two in flight while one is computed (D = 64 and 128), one at D = 256
+// (whose 64 KiB a tile already keep the loads of one block per SM in flight), and at D = 128 on
+// GPUs whose blocks take less than the 100 KiB three tiles need (compute capability 8.6, 8.9, 12).
 template <int D>
-constexpr int stages() {
+constexpr int max_stages() {
   return D == 256 ? 2 : 3;
 }
 
@@ -92,11 +97,6 @@ struct CacheParams {
   float scale_log2;
 };
 
-template <int D>
-constexpr int smem_bytes() {
-  return (kRows + 2 * stages<D>() * kKeys) * D * 2;  // q, then k and v a stage
-}
-
 template <typename T>
 __device__ __forceinline__ T from_float(float x) {
   if constexpr (std::is_same_v<T, __half>) {
@@ -107,12 +107,12 @@ __device__ __forceinline__ T from_float(float x) {
 }
 
 // kCluster: the splits (gridDim.x of them) are one cluster and merge in it (sm_90 code only).
-template <typename T, int D, bool kCluster>
+// kStages: tiles in the ring (ring_bytes(D, kStages) of shared memory).
+template <typename T, int D, bool kCluster, int kStages>
 __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p) {
   wait_prerequisites();
   launch_dependents();
   constexpr int kDT = D / 8;
-  constexpr int kStages = stages<D>();
   constexpr uint32_t kTileBytes = kKeys * D * 2;
   extern __shared__ __align__(128) char smem[];
   const uint32_t s0 = smem_addr(smem);
@@ -266,7 +266,7 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
   float* ml = mm + kWarps * kRows;
   float* fo = ml + kWarps * kRows;
   float* fl = fo + kRows * D;
-  static_assert((kWarps * kRows * (D + 2) + kRows * (D + 1)) * 4 <= smem_bytes<D>(), "the merge fits the ring");
+  static_assert((kWarps * kRows * (D + 2) + kRows * (D + 1)) * 4 <= ring_bytes(D, kStages), "the merge fits the ring");
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
@@ -489,8 +489,11 @@ int cluster_limit(const void* kernel, int smem) {
   int limit = 0;
   {
     const std::lock_guard<std::mutex> lock(mutex);
-    auto [it, inserted] = cache.try_emplace({kernel, device}, 0);
-    if (inserted && at::cuda::getCurrentDeviceProperties()->major >= 9 && cuda::compiled_for_sm90(kernel)) {
+    const auto it = cache.find({kernel, device});
+    if (it != cache.end()) {
+      limit = it->second;
+    } else if (at::cuda::getCurrentDeviceProperties()->major >= 9 && cuda::compiled_for_sm90(kernel)) {
+      // (cached only once both calls succeeded: a failure is raised, and the next call asks again)
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
       for (const int size : {kMaxClusterSplits, 8}) {
@@ -507,16 +510,55 @@ int cluster_limit(const void* kernel, int smem) {
         cfg.numAttrs = 1;
         int clusters = 0;
         if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0) {
-          it->second = size;
+          limit = size;
           break;
         }
         (void)cudaGetLastError();  // a size the device does not take
       }
+      cache.emplace(std::make_pair(kernel, device), limit);
+    } else {
+      cache.emplace(std::make_pair(kernel, device), 0);
     }
-    limit = it->second;
   }
   const char* cap = std::getenv("CUSTOMOPS_CACHE_ATTENTION_CLUSTER");
   return std::clamp(cap != nullptr && *cap != '\0' ? std::atoi(cap) : 8, 0, limit);
+}
+
+// The kernel (clustered, or with the merge kernel after it) for p, whose fields but the split count
+// and the partials are set.
+template <typename T, int D, int kStages>
+void launch_cache_attention(CacheParams& p, int64_t b, int64_t groups, int64_t s, int sms, const at::Tensor& out,
+                            cudaStream_t stream) {
+  constexpr int kSmem = ring_bytes(D, kStages);
+  auto kernel = cache_attention_kernel<T, D, false, kStages>;
+  auto clustered = cache_attention_kernel<T, D, true, kStages>;
+  const int64_t work = b * p.hkv * groups;
+  int limit = cluster_limit(reinterpret_cast<const void*>(clustered), kSmem);
+  // A few (sequence, kv head)s (batch 1 of a model with one or two kv heads) want more splits
+  // than a cluster holds: the merge kernel takes up to 64.
+  if (sms / work > 2 * limit) limit = 0;
+  p.splits = choose_splits(sms, work, s, limit > 0 ? limit : kMaxSplits);
+  const dim3 grid(p.splits, groups, b * p.hkv);
+  if (p.splits > 1 && limit > 0) {  // the splits merge in their cluster
+    launch_dependent_in_clusters(clustered, grid, p.splits, dim3(kThreads), kSmem, stream, p);
+    return;
+  }
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  const int64_t rows = b * p.hq * p.t;
+  at::Tensor part_o, part_lse;
+  if (p.splits > 1) {
+    part_o = at::empty({p.splits, rows, D}, out.options().dtype(at::kFloat));
+    part_lse = at::empty({p.splits, rows}, out.options().dtype(at::kFloat));
+    p.part_o = part_o.data_ptr<float>();
+    p.part_lse = part_lse.data_ptr<float>();
+  }
+  launch_dependent(kernel, grid, dim3(kThreads), kSmem, stream, p);
+  if (p.splits > 1) {
+    MergeParams mp{part_o.data_ptr<float>(), part_lse.data_ptr<float>(), p.out, p.lse, {}, p.hq, p.t, rows, p.splits};
+    strides_of(out, mp.os);
+    launch_dependent(cache_attention_merge_kernel<T, D>, dim3(static_cast<unsigned>((rows + 3) / 4)), dim3(128), 0,
+                     stream, mp);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> cache_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
@@ -526,8 +568,12 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_cuda(const at::Tensor& q_in, 
   const double scale = attention_scale(scale_in, q_in.size(3));
   const int64_t b = q_in.size(0), hq = q_in.size(1), t = q_in.size(2), hkv = k_in.size(1), s = k_in.size(2);
   const int64_t rows = hq / hkv * t, groups = (rows + kRows - 1) / kRows;
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(q_in.get_device());
+  const int smem_optin = static_cast<int>(prop->sharedMemPerBlockOptin);
+  // (a GPU whose blocks cannot take two tiles, D = 256 below compute capability 9.0 but 8.0's, takes
+  // the other paths)
   if (!cache_attention_on_device(q_in.scalar_type(), q_in.size(3), t) || !(scale > 0.0) || !std::isfinite(scale) ||
-      b * hkv > 65535 || groups > 65535 || at::cuda::getDeviceProperties(q_in.get_device())->major < 8) {
+      b * hkv > 65535 || groups > 65535 || prop->major < 8 || ring_bytes(static_cast<int>(q_in.size(3)), 2) > smem_optin) {
     if (at::cuda::currentStreamCaptureStatusMayInitCtx() != at::cuda::CaptureStatus::None) {
       return cache_attention_masked(q_in, k_in, v_in, lengths_in, scale);
     }
@@ -554,41 +600,16 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_cuda(const at::Tensor& q_in, 
   p.t = t;
   p.s = s;
   p.rows = rows;
-  const int sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+  const int sms = prop->multiProcessorCount;
   const auto stream = at::cuda::getCurrentCUDAStream();
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   with_types(q, [&](auto tag, auto d) {
     using T = decltype(tag);
     constexpr int D = decltype(d)::value;
-    auto kernel = cache_attention_kernel<T, D, false>;
-    auto clustered = cache_attention_kernel<T, D, true>;
-    const int64_t work = b * hkv * groups;
-    int limit = cluster_limit(reinterpret_cast<const void*>(clustered), smem_bytes<D>());
-    // A few (sequence, kv head)s (batch 1 of a model with one or two kv heads) want more splits
-    // than a cluster holds: the merge kernel takes up to 64.
-    if (sms / work > 2 * limit) limit = 0;
-    p.splits = choose_splits(sms, work, s, limit > 0 ? limit : kMaxSplits);
-    const dim3 grid(p.splits, groups, b * hkv);
-    if (p.splits > 1 && limit > 0) {  // the splits merge in their cluster
-      launch_dependent_in_clusters(clustered, grid, p.splits, dim3(kThreads), smem_bytes<D>(), stream, p);
-      return;
+    if constexpr (max_stages<D>() == 3 && D == 128) {
+      if (ring_bytes(D, 3) > smem_optin) return launch_cache_attention<T, D, 2>(p, b, groups, s, sms, out, stream);
     }
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes<D>()));
-    at::Tensor part_o, part_lse;
-    if (p.splits > 1) {
-      part_o = at::empty({p.splits, b * hq * t, q.size(3)}, q.options().dtype(at::kFloat));
-      part_lse = at::empty({p.splits, b * hq * t}, q.options().dtype(at::kFloat));
-      p.part_o = part_o.data_ptr<float>();
-      p.part_lse = part_lse.data_ptr<float>();
-    }
-    launch_dependent(kernel, grid, dim3(kThreads), smem_bytes<D>(), stream, p);
-    if (p.splits > 1) {
-      MergeParams mp{part_o.data_ptr<float>(), part_lse.data_ptr<float>(), p.out, p.lse, {}, hq, t, b * hq * t,
-                     p.splits};
-      strides_of(out, mp.os);
-      launch_dependent(cache_attention_merge_kernel<T, D>, dim3(static_cast<unsigned>((mp.rows + 3) / 4)), dim3(128), 0,
-                       stream, mp);
-    }
+    launch_cache_attention<T, D, max_stages<D>()>(p, b, groups, s, sms, out, stream);
   });
   return {out, lse};
 }
