@@ -665,6 +665,23 @@ def test_backend_attention_option_takes_hugging_faces_causal_mask_as_causal():
     assert_same_step(step(compiled, ids, params_of=m), want, torch.float32)
 
 
+def test_backend_attention_option_keeps_a_sliding_window_that_is_not_causal():
+    # Mistral's sliding-window mask is the causal one only while the sequence fits the window: the mask
+    # is evaluated for the graph's (static) length, so a window of 4 over 16 positions stays SDPA and
+    # one of 64 becomes customops.attention, both with eager's logits
+    ids = torch.randint(0, 256, (2, 16))
+    for window, replaced in ((4, 0), (64, SMALL["num_hidden_layers"])):
+        m = model("Mistral", sliding_window=window).eval()
+        with torch.no_grad():
+            want = m(ids).logits
+            torch._dynamo.reset()
+            [r] = customops.explain(m, ids, print_report=False, attention="customops")
+            assert r.customops_calls["customops.attention"] == replaced, (window, r)
+            torch._dynamo.reset()
+            got = torch.compile(m, backend="customops", options={"attention": "customops"}, fullgraph=True)(ids).logits
+        torch.testing.assert_close(got, want, **tol(torch.float32))
+
+
 def test_backend_rewrites_inside_gradient_checkpointed_layers():
     # Hugging Face's gradient checkpointing puts each decoder layer in a checkpointed region, whose
     # body is a graph of its own: the norms, SwiGLU and RoPE in it are rewritten as outside, and a
