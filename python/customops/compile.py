@@ -140,11 +140,13 @@ def _canonicalize(graph: torch.fx.Graph) -> None:
             _fill_defaults(node)
 
 
-def _mark_requires_grad(graph: torch.fx.Graph, inputs_grad: list[bool]) -> None:
+def _mark_requires_grad(graph: torch.fx.Graph, inputs_grad: list[bool], enabled: bool | None = None) -> None:
     """node.meta["customops_grad"]: whether the node's value may require grad (the traced fake
     values do not say: make_fx keeps them detached), given whether each input may. Grad mode
-    starts as it is now and follows the graph's _set_grad_enabled calls; detach cuts."""
-    enabled = torch.is_grad_enabled()
+    starts as ``enabled`` (a checkpointed body: the mode at its region's call) or as it is now, and
+    follows the graph's _set_grad_enabled calls; detach cuts. node.meta["customops_grad_mode"]:
+    the mode at each call."""
+    enabled = torch.is_grad_enabled() if enabled is None else enabled
     inputs = iter(inputs_grad)
     for node in graph.nodes:
         if node.op == "placeholder":
@@ -155,6 +157,7 @@ def _mark_requires_grad(graph: torch.fx.Graph, inputs_grad: list[bool]) -> None:
         elif node.target is torch._C._set_grad_enabled:
             enabled = bool(node.args[0])
         elif node.op == "call_function":
+            node.meta["customops_grad_mode"] = enabled
             grads = [a.meta.get("customops_grad", True) for a in node.all_input_nodes]
             node.meta["customops_grad"] = (enabled and any(grads)
                                            and node.target not in (aten.detach.default, aten.detach_.default))
@@ -545,13 +548,30 @@ def _causal_mask(mask: Any, masks: dict) -> bool:
         n = stack.pop()
         if n.op != "call_function" or not (isinstance(n.target, torch._ops.OpOverload) or n.target is operator.getitem):
             return False
-        if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable:
-            return False
+        if isinstance(n.target, torch._ops.OpOverload) and (
+                n.target._schema.is_mutable or torch.Tag.nondeterministic_seeded in n.target.tags):
+            return False  # an in-place op, or a random one (its value now says nothing of the next call's)
+        v = _val(n)
+        if isinstance(v, torch.Tensor) and (not all(isinstance(d, int) for d in v.shape)
+                                            or v.numel() > _MASK_MAX_ELEMENTS):
+            return False  # an intermediate too large (or of a size unknown) to compute here
         nodes.append(n)
         for a in n.all_input_nodes:
             if a not in seen:
                 seen.add(a)
                 stack.append(a)
+    # none of them (or a view of one) written in place later: the mask read is not the one computed
+    stack, aliases = list(nodes), set(nodes)
+    while stack:
+        for u in stack.pop().users:
+            t = u.target
+            if not isinstance(t, torch._ops.OpOverload):
+                continue
+            if t._schema.is_mutable:
+                return False
+            if any(r.alias_info is not None for r in t._schema.returns) and u not in aliases:
+                aliases.add(u)
+                stack.append(u)
     order = {n: i for i, n in enumerate(mask.graph.nodes)}
     sub = torch.fx.Graph()
     env: dict[Node, Node] = {}
@@ -560,14 +580,16 @@ def _causal_mask(mask: Any, masks: dict) -> bool:
     sub.output(env[mask])
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+    sq, sk = val.shape[-2:]
     try:
         with unset_fake_temporarily(), torch.no_grad():
             got = GraphModule({}, sub)()
-    except Exception:  # noqa: BLE001  (a mask that cannot be computed here stays SDPA's)
+            want = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
+            masks[mask] = bool(got.shape == val.shape and torch.equal(got.cpu(), want.expand(val.shape)))
+    except Exception as e:  # noqa: BLE001  (a mask that cannot be computed here stays SDPA's)
+        if isinstance(e, getattr(torch, "AcceleratorError", ())):
+            raise  # a device error is sticky: never hidden
         return False
-    sq, sk = val.shape[-2:]
-    want = torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
-    masks[mask] = bool(got.shape == val.shape and torch.equal(got.cpu(), want.expand(val.shape)))
     return masks[mask]
 
 
@@ -717,8 +739,8 @@ def rewrite(gm: GraphModule, example_inputs: list, *, attention: str = "sdpa") -
     Args:
         attention: What the graph's SDPA calls run, as ``customops.optimize``'s ``attention=``:
             ``"sdpa"`` (left as they are), ``"customops"`` (:func:`customops.attention` wherever
-            it computes the same attention: no mask or dropout, equal query and key lengths when
-            causal) or ``"auto"`` (per shape class, the faster of the two on the device, timed
+            it computes the same attention: no dropout, no mask but the causal one (a mask no
+            input feeds, evaluated here), equal query and key lengths when causal) or ``"auto"`` (per shape class, the faster of the two on the device, timed
             now if no call has yet; static shapes on CUDA only).
 
     Returns:
@@ -766,29 +788,39 @@ def rewrite(gm: GraphModule, example_inputs: list, *, attention: str = "sdpa") -
     return traced, report
 
 
-def _rewrite_graph(gm: GraphModule, inputs_grad: list[bool], attention: str, done: set) -> None:
+def _rewrite_graph(gm: GraphModule, inputs_grad: list[bool], attention: str, done: set,
+                   grad_mode: bool | None = None) -> None:
     """The passes on gm's graph, then on the body of each checkpointed region in it (a graph of its
     own, which Hugging Face's gradient checkpointing puts every decoder layer in), nested ones
-    too; a body's inputs require grad as the region's operands do."""
+    too; a body's inputs require grad as the region's operands do, and its grad mode starts as the
+    region's call has it."""
     graph = gm.graph
     _canonicalize(graph)
-    _mark_requires_grad(graph, inputs_grad)
+    _mark_requires_grad(graph, inputs_grad, grad_mode)
     for p in _PASSES:  # dead code goes after each (unused outputs' getitems hide a node's one use)
         p.apply(graph)
         if p is _rope_pass:
             _rope_apply(graph)
         graph.eliminate_dead_code()
+    # The regions' bodies, each once with what all the regions calling it pass: an input requires grad
+    # where any region's operand may, and is a causal mask where every region's operand is one.
+    calls: dict[int, tuple[GraphModule, list[Node]]] = {}
     for node in graph.find_nodes(op="call_function", target=torch.ops.higher_order.tag_activation_checkpoint):
         body = getattr(gm, node.args[0].target)
-        if id(body) not in done:  # a body two regions share is rewritten once
-            done.add(id(body))
-            if attention != "sdpa":  # a causal mask passed in is one in the body too
-                masks: dict[Node, bool] = {}
-                for ph, a in zip(body.graph.find_nodes(op="placeholder"), node.args[1:]):
-                    if _causal_mask(a, masks):
-                        ph.meta[_CAUSAL_MASK_KEY] = True
-            _rewrite_graph(body, [a.meta.get("customops_grad", True) if isinstance(a, Node) else True
-                                  for a in node.args[1:]], attention, done)
+        calls.setdefault(id(body), (body, []))[1].append(node)
+    masks: dict[Node, bool] = {}
+    for key, (body, nodes) in calls.items():
+        if key in done:
+            continue
+        done.add(key)
+        operands = list(zip(*(n.args[1:] for n in nodes)))  # per body input, what each region passes
+        if attention != "sdpa":
+            for ph, passed in zip(body.graph.find_nodes(op="placeholder"), operands):
+                if all(_causal_mask(a, masks) for a in passed):
+                    ph.meta[_CAUSAL_MASK_KEY] = True
+        _rewrite_graph(body, [any(a.meta.get("customops_grad", True) if isinstance(a, Node) else True for a in passed)
+                              for passed in operands], attention, done,
+                       any(n.meta.get("customops_grad_mode", torch.is_grad_enabled()) for n in nodes))
     if attention != "sdpa":
         _attention_apply(graph, attention)
         graph.eliminate_dead_code()  # the masks the calls no longer read

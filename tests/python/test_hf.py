@@ -682,6 +682,53 @@ def test_backend_attention_option_keeps_a_sliding_window_that_is_not_causal():
         torch.testing.assert_close(got, want, **tol(torch.float32))
 
 
+def test_backend_judges_a_mask_by_what_sdpa_reads_and_a_body_by_its_grad_mode():
+    # Review findings: a causal mask written in place afterwards (prefix-LM: the first keys seen by every
+    # query) and a random mask (its value now says nothing of the next call's) stay SDPA with eager's
+    # result; a checkpointed body entered under enable_grad inside no_grad keeps its RoPE with a cos
+    # that requires grad (the body's grad mode is the region's, not the caller's), and trains
+    from torch.utils.checkpoint import checkpoint
+
+    def prefix_lm(q, k, v):
+        m = torch.ones(8, 8, dtype=torch.bool).tril()
+        m[:, :3] = True
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    def dropped_keys(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=torch.rand(8, 8) < 2)  # all True, by chance or not
+
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    for fn in (prefix_lm, dropped_keys):
+        torch._dynamo.reset()
+        [r] = customops.explain(fn, q, k, v, print_report=False, attention="customops")
+        assert "customops.attention" not in r.customops_calls, (fn.__name__, r)
+    torch._dynamo.reset()
+    got = torch.compile(prefix_lm, backend="customops", options={"attention": "customops"})(q, k, v)
+    torch.testing.assert_close(got, prefix_lm(q, k, v), **tol(torch.float32))
+
+    freq = torch.nn.Parameter(torch.randn(8))
+
+    def body(x, freq):
+        ang = torch.arange(8, dtype=x.dtype)[:, None] * freq[None, :]
+        emb = torch.cat((ang, ang), -1)[None, None]
+        return x * emb.cos() + torch.cat((-x[..., 8:], x[..., :8]), dim=-1) * emb.sin()
+
+    def rotate(x):
+        with torch.enable_grad():
+            return checkpoint(body, x, freq, use_reentrant=False)
+
+    with torch.no_grad():
+        want = rotate(q)
+    want.sum().backward()
+    want_grad, freq.grad = freq.grad.clone(), None
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(rotate, backend="customops", fullgraph=True)(q)
+    got.sum().backward()
+    torch.testing.assert_close(got, want, **tol(torch.float32))
+    torch.testing.assert_close(freq.grad, want_grad, **tol(torch.float32))
+
+
 def test_backend_rewrites_inside_gradient_checkpointed_layers():
     # Hugging Face's gradient checkpointing puts each decoder layer in a checkpointed region, whose
     # body is a graph of its own: the norms, SwiGLU and RoPE in it are rewritten as outside, and a
