@@ -593,7 +593,7 @@ def _causal_mask(mask: Any, masks: dict) -> bool:
     return masks[mask]
 
 
-def _attention_apply(graph: torch.fx.Graph, policy: str) -> None:
+def _attention_apply(graph: torch.fx.Graph, policy: str, masks: dict) -> None:
     from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
     from . import _attention_choice
@@ -601,7 +601,6 @@ def _attention_apply(graph: torch.fx.Graph, policy: str) -> None:
     sdpa = aten.scaled_dot_product_attention.default
     schema = sdpa._schema.arguments
     defaults = {a.name: a.default_value for a in schema if a.has_default_value()}
-    masks: dict[Node, bool] = {}
     for node in list(graph.find_nodes(op="call_function", target=sdpa)):
         args = {**defaults, **dict(zip((a.name for a in schema), node.args)), **node.kwargs}
         q, k, v = args["query"], args["key"], args["value"]
@@ -822,7 +821,7 @@ def _rewrite_graph(gm: GraphModule, inputs_grad: list[bool], attention: str, don
                               for passed in operands], attention, done,
                        any(n.meta.get("customops_grad_mode", torch.is_grad_enabled()) for n in nodes))
     if attention != "sdpa":
-        _attention_apply(graph, attention)
+        _attention_apply(graph, attention, masks)  # (a mask judged for the bodies is not evaluated again)
         graph.eliminate_dead_code()  # the masks the calls no longer read
     graph.lint()
     gm.recompile()

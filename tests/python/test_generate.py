@@ -391,9 +391,10 @@ def test_cache_attention_cuda_merges_its_splits(monkeypatch, cluster, d, t, dtyp
     # Long caches at batches 1 and 3 give several splits a sequence, merged in a thread-block cluster on
     # sm_90 (at most 8 blocks, or 16) or by the merge kernel (CUSTOMOPS_CACHE_ATTENTION_CLUSTER=0, as before
     # sm_90); lengths that leave some splits without keys, and one out of range (NaN rows), in one batch.
-    monkeypatch.setenv("CUSTOMOPS_CACHE_ATTENTION_CLUSTER", cluster)
-    if not cluster:
-        monkeypatch.delenv("CUSTOMOPS_CACHE_ATTENTION_CLUSTER")
+    if cluster:
+        monkeypatch.setenv("CUSTOMOPS_CACHE_ATTENTION_CLUSTER", cluster)
+    else:
+        monkeypatch.delenv("CUSTOMOPS_CACHE_ATTENTION_CLUSTER", raising=False)
     g = torch.Generator().manual_seed(d + t)
     for lengths in ([4096], [3000, 70, 4097]):
         b = len(lengths)
