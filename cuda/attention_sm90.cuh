@@ -260,7 +260,7 @@ constexpr int kWsRows = 128, kWsKeys = 128, kWsThreads = 384, kWsStages = 2;
 
 template <int D>
 constexpr int sm90_ws_smem_bytes() {
-  return (kWsRows + 2 * kWsStages * kWsKeys) * D * 2 + 8 * (1 + 3 * kWsStages) + 1024;  // tiles, barriers, align
+  return (kWsRows + 2 * kWsStages * kWsKeys) * D * 2 + 8 * (1 + 4 * kWsStages) + 1024;  // tiles, barriers, align
 }
 
 template <typename T, int D, bool kCausal>
@@ -279,7 +279,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   const uint32_t full_q = bars;
   auto full_k = [&](int st) { return bars + 8 * (1 + st); };
   auto full_v = [&](int st) { return bars + 8 * (1 + kStages + st); };
-  auto empty = [&](int st) { return bars + 8 * (1 + 2 * kStages + st); };
+  // a stage's k and v are released apart: k once S = Q K^T is in, v once P V is
+  auto empty_k = [&](int st) { return bars + 8 * (1 + 2 * kStages + st); };
+  auto empty_v = [&](int st) { return bars + 8 * (1 + 3 * kStages + st); };
 
   const int wg = threadIdx.x / 128;
   const FwdBlock blk = fwd_block<kRows, kKeys, kCausal>(p);
@@ -289,7 +291,8 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     for (int st = 0; st < kStages; ++st) {
       tma::mbar_init(full_k(st), 1);
       tma::mbar_init(full_v(st), 1);
-      tma::mbar_init(empty(st), 256);  // every consumer thread, once its reads of the stage are done
+      tma::mbar_init(empty_k(st), 256);  // every consumer thread, once its reads of the tile are done
+      tma::mbar_init(empty_v(st), 256);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -306,12 +309,14 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     }
     for (int j = 0; j < nblocks; ++j) {
       const int st = j % kStages;
-      if (j >= kStages) tma::mbar_wait(empty(st), static_cast<uint32_t>((j / kStages - 1) & 1));
+      const auto phase = static_cast<uint32_t>((j / kStages - 1) & 1);
+      if (j >= kStages) tma::mbar_wait(empty_k(st), phase);
       tma::mbar_arrive_expect_tx(full_k(st), kKVBytes);
 #pragma unroll
       for (int pc = 0; pc < kPanels; ++pc) {
         tma::tensor_load_4d(k_base(st) + pc * kKeys * 128, &tk, pc * 64, j * kKeys, hk, b, full_k(st));
       }
+      if (j >= kStages) tma::mbar_wait(empty_v(st), phase);
       tma::mbar_arrive_expect_tx(full_v(st), kKVBytes);
 #pragma unroll
       for (int pc = 0; pc < kPanels; ++pc) {
@@ -355,25 +360,41 @@ __global__ void __launch_bounds__(kWsThreads, 1)
       wgmma<T, 1>(o, a[kk], sw128_desc(v_base(st) + kk * 16 * 128, kKeys * 128, 1024), 1);
     }
   };
-  for (int j = 0; j < nblocks; ++j) {
+  // Block 0 (S_0 only) before the loop, and no condition inside it: ptxas serializes every wgmma of
+  // a loop whose branches it cannot pair (an issue in one, its wait in another).
+  if (nblocks > 0) {
+    tma::mbar_wait(full_k(0), 0);
+    tma::named_sync(1 + c, kPair);
+    wgmma_fence();
+    issue_qk(0);
+    wgmma_commit();
+    if (!(c == 1 && nblocks == 1)) tma::named_arrive(2 - c, kPair);
+    wgmma_wait<0>();
+    wgmma_fence_operands(s);
+    tma::mbar_arrive(empty_k(0));
+    if (kKeys > p.sk || (kCausal && kKeys - 1 > m0 + shift)) {
+      mask_scores<kNT, kCausal>(s, m0 + warp_row, 0, p.sk, shift, lane);
+    }
+    float corr[2];
+    softmax_step(s, row_max, row_sum, corr, p.scale_log2);
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) accumulators_to_a<T>(a[kk], s[2 * kk], s[2 * kk + 1]);
+  }
+  for (int j = 1; j < nblocks; ++j) {
     const int st = j % kStages, prev = (j + kStages - 1) % kStages;
     tma::mbar_wait(full_k(st), static_cast<uint32_t>((j / kStages) & 1));
     tma::named_sync(1 + c, kPair);
     wgmma_fence();
     issue_qk(st);
     wgmma_commit();
-    if (j > 0) {
-      tma::mbar_wait(full_v(prev), static_cast<uint32_t>(((j - 1) / kStages) & 1));
-      issue_pv(prev);
-      wgmma_commit();
-    }
+    tma::mbar_wait(full_v(prev), static_cast<uint32_t>(((j - 1) / kStages) & 1));
+    wgmma_fence();
+    issue_pv(prev);
+    wgmma_commit();
     if (!(c == 1 && j == nblocks - 1)) tma::named_arrive(2 - c, kPair);
-    if (j > 0) {
-      wgmma_wait<1>();  // S_j is in; P_{j-1} V_{j-1} may still run
-    } else {
-      wgmma_wait<0>();
-    }
+    wgmma_wait<1>();  // S_j is in (k_j is free); P_{j-1} V_{j-1} may still run
     wgmma_fence_operands(s);
+    tma::mbar_arrive(empty_k(st));
     // Masked keys to -inf, the online softmax (probabilities in place).
     const int64_t n0 = int64_t(j) * kKeys;
     if (n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift)) {
@@ -381,11 +402,9 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     }
     float corr[2];
     softmax_step(s, row_max, row_sum, corr, p.scale_log2);
-    if (j > 0) {
-      wgmma_wait<0>();  // O has P_{j-1} V_{j-1}: stage prev is free, and a and O may change
-      wgmma_fence_operands(o);
-      tma::mbar_arrive(empty(prev));
-    }
+    wgmma_wait<0>();  // O has P_{j-1} V_{j-1}: v_{j-1} is free, and a and O may change
+    wgmma_fence_operands(o);
+    tma::mbar_arrive(empty_v(prev));
     scale_rows(o, corr);
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) accumulators_to_a<T>(a[kk], s[2 * kk], s[2 * kk + 1]);
