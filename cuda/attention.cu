@@ -27,6 +27,7 @@
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <torch/library.h>
@@ -471,6 +472,46 @@ bool use_sm90(const at::Tensor& q) {
 #endif
 }
 
+// The warp-specialized forward (attention_sm90_ws_kernel) in place of the wgmma one, for now only
+// with CUSTOMOPS_ATTENTION_WS=1 (until it is measured faster), where the TMA can read q, k and v.
+bool use_sm90_ws() {
+  const char* env = std::getenv("CUSTOMOPS_ATTENTION_WS");
+  return env != nullptr && std::string_view(env) == "1";
+}
+
+// A tensor map of t ([B, H, S, D], unit last stride) for the TMA: boxes of `rows` rows of 64
+// columns, swizzled by 128 bytes as the wgmma kernels' tiles are; nullopt where the TMA cannot read
+// t (an address or stride not a multiple of 16 bytes, or a shape the driver refuses).
+std::optional<CUtensorMap> tensor_map(const at::Tensor& t, int rows) {
+  static const auto encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    return found == cudaDriverEntryPointSuccess ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn) : nullptr;
+  }();
+  const auto es = static_cast<cuuint64_t>(t.element_size());
+  if (encode == nullptr || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0 || t.stride(3) != 1) return std::nullopt;
+  for (int i = 0; i < 3; ++i) {
+    if (t.stride(i) < 0 || (t.stride(i) * es) % 16 != 0) return std::nullopt;
+  }
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(t.size(3)), static_cast<cuuint64_t>(t.size(2)),
+                              static_cast<cuuint64_t>(t.size(1)), static_cast<cuuint64_t>(t.size(0))};
+  // a dimension of size 1 may have any stride: its own is then the next one's bytes
+  cuuint64_t strides[3];
+  for (int i = 0; i < 3; ++i) {
+    const int dim = 2 - i;  // S, H, B
+    strides[i] = t.size(dim) == 1 && i > 0 ? strides[i - 1] * dims[i] : static_cast<cuuint64_t>(t.stride(dim)) * es;
+  }
+  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(rows), 1, 1}, unit[4] = {1, 1, 1, 1};
+  CUtensorMap map{};
+  const CUresult r = encode(&map, t.scalar_type() == at::kHalf ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                            4, t.data_ptr(), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return std::nullopt;
+  return map;
+}
+
 // A kernel with `bytes` of dynamic shared memory (above the 48 KiB default) on the current stream.
 template <typename Kernel, typename Params>
 void launch(Kernel kernel, dim3 grid, int threads, int bytes, cudaStream_t stream, const Params& p) {
@@ -534,6 +575,21 @@ void attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   if (q.numel() == 0) return;
   const auto stream = at::cuda::getCurrentCUDAStream();
+  if (use_sm90(q) && use_sm90_ws()) {
+    const auto mq = tensor_map(q, kWsRows), mk = tensor_map(k, kWsKeys), mv = tensor_map(v, kWsKeys);
+    if (mq && mk && mv) {
+      const dim3 grid((p.sq + kWsRows - 1) / kWsRows, p.hq, q.size(0));
+      with_types(q, causal, [&](auto t, auto d, auto c) {
+        using T = decltype(t);
+        constexpr int D = decltype(d)::value;
+        auto kernel = attention_fwd_sm90_ws_kernel<T, D, decltype(c)::value>;
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sm90_ws_smem_bytes<D>()));
+        kernel<<<grid, kWsThreads, sm90_ws_smem_bytes<D>(), stream>>>(*mq, *mk, *mv, p);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+      return;
+    }
+  }
   if (use_sm90(q)) {
     const dim3 grid((p.sq + kSm90Rows - 1) / kSm90Rows, p.hq, q.size(0));
     with_types(q, causal, [&](auto t, auto d, auto c) {

@@ -22,6 +22,7 @@
 
 #include "attention.cuh"
 #include "cp_async.cuh"
+#include "tma.cuh"
 
 namespace customops::cuda::attention {
 
@@ -236,6 +237,187 @@ __global__ void __launch_bounds__(kSm90Threads, 1) attention_fwd_sm90_kernel(Fwd
   }
   if (nblocks == 0) cp_async_wait<0>();
 
+  store_rows<T>(o, row_max, row_sum, head_rows<T>(p.out, p.os, blk.b, blk.h), p.os[2],
+                p.lse + (blk.b * p.hq + blk.h) * p.sq, m0 + warp_row, p.sq, lane);
+#else
+  __trap();  // launched only on sm_90a builds for compute capability 9.0 (see the host side)
+#endif
+}
+
+
+// ---- forward, warp-specialized (FlashAttention-3's structure) ------------------------------------
+// Three warpgroups. The first produces: one thread loads the block's 128 query rows once and then
+// each key block's k and v through the tensor memory accelerator (TMA: tensor maps of q, k and v,
+// the 128-byte swizzle done by the copy, zeros past the edges) into a ring of kWsStages stages, on
+// mbarriers (full: the copy landed; empty: both consumers are done with the stage). The other two
+// consume, 64 query rows each, as the kernel above computes, but never meet at a block barrier, and
+// take turns on the tensor cores ("ping-pong", two named barriers): a warpgroup issues S_j = Q K_j^T
+// and O += P_{j-1} V_{j-1} back to back, lets the other issue its two, and computes the softmax of
+// S_j while the other's products run. P_{j-1} V_{j-1} in the same turn as Q K_j^T is the in-warpgroup
+// overlap: the softmax never waits for its own product of P and V. The producer gives up registers
+// (setmaxnreg) for the consumers' accumulators.
+constexpr int kWsRows = 128, kWsKeys = 128, kWsThreads = 384, kWsStages = 2;
+
+template <int D>
+constexpr int sm90_ws_smem_bytes() {
+  return (kWsRows + 2 * kWsStages * kWsKeys) * D * 2 + 8 * (1 + 4 * kWsStages) + 1024;  // tiles, barriers, align
+}
+
+template <typename T, int D, bool kCausal>
+__global__ void __launch_bounds__(kWsThreads, 1)
+    attention_fwd_sm90_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
+                                 const __grid_constant__ CUtensorMap tv, FwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kRows = kWsRows, kKeys = kWsKeys, kStages = kWsStages, kDT = D / 8, kNT = kKeys / 8;
+  constexpr int kPanels = D / 64;
+  constexpr uint32_t kQBytes = kRows * D * 2, kKVBytes = kKeys * D * 2;
+  extern __shared__ char smem[];
+  const uint32_t sq = (smem_addr(smem) + 1023) & ~1023u;
+  auto k_base = [&](int st) { return sq + kQBytes + st * 2 * kKVBytes; };
+  auto v_base = [&](int st) { return sq + kQBytes + st * 2 * kKVBytes + kKVBytes; };
+  const uint32_t bars = sq + kQBytes + kStages * 2 * kKVBytes;
+  const uint32_t full_q = bars;
+  auto full_k = [&](int st) { return bars + 8 * (1 + st); };
+  auto full_v = [&](int st) { return bars + 8 * (1 + kStages + st); };
+  // a stage's k and v are released apart: k once S = Q K^T is in, v once P V is
+  auto empty_k = [&](int st) { return bars + 8 * (1 + 2 * kStages + st); };
+  auto empty_v = [&](int st) { return bars + 8 * (1 + 3 * kStages + st); };
+
+  const int wg = threadIdx.x / 128;
+  const FwdBlock blk = fwd_block<kRows, kKeys, kCausal>(p);
+  const int nblocks = blk.nblocks;
+  if (threadIdx.x == 0) {
+    tma::mbar_init(full_q, 1);
+    for (int st = 0; st < kStages; ++st) {
+      tma::mbar_init(full_k(st), 1);
+      tma::mbar_init(full_v(st), 1);
+      tma::mbar_init(empty_k(st), 256);  // every consumer thread, once its reads of the tile are done
+      tma::mbar_init(empty_v(st), 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();  // the last block-wide barrier: the warpgroups part here
+
+  if (wg == 0) {  // the producer
+    tma::regs_down<40>();
+    if (threadIdx.x != 0 || nblocks == 0) return;  // (no copy in flight when the block exits)
+    const int b = static_cast<int>(blk.b), h = static_cast<int>(blk.h), hk = static_cast<int>(blk.hk);
+    tma::mbar_arrive_expect_tx(full_q, kQBytes);
+#pragma unroll
+    for (int pc = 0; pc < kPanels; ++pc) {
+      tma::tensor_load_4d(sq + pc * kRows * 128, &tq, pc * 64, static_cast<int>(blk.m0), h, b, full_q);
+    }
+    for (int j = 0; j < nblocks; ++j) {
+      const int st = j % kStages;
+      const auto phase = static_cast<uint32_t>((j / kStages - 1) & 1);
+      if (j >= kStages) tma::mbar_wait(empty_k(st), phase);
+      tma::mbar_arrive_expect_tx(full_k(st), kKVBytes);
+#pragma unroll
+      for (int pc = 0; pc < kPanels; ++pc) {
+        tma::tensor_load_4d(k_base(st) + pc * kKeys * 128, &tk, pc * 64, j * kKeys, hk, b, full_k(st));
+      }
+      if (j >= kStages) tma::mbar_wait(empty_v(st), phase);
+      tma::mbar_arrive_expect_tx(full_v(st), kKVBytes);
+#pragma unroll
+      for (int pc = 0; pc < kPanels; ++pc) {
+        tma::tensor_load_4d(v_base(st) + pc * kKeys * 128, &tv, pc * 64, j * kKeys, hk, b, full_v(st));
+      }
+    }
+    return;
+  }
+
+  tma::regs_up<232>();
+  const int c = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int64_t m0 = blk.m0, shift = blk.shift;
+  const int warp_row = c * 64 + warp * 16;  // this thread's rows: warp_row + lane / 4 (+ 8)
+  const uint32_t q_wg = sq + c * 64 * 128;  // this warpgroup's 64 rows of each q panel
+  // Turns on the tensor cores: named barrier 1 + c is this warpgroup's; the first consumer goes
+  // first. Each turn ends with an arrive on the other's barrier, but for the second's last (no turn
+  // of the first's follows it): both take nblocks turns, so every barrier's arrivals are matched.
+  constexpr uint32_t kPair = 256;
+  if (c == 1 && nblocks > 0) tma::named_arrive(1, kPair);
+
+  float o[kDT][4];
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  float row_max[2] = {-kInfF, -kInfF}, row_sum[2] = {0.f, 0.f};
+  uint32_t a[kKeys / 16][4];  // P of the last key block, 16-bit A fragments
+  float s[kNT][4];
+  if (nblocks > 0) tma::mbar_wait(full_q, 0);
+
+  auto issue_qk = [&](int st) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t off = (kk % 4) * 32;  // 16 columns into the panel
+      const uint64_t da = sw128_desc(q_wg + (kk / 4) * (kRows * 128) + off, 16, 1024);
+      const uint64_t db = sw128_desc(k_base(st) + (kk / 4) * (kKeys * 128) + off, 16, 1024);
+      wgmma<T, 0>(s, da, db, kk > 0);
+    }
+  };
+  auto issue_pv = [&](int st) {
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
+      wgmma<T, 1>(o, a[kk], sw128_desc(v_base(st) + kk * 16 * 128, kKeys * 128, 1024), 1);
+    }
+  };
+  // Block 0 (S_0 only) before the loop, and no condition inside it: ptxas serializes every wgmma of
+  // a loop whose branches it cannot pair (an issue in one, its wait in another).
+  if (nblocks > 0) {
+    tma::mbar_wait(full_k(0), 0);
+    tma::named_sync(1 + c, kPair);
+    wgmma_fence();
+    issue_qk(0);
+    wgmma_commit();
+    if (!(c == 1 && nblocks == 1)) tma::named_arrive(2 - c, kPair);
+    wgmma_wait<0>();
+    wgmma_fence_operands(s);
+    tma::mbar_arrive(empty_k(0));
+    if (kKeys > p.sk || (kCausal && kKeys - 1 > m0 + shift)) {
+      mask_scores<kNT, kCausal>(s, m0 + warp_row, 0, p.sk, shift, lane);
+    }
+    float corr[2];
+    softmax_step(s, row_max, row_sum, corr, p.scale_log2);
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) accumulators_to_a<T>(a[kk], s[2 * kk], s[2 * kk + 1]);
+  }
+  for (int j = 1; j < nblocks; ++j) {
+    const int st = j % kStages, prev = (j + kStages - 1) % kStages;
+    tma::mbar_wait(full_k(st), static_cast<uint32_t>((j / kStages) & 1));
+    tma::named_sync(1 + c, kPair);
+    wgmma_fence();
+    issue_qk(st);
+    wgmma_commit();
+    tma::mbar_wait(full_v(prev), static_cast<uint32_t>(((j - 1) / kStages) & 1));
+    wgmma_fence();
+    issue_pv(prev);
+    wgmma_commit();
+    if (!(c == 1 && j == nblocks - 1)) tma::named_arrive(2 - c, kPair);
+    wgmma_wait<1>();  // S_j is in (k_j is free); P_{j-1} V_{j-1} may still run
+    wgmma_fence_operands(s);
+    tma::mbar_arrive(empty_k(st));
+    // Masked keys to -inf, the online softmax (probabilities in place).
+    const int64_t n0 = int64_t(j) * kKeys;
+    if (n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift)) {
+      mask_scores<kNT, kCausal>(s, m0 + warp_row, n0, p.sk, shift, lane);
+    }
+    float corr[2];
+    softmax_step(s, row_max, row_sum, corr, p.scale_log2);
+    wgmma_wait<0>();  // O has P_{j-1} V_{j-1}: v_{j-1} is free, and a and O may change
+    wgmma_fence_operands(o);
+    tma::mbar_arrive(empty_v(prev));
+    scale_rows(o, corr);
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) accumulators_to_a<T>(a[kk], s[2 * kk], s[2 * kk + 1]);
+  }
+  if (nblocks > 0) {  // the last block's P V, outside the turns
+    const int last = (nblocks - 1) % kStages;
+    tma::mbar_wait(full_v(last), static_cast<uint32_t>(((nblocks - 1) / kStages) & 1));
+    wgmma_fence();
+    issue_pv(last);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(o);
+  }
   store_rows<T>(o, row_max, row_sum, head_rows<T>(p.out, p.os, blk.b, blk.h), p.os[2],
                 p.lse + (blk.b * p.hq + blk.h) * p.sq, m0 + warp_row, p.sq, lane);
 #else

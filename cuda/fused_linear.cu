@@ -33,6 +33,7 @@
 #include "cp_async.cuh"
 #include "elementwise.cuh"
 #include "pdl.cuh"
+#include "tma.cuh"
 #include "ops/fused_linear.h"
 
 namespace customops {
@@ -264,40 +265,11 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_kernel(GemvArgs<T> a) {
 // prologue.
 namespace tma {
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-// Waits until the barrier's phase with this parity has completed.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-// bytes (a multiple of 16, 16-byte aligned ends) global -> shared, completing on bar.
-__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
-                                          uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
-          dst),
-      "l"(src), "r"(bytes), "r"(bar), "l"(policy)
-      : "memory");
-}
+using cuda::tma::bulk_load;
+using cuda::tma::mbar_arrive;
+using cuda::tma::mbar_arrive_expect_tx;
+using cuda::tma::mbar_init;
+using cuda::tma::mbar_wait;
 
 __device__ __forceinline__ uint64_t evict_first() {
   uint64_t policy;

@@ -76,13 +76,13 @@ def test_matches_sdpa_and_reads_transposed_views_in_place(device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("forward", ["default", "sm80"])
+@pytest.mark.parametrize("forward", ["default", "sm80", "ws"])
 def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, monkeypatch):
     # The tensor-core kernel's shapes: grouped heads, lengths off the block sizes, Sq < Sk and
     # Sq > Sk (causal: rows that see no key), one query; q as a [B, S, H, D] view; lse's gradient.
-    # "sm80" keeps the mma.sync forward where the default is the wgmma one (H100, H200).
-    if forward == "sm80":
-        monkeypatch.setenv("CUSTOMOPS_ATTENTION_SM80", "1")
+    # "sm80" keeps the mma.sync forward where the default is the wgmma one (H100, H200); "ws" takes
+    # the warp-specialized wgmma one there.
+    _kernel("cuda", forward, monkeypatch)
     torch.manual_seed(0)
     for b, hq, hkv, sq, sk in [(2, 4, 2, 256, 256), (1, 3, 1, 100, 300), (1, 2, 2, 300, 100), (2, 2, 1, 1, 77)]:
         q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
@@ -125,12 +125,15 @@ KERNELS = [pytest.param(dev, dt, d, fwd, id=f"{dev}-{str(dt).removeprefix('torch
            for dt, d, fwd in ([(torch.float32, 8, "default"), (torch.bfloat16, 8, "default"), (torch.float64, 8, "default")]
                               if dev == "cpu" else
                               [(torch.bfloat16, 64, "default"), (torch.float16, 128, "default"),
-                               (torch.bfloat16, 64, "sm80"), (torch.float32, 64, "default")])]
+                               (torch.bfloat16, 64, "sm80"), (torch.bfloat16, 128, "ws"),
+                               (torch.float32, 64, "default")])]
 
 
 def _kernel(device, forward, monkeypatch):
     if forward == "sm80":
         monkeypatch.setenv("CUSTOMOPS_ATTENTION_SM80", "1")
+    elif forward == "ws":
+        monkeypatch.setenv("CUSTOMOPS_ATTENTION_WS", "1")
 
 
 @pytest.mark.parametrize("device, dtype, d, forward", KERNELS)
