@@ -125,6 +125,20 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
   const int split = blockIdx.x;
   const int64_t r0 = int64_t(blockIdx.y) * kRows;  // this block's first row of the kv head's rows
   const int64_t b = blockIdx.z / p.hkv, hk = blockIdx.z % p.hkv;
+  // q's rows (gathered from their heads and positions; padding rows zero) start loading before the
+  // length is read: the two reads overlap.
+  {
+#pragma unroll
+    for (int it = 0; it < kRows * (D / 8) / kThreads; ++it) {
+      const int idx = it * kThreads + threadIdx.x;
+      const int i = idx / (D / 8), c = idx % (D / 8);
+      const int64_t r = r0 + i;
+      const bool valid = r < p.rows;
+      const int64_t h = valid ? hk * p.group + r / p.t : 0, tq = valid ? r % p.t : 0;
+      const T* src = static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1] + tq * p.qs[2] + c * 8;
+      cp_async16(sq.at(i, c * 8), src, valid);
+    }
+  }
   const int64_t len = p.lengths[b];
   const int64_t total = int64_t(gridDim.z / p.hkv) * p.hq * p.t;  // rows of out: B * Hq * T
   // Whether this block writes out and lse (else a partial for the merge kernel).
@@ -153,6 +167,8 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
   };
 
   if (len < p.t || len > p.s) {  // no valid keys to read: NaN rows, which the merge keeps
+    cp_async_commit();  // (q's copies land before the block leaves)
+    cp_async_wait<0>();
     // (a cluster's blocks share the sequence, so all of them return here, and its first writes)
     if (kCluster && split != 0) return;
     const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -179,24 +195,12 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
       load_tile<kKeys, D, kThreads>(v_tile(j % kStages), vp, p.vs[2], first, k1);
     }
   };
-  if (nblocks > 0) {
-    // q's rows (gathered from their heads and positions; padding rows zero), then the first tiles,
-    // a commit group each (empty groups past the split's tiles keep the count the loop waits on).
+  // The first tiles, a commit group each (q's copies join the first; empty groups past the split's
+  // tiles keep the count the loop waits on).
 #pragma unroll
-    for (int it = 0; it < kRows * (D / 8) / kThreads; ++it) {
-      const int idx = it * kThreads + threadIdx.x;
-      const int i = idx / (D / 8), c = idx % (D / 8);
-      const int64_t r = r0 + i;
-      const bool valid = r < p.rows;
-      const int64_t h = valid ? hk * p.group + r / p.t : 0, tq = valid ? r % p.t : 0;
-      const T* src = static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1] + tq * p.qs[2] + c * 8;
-      cp_async16(sq.at(i, c * 8), src, valid);
-    }
-#pragma unroll
-    for (int j = 0; j < kStages - 1; ++j) {
-      load_kv(j);
-      cp_async_commit();
-    }
+  for (int j = 0; j < kStages - 1; ++j) {
+    load_kv(j);
+    cp_async_commit();
   }
 
   // q's A fragments stay in registers for D <= 128; at D = 256 they would spill (with o's 128
@@ -266,12 +270,14 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
   float* ml = mm + kWarps * kRows;
   float* fo = ml + kWarps * kRows;
   float* fl = fo + kRows * D;
+  const int valid = static_cast<int>(std::min<int64_t>(kRows, p.rows - r0));  // rows past it are padding
   static_assert((kWarps * kRows * (D + 2) + kRows * (D + 1)) * 4 <= ring_bytes(D, kStages), "the merge fits the ring");
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
     row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
     const int row = lane / 4 + r * 8;
+    if (row >= valid) continue;
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
       float* dst = mo + (warp * kRows + row) * D + dt * 8 + (lane % 4) * 2;
@@ -294,7 +300,7 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
       store(i, c, o, l, c == 0);
     }
   };
-  for (int idx = threadIdx.x; idx < kRows * D; idx += kThreads) {
+  for (int idx = threadIdx.x; idx < valid * D; idx += kThreads) {
     const int i = idx / D, c = idx % D;
     float m = -kInfF;
 #pragma unroll
@@ -323,7 +329,6 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
     const cg::cluster_group cluster = cg::this_cluster();
     cluster.sync();  // every block's result is in its shared memory
     const int n = static_cast<int>(cluster.num_blocks());
-    const int valid = static_cast<int>(std::min<int64_t>(kRows, p.rows - r0));
     for (int idx = split * kThreads + threadIdx.x; idx < valid * D; idx += n * kThreads) {
       const int i = idx / D, c = idx % D;
       float l[kMaxClusterSplits], v[kMaxClusterSplits];
