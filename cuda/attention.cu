@@ -1,6 +1,7 @@
 // The fused CUDA kernels of attention and _attention_backward (float16 and bfloat16, head dims 64
-// and 128, sm_80 and newer; on compute capability 9.0 the forward is attention_sm90.cuh's wgmma
-// kernel instead, see use_sm90): tensor cores through mma.sync m16n8k16 for every matmul, scores and
+// and 128, sm_80 and newer; on compute capability 9.0 the forward is attention_sm90.cuh's
+// warp-specialized wgmma kernel instead, which takes head dim 256 too, see use_sm90 and
+// use_sm90_ws; the backward at head dim 256 is the blocked one): tensor cores through mma.sync m16n8k16 for every matmul, scores and
 // probabilities in registers, an online softmax across key blocks, k and v read once per group of
 // query heads (grouped-query attention without repeating them). attention's CUDA kernels, registered
 // at the end, run them for the inputs attention_cuda_fused() accepts and the blocked ATen kernels
@@ -472,11 +473,13 @@ bool use_sm90(const at::Tensor& q) {
 #endif
 }
 
-// The warp-specialized forward (attention_sm90_ws_kernel) in place of the wgmma one, for now only
-// with CUSTOMOPS_ATTENTION_WS=1 (until it is measured faster), where the TMA can read q, k and v.
+// The warp-specialized forward (attention_fwd_sm90_ws_kernel) in place of the wgmma one where the
+// TMA can read q, k and v (1.3-1.4x the wgmma kernel's speed on an H100, head dims 64 and 128); the
+// only fused forward at head dim 256. CUSTOMOPS_ATTENTION_WS=0 keeps the wgmma one (the tests run
+// both).
 bool use_sm90_ws() {
   const char* env = std::getenv("CUSTOMOPS_ATTENTION_WS");
-  return env != nullptr && std::string_view(env) == "1";
+  return env == nullptr || std::string_view(env) != "0";
 }
 
 // A tensor map of t ([B, H, S, D], unit last stride) for the TMA: boxes of `rows` rows of 64
@@ -543,18 +546,49 @@ void with_types(const at::Tensor& q, bool causal, Fn&& fn) {
   }
 }
 
-// The fused kernels take float16 and bfloat16, head dims 64 and 128, a positive scale, sm_80 or
-// newer: whether they take q (k and v match it after check_attention).
-bool attention_cuda_fused(const at::Tensor& q, double scale) {
+// The fused kernels take float16 and bfloat16, head dims 64 and 128 (the forward 256 too, on the
+// warp-specialized kernel), a positive scale, sm_80 or newer: whether they take q (k and v match it
+// after check_attention).
+bool attention_cuda_fused(const at::Tensor& q, double scale, bool forward = false) {
   if (!q.is_cuda() || (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16)) return false;
-  if (q.size(3) != 64 && q.size(3) != 128) return false;
   if (!(scale > 0.0) || !std::isfinite(scale)) return false;
   if (q.size(0) > 65535 || q.size(1) > 65535) return false;
+  if (q.size(3) == 256) return forward && use_sm90(q) && use_sm90_ws();
+  if (q.size(3) != 64 && q.size(3) != 128) return false;
   return at::cuda::getDeviceProperties(q.get_device())->major >= 8;
 }
 
-// Writes out (q's sizes, unit last stride) and lse (contiguous float32 [B, Hq, Sq]).
-void attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, bool causal,
+// The warp-specialized forward of p at head dim D, where the TMA can read q, k and v: whether it ran.
+template <int D>
+bool attention_fwd_ws(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                      const FwdParams& p, cudaStream_t stream) {
+  const auto mq = tensor_map(q, kWsRows), mk = tensor_map(k, ws_keys<D>()), mv = tensor_map(v, ws_keys<D>());
+  if (!mq || !mk || !mv) return false;
+  const dim3 grid((p.sq + kWsRows - 1) / kWsRows, p.hq, q.size(0));
+  auto run = [&](auto t, auto c) {
+    auto kernel = attention_fwd_sm90_ws_kernel<decltype(t), D, decltype(c)::value>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sm90_ws_smem_bytes<D>()));
+    kernel<<<grid, kWsThreads, sm90_ws_smem_bytes<D>(), stream>>>(*mq, *mk, *mv, p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  auto with_causal = [&](auto t) {
+    if (causal) {
+      run(t, std::true_type{});
+    } else {
+      run(t, std::false_type{});
+    }
+  };
+  if (q.scalar_type() == at::kHalf) {
+    with_causal(__half{});
+  } else {
+    with_causal(__nv_bfloat16{});
+  }
+  return true;
+}
+
+// Writes out (q's sizes, unit last stride) and lse (contiguous float32 [B, Hq, Sq]); false where
+// no fused kernel takes the inputs (head dim 256 that the TMA cannot read), nothing written.
+bool attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, bool causal,
                         double scale, const at::Tensor& out, const at::Tensor& lse) {
   const c10::cuda::CUDAGuard guard(q_in.device());
   const at::Tensor q = readable(q_in), k = readable(k_in), v = readable(v_in);
@@ -573,21 +607,13 @@ void attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at
   p.sq = q.size(2);
   p.sk = k.size(2);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
-  if (q.numel() == 0) return;
+  if (q.numel() == 0) return true;
   const auto stream = at::cuda::getCurrentCUDAStream();
+  if (q.size(3) == 256) return attention_fwd_ws<256>(q, k, v, causal, p, stream);
   if (use_sm90(q) && use_sm90_ws()) {
-    const auto mq = tensor_map(q, kWsRows), mk = tensor_map(k, kWsKeys), mv = tensor_map(v, kWsKeys);
-    if (mq && mk && mv) {
-      const dim3 grid((p.sq + kWsRows - 1) / kWsRows, p.hq, q.size(0));
-      with_types(q, causal, [&](auto t, auto d, auto c) {
-        using T = decltype(t);
-        constexpr int D = decltype(d)::value;
-        auto kernel = attention_fwd_sm90_ws_kernel<T, D, decltype(c)::value>;
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sm90_ws_smem_bytes<D>()));
-        kernel<<<grid, kWsThreads, sm90_ws_smem_bytes<D>(), stream>>>(*mq, *mk, *mv, p);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
-      return;
+    if (q.size(3) == 64 ? attention_fwd_ws<64>(q, k, v, causal, p, stream)
+                        : attention_fwd_ws<128>(q, k, v, causal, p, stream)) {
+      return true;
     }
   }
   if (use_sm90(q)) {
@@ -598,7 +624,7 @@ void attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at
       launch(attention_fwd_sm90_kernel<T, D, kSm90Keys, decltype(c)::value>, grid, kSm90Threads,
              sm90_fwd_smem_bytes<D, kSm90Keys>(), stream, p);
     });
-    return;
+    return true;
   }
   const dim3 grid((p.sq + kFwdRows - 1) / kFwdRows, p.hq, q.size(0));
   with_types(q, causal, [&](auto t, auto d, auto c) {
@@ -607,6 +633,7 @@ void attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at
     launch(attention_fwd_kernel<T, D, kFwdRowTiles, kFwdKeys, decltype(c)::value>, grid, kFwdWarps * 32,
            fwd_smem_bytes<D, kFwdRowTiles, kFwdKeys>(), stream, p);
   });
+  return true;
 }
 
 // Writes dq, dk and dv (their inputs' sizes, unit last stride, 16-byte aligned rows).
@@ -693,9 +720,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
   auto [out, lse] = attention_outputs(q);
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   const double scale = attention_scale(scale_opt, q.size(3));
-  if (attention_cuda_fused(q, scale)) {
-    attention_fwd_cuda(q, k, v, causal, scale, out, lse);
-  } else {
+  if (!attention_cuda_fused(q, scale, /*forward=*/true) || !attention_fwd_cuda(q, k, v, causal, scale, out, lse)) {
     attention_blocked::forward(q, k, v, causal, scale, out, lse);
   }
   return {out, lse};

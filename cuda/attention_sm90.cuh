@@ -255,12 +255,25 @@ __global__ void __launch_bounds__(kSm90Threads, 1) attention_fwd_sm90_kernel(Fwd
 // and O += P_{j-1} V_{j-1} back to back, lets the other issue its two, and computes the softmax of
 // S_j while the other's products run. P_{j-1} V_{j-1} in the same turn as Q K_j^T is the in-warpgroup
 // overlap: the softmax never waits for its own product of P and V. The producer gives up registers
-// (setmaxnreg) for the consumers' accumulators.
-constexpr int kWsRows = 128, kWsKeys = 128, kWsThreads = 384, kWsStages = 2;
+// (setmaxnreg) for the consumers' accumulators. Head dims 64 and 128 take key blocks of 128; 256
+// takes 64 (its two stages of k and v, 128 KiB, and q, 64 KiB, fill a block's shared memory; its
+// O, 128 registers a thread, leaves room for S of 64 keys), its P V as two m64n128 halves of O.
+constexpr int kWsRows = 128, kWsThreads = 384, kWsStages = 2;
+template <int D>
+constexpr int ws_keys() {
+  return D == 256 ? 64 : 128;
+}
 
 template <int D>
 constexpr int sm90_ws_smem_bytes() {
-  return (kWsRows + 2 * kWsStages * kWsKeys) * D * 2 + 8 * (1 + 4 * kWsStages) + 1024;  // tiles, barriers, align
+  return (kWsRows + 2 * kWsStages * ws_keys<D>()) * D * 2 + 8 * (1 + 4 * kWsStages) + 1024;  // tiles, barriers, align
+}
+
+// Columns [128 h, 128 h + 128) of an m64 x D accumulator, as the m64n128 wgmma takes them.
+template <int H, int kDT>
+__device__ __forceinline__ float (&o_half(float (&o)[kDT][4]))[16][4] {
+  static_assert(kDT % 16 == 0 && H < kDT / 16, "a half of 128 columns");
+  return *reinterpret_cast<float(*)[16][4]>(&o[H * 16]);
 }
 
 template <typename T, int D, bool kCausal>
@@ -268,7 +281,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     attention_fwd_sm90_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                                  const __grid_constant__ CUtensorMap tv, FwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kRows = kWsRows, kKeys = kWsKeys, kStages = kWsStages, kDT = D / 8, kNT = kKeys / 8;
+  constexpr int kRows = kWsRows, kKeys = ws_keys<D>(), kStages = kWsStages, kDT = D / 8, kNT = kKeys / 8;
   constexpr int kPanels = D / 64;
   constexpr uint32_t kQBytes = kRows * D * 2, kKVBytes = kKeys * D * 2;
   extern __shared__ char smem[];
@@ -357,7 +370,12 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   auto issue_pv = [&](int st) {
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) {
-      wgmma<T, 1>(o, a[kk], sw128_desc(v_base(st) + kk * 16 * 128, kKeys * 128, 1024), 1);
+      if constexpr (D <= 128) {
+        wgmma<T, 1>(o, a[kk], sw128_desc(v_base(st) + kk * 16 * 128, kKeys * 128, 1024), 1);
+      } else {  // two m64n128 halves of O: v's panels 0-1 and 2-3
+        wgmma<T, 1>(o_half<0>(o), a[kk], sw128_desc(v_base(st) + kk * 16 * 128, kKeys * 128, 1024), 1);
+        wgmma<T, 1>(o_half<1>(o), a[kk], sw128_desc(v_base(st) + 2 * kKeys * 128 + kk * 16 * 128, kKeys * 128, 1024), 1);
+      }
     }
   };
   // Block 0 (S_0 only) before the loop, and no condition inside it: ptxas serializes every wgmma of

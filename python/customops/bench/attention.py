@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 
 import torch
 import torch.nn.functional as F
@@ -78,28 +77,10 @@ def _inputs(shape: Shape, device: str, requires_grad: bool):
     return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
 
 
-def _with_ws(fn):
-    """fn with the warp-specialized forward (CUSTOMOPS_ATTENTION_WS=1 for the call)."""
-    def call(*args):
-        old = os.environ.get("CUSTOMOPS_ATTENTION_WS")
-        os.environ["CUSTOMOPS_ATTENTION_WS"] = "1"
-        try:
-            return fn(*args)
-        finally:
-            if old is None:
-                del os.environ["CUSTOMOPS_ATTENTION_WS"]
-            else:
-                os.environ["CUSTOMOPS_ATTENTION_WS"] = old
-    return call
-
-
 def _functions(shape: Shape):
     gqa = {"enable_gqa": True} if shape.hq != shape.hkv else {}
-    fns = {"customops": lambda q, k, v: customops.attention(q, k, v, causal=shape.causal),
-           "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, **gqa)}
-    if os.environ.get("CUSTOMOPS_BENCH_WS") == "1":  # (while the warp-specialized forward is measured)
-        fns["customops_ws"] = _with_ws(fns["customops"])
-    return fns
+    return {"customops": lambda q, k, v: customops.attention(q, k, v, causal=shape.causal),
+            "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, **gqa)}
 
 
 def _row(shape: Shape, device: str, budget: timers.Budget) -> dict:
@@ -131,11 +112,7 @@ def _row(shape: Shape, device: str, budget: timers.Budget) -> dict:
             row[f"{mode}_{name}_ms"] = ms
             row[f"{mode}_{name}_tflops"] = n / (ms / 1e3) / 1e12
         row[f"{mode}_vs_sdpa"] = times["sdpa"]["median_ms"] / times["customops"]["median_ms"]
-        if "customops_ws" in times:
-            row[f"{mode}_ws_vs_sdpa"] = times["sdpa"]["median_ms"] / times["customops_ws"]["median_ms"]
     row["max_err_customops"], row["max_err_sdpa"] = err["customops"], err["sdpa"]
-    if "customops_ws" in err:
-        row["max_err_customops_ws"] = err["customops_ws"]
     return row
 
 
@@ -148,10 +125,7 @@ def run(args) -> dict:
         rows.append(_row(shape, device, budget))
         if not args.no_progress:
             r = rows[-1]
-            ws = (f"; warp-specialized forward {r['fwd_ws_vs_sdpa']:.2f}x ({r['fwd_customops_ws_tflops']:.0f} TFLOP/s), "
-                  f"forward+backward {r['fwd_bwd_ws_vs_sdpa']:.2f}x, max err {r['max_err_customops_ws']:.1e}"
-                  if "fwd_ws_vs_sdpa" in r else "")
-            print(f"... {shape}: forward {r['fwd_vs_sdpa']:.2f}x SDPA, forward+backward {r['fwd_bwd_vs_sdpa']:.2f}x{ws}",
+            print(f"... {shape}: forward {r['fwd_vs_sdpa']:.2f}x SDPA, forward+backward {r['fwd_bwd_vs_sdpa']:.2f}x",
                   flush=True)
         if device == "cuda":
             torch.cuda.empty_cache()
