@@ -94,7 +94,8 @@ def test_bench_attention_report(tmp_path):
     with TFLOP/s, the ratio to SDPA and the errors against SDPA in float32."""
     out = subprocess.run(
         [sys.executable, "-m", "customops", "bench", "--attention", "--device", "cpu", "--quick", "--no-progress",
-         "--shapes", "1,4,2,64,32,causal,float32", "1,2,2,48,16,full,bfloat16", "--json", "report.json"],
+         "--shapes", "1,4,2,64,32,causal,float32", "1,2,2,48,16,full,bfloat16", "--json", "report.json",
+         "--variant", "CUSTOMOPS_ATTENTION_WS=0,CUSTOMOPS_ATTENTION_SM80=1"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "target forward >= 1.0x SDPA" in out.stdout and "B1 Hq4 Hkv2 S64 D32 causal float32" in out.stdout
@@ -106,6 +107,11 @@ def test_bench_attention_report(tmp_path):
             assert r[f"{mode}_customops_ms"] > 0 and r[f"{mode}_sdpa_ms"] > 0
             assert r[f"{mode}_vs_sdpa"] == r[f"{mode}_sdpa_ms"] / r[f"{mode}_customops_ms"]
         assert r["max_err_customops"] < (1e-5 if r["dtype"] == "float32" else 5e-2), r
+        # the variant (environment switches of kernel paths) timed in the same run
+        name = "customops[CUSTOMOPS_ATTENTION_WS=0,CUSTOMOPS_ATTENTION_SM80=1]"
+        assert r[f"fwd_bwd_{name}_ms"] > 0 and r[f"max_err_{name}"] < (1e-5 if r["dtype"] == "float32" else 5e-2)
+        assert r[f"fwd_{name}_vs_sdpa"] == r["fwd_sdpa_ms"] / r[f"fwd_{name}_ms"]
+    assert f"{name}, in the same run:" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "customops", "bench", "--attention", "--shapes", "1,2,2,8"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "expected B,Hq,Hkv,S,D,causal|full,dtype" in bad.stderr, bad.stderr

@@ -7,13 +7,17 @@ plus head dims 64 and 256 and 16k-token sequences; each row gives both implement
 time, their TFLOP/s (the FlashAttention count: 4 B H S^2 D a forward, half of it causal, 2.5 times
 that a backward) and SDPA's time over customops' (above 1: customops is faster), and the largest
 error of each against SDPA in float32 on the same inputs. ``--shapes`` picks others:
-``B,Hq,Hkv,S,D,causal|full,dtype`` separated by spaces.
+``B,Hq,Hkv,S,D,causal|full,dtype`` separated by spaces. ``--variant VAR=VALUE[,VAR=VALUE]``
+(repeatable) also times customops with those environment variables set around its calls (the
+kernel paths' switches, e.g. ``CUSTOMOPS_ATTENTION_WS=0``), in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 
 import torch
 import torch.nn.functional as F
@@ -77,14 +81,50 @@ def _inputs(shape: Shape, device: str, requires_grad: bool):
     return tuple(t.requires_grad_(requires_grad) for t in (q, k, v))
 
 
-def _functions(shape: Shape):
+def parse_variant(text: str) -> dict[str, str]:
+    """``VAR=VALUE[,VAR=VALUE]`` -> {VAR: VALUE}."""
+    pairs = [item.partition("=") for item in text.split(",")]
+    if not all(name and sep for name, sep, _ in pairs):
+        raise argparse.ArgumentTypeError(f"expected VAR=VALUE[,VAR=VALUE], got {text!r}")
+    return {name: value for name, _, value in pairs}
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    old = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _with_environment(fn, env: dict[str, str]):
+    def call(*args):
+        with _environment(env):
+            return fn(*args)
+    return call
+
+
+def variant_name(env: dict[str, str]) -> str:
+    return "customops[" + ",".join(f"{k}={v}" for k, v in env.items()) + "]"
+
+
+def _functions(shape: Shape, variants: list[dict[str, str]] = ()):
     gqa = {"enable_gqa": True} if shape.hq != shape.hkv else {}
-    return {"customops": lambda q, k, v: customops.attention(q, k, v, causal=shape.causal),
-            "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, **gqa)}
+    fns = {"customops": lambda q, k, v: customops.attention(q, k, v, causal=shape.causal),
+           "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, **gqa)}
+    for env in variants:
+        fns[variant_name(env)] = _with_environment(fns["customops"], env)
+    return fns
 
 
-def _row(shape: Shape, device: str, budget: timers.Budget) -> dict:
-    fns = _functions(shape)
+def _row(shape: Shape, device: str, budget: timers.Budget, variants: list[dict[str, str]] = ()) -> dict:
+    fns = _functions(shape, variants)
     q, k, v = _inputs(shape, device, requires_grad=False)
     with torch.no_grad():
         # float32 SDPA with k and v repeated per query head: the memory-efficient kernel takes it (with
@@ -111,8 +151,12 @@ def _row(shape: Shape, device: str, budget: timers.Budget) -> dict:
             ms = times[name]["median_ms"]
             row[f"{mode}_{name}_ms"] = ms
             row[f"{mode}_{name}_tflops"] = n / (ms / 1e3) / 1e12
-        row[f"{mode}_vs_sdpa"] = times["sdpa"]["median_ms"] / times["customops"]["median_ms"]
-    row["max_err_customops"], row["max_err_sdpa"] = err["customops"], err["sdpa"]
+        for name in fns:
+            if name != "sdpa":  # customops' and each variant's: fwd_vs_sdpa, fwd_customops[...]_vs_sdpa
+                key = f"{mode}_vs_sdpa" if name == "customops" else f"{mode}_{name}_vs_sdpa"
+                row[key] = times["sdpa"]["median_ms"] / times[name]["median_ms"]
+    for name in fns:
+        row[f"max_err_{name}"] = err[name]
     return row
 
 
@@ -122,7 +166,7 @@ def run(args) -> dict:
     budget = timers.QUICK if args.quick else timers.FULL
     rows = []
     for shape in shapes:
-        rows.append(_row(shape, device, budget))
+        rows.append(_row(shape, device, budget, args.variant))
         if not args.no_progress:
             r = rows[-1]
             print(f"... {shape}: forward {r['fwd_vs_sdpa']:.2f}x SDPA, forward+backward {r['fwd_bwd_vs_sdpa']:.2f}x",
@@ -130,7 +174,8 @@ def run(args) -> dict:
         if device == "cuda":
             torch.cuda.empty_cache()
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    meta = {"device": name, "versions": versions(device), "timer": timers.timer_name(device)}
+    meta = {"device": name, "versions": versions(device), "timer": timers.timer_name(device),
+            "variants": [variant_name(env) for env in args.variant]}
     return {"meta": meta, "rows": rows}
 
 
@@ -153,6 +198,12 @@ def print_report(report: dict) -> None:
                       f"{r[f'{mode}_sdpa_ms']:8.3f}", tf(r[f"{mode}_sdpa_tflops"]), f"{r[f'{mode}_vs_sdpa']:7.2f}x"]
         cells += [f"{r['max_err_customops']:8.1e}", f"{r['max_err_sdpa']:8.1e}"]
         print(" ".join(cells))
+    for name in m.get("variants", []):
+        print(f"{name}, in the same run:")
+        for r in report["rows"]:
+            print(f"  {r['shape'].ljust(36)} forward {tf(r[f'fwd_{name}_tflops'])} TFLOP/s {r[f'fwd_{name}_vs_sdpa']:5.2f}x SDPA, "
+                  f"forward+backward {tf(r[f'fwd_bwd_{name}_tflops'])} TFLOP/s {r[f'fwd_bwd_{name}_vs_sdpa']:5.2f}x, "
+                  f"max err {r[f'max_err_{name}']:.1e}")
     for mode, label in (("fwd", "forward"), ("fwd_bwd", "forward+backward")):
         missed = [r["shape"] for r in report["rows"] if r[f"{mode}_vs_sdpa"] < 1.0]
         print(f"target {label} >= 1.0x SDPA: " + (f"missed at {len(missed)} of {len(report['rows'])} shapes"
@@ -165,6 +216,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--shapes", nargs="+", type=Shape.parse, metavar="B,Hq,Hkv,S,D,MASK,DTYPE",
                    help="shapes to time (default: the issue's table on CUDA, two small ones on CPU)")
+    p.add_argument("--variant", action="append", type=parse_variant, default=[], metavar="VAR=VALUE[,VAR=VALUE]",
+                   help="also time customops with these environment variables set around its calls (repeatable)")
     p.add_argument("--quick", action="store_true", help="a few repetitions (a smoke test)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
