@@ -15,9 +15,9 @@ kernel paths' switches, e.g. ``CUSTOMOPS_ATTENTION_WS=0``), in the same run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import os
+import unittest.mock
 
 import torch
 import torch.nn.functional as F
@@ -89,23 +89,9 @@ def parse_variant(text: str) -> dict[str, str]:
     return {name: value for name, _, value in pairs}
 
 
-@contextlib.contextmanager
-def _environment(env: dict[str, str]):
-    old = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def _with_environment(fn, env: dict[str, str]):
     def call(*args):
-        with _environment(env):
+        with unittest.mock.patch.dict(os.environ, env):
             return fn(*args)
     return call
 
