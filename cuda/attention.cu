@@ -44,6 +44,7 @@
 #include "attention.cuh"
 #include "attention_host.h"
 #include "attention_sm90.cuh"
+#include "attention_sm90_bwd.cuh"
 #include "cp_async.cuh"
 #include "ops/attention.h"
 #include "ops/layout.h"
@@ -227,21 +228,6 @@ __global__ void __launch_bounds__(256) attention_bwd_prep_kernel(PrepParams p) {
     }
   }
 }
-
-struct BwdParams {
-  const void* q;
-  const void* k;
-  const void* v;
-  const void* go;
-  const float* dt;    // [B, Hq, Sq_pad]
-  const float* lse2;  // [B, Hq, Sq_pad]
-  float* dq;          // contiguous float32 [B, Hq, Sq, D], zeroed; scale * dS K added
-  void* dk;
-  void* dv;
-  int64_t qs[3], ks[3], vs[3], gs[3], dks[3], dvs[3];
-  int64_t hq, group, sq, sk, sq_pad;
-  float scale, scale_log2;
-};
 
 template <int D, int kWarps>
 constexpr int bwd_smem_bytes() {
@@ -482,6 +468,13 @@ bool use_sm90_ws() {
   return env == nullptr || std::string_view(env) != "0";
 }
 
+// The wgmma backward (attention_sm90_bwd.cuh) on compute capability 9.0 with sm_90a code, for now
+// only with CUSTOMOPS_ATTENTION_BWD_SM90=1 (until it is measured against the mma.sync one).
+bool use_sm90_bwd(const at::Tensor& q) {
+  const char* env = std::getenv("CUSTOMOPS_ATTENTION_BWD_SM90");
+  return use_sm90(q) && env != nullptr && std::string_view(env) == "1";
+}
+
 // A tensor map of t ([B, H, S, D], unit last stride) for the TMA: boxes of `rows` rows of 64
 // columns, swizzled by 128 bytes as the wgmma kernels' tiles are; nullopt where the TMA cannot read
 // t (an address or stride not a multiple of 16 bytes, or a shape the driver refuses).
@@ -648,7 +641,8 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
   const int64_t sq_pad = (sq + kBwdRows - 1) / kBwdRows * kBwdRows;
   const auto f32 = q.options().dtype(at::kFloat);
   const at::Tensor dt = at::empty({bsz, hq, sq_pad}, f32), lse2 = at::empty({bsz, hq, sq_pad}, f32);
-  const at::Tensor dq_acc = at::zeros({bsz, hq, sq, d}, f32);
+  const bool sm90 = use_sm90_bwd(q);  // (which writes dq itself: no float32 accumulator)
+  const at::Tensor dq_acc = sm90 ? at::Tensor() : at::zeros({bsz, hq, sq, d}, f32);
   const at::Tensor lse_c = lse.contiguous();
   const at::Tensor glse = grad_lse.has_value() && grad_lse->defined() ? grad_lse->contiguous() : at::Tensor();
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -674,13 +668,15 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
   p.go = go.data_ptr();
   p.dt = pp.dt;
   p.lse2 = pp.lse2;
-  p.dq = dq_acc.data_ptr<float>();
+  p.dq = sm90 ? nullptr : dq_acc.data_ptr<float>();
+  p.dq_out = dq.data_ptr();
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
   strides_of(q, p.qs);
   strides_of(k, p.ks);
   strides_of(v, p.vs);
   strides_of(go, p.gs);
+  strides_of(dq, p.dqs);
   strides_of(dk, p.dks);
   strides_of(dv, p.dvs);
   p.hq = hq;
@@ -699,6 +695,25 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
       attention_bwd_prep_kernel<T, D><<<(threads + 255) / 256, 256, 0, stream>>>(pp);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
+  }
+  if (sm90) {
+    // (an empty batch or sequence: no grid, a zero grid dimension is a launch error; sk = 0 leaves
+    // dq to the dQ kernel, which writes zeros, and sq = 0 dk and dv to the other)
+    with_types(q, causal, [&](auto t, auto dd, auto c) {
+      using T = decltype(t);
+      constexpr int D = decltype(dd)::value;
+      if (sk > 0 && bsz > 0) {
+        launch(attention_bwd_dkdv_sm90_kernel<T, D, decltype(c)::value>,
+               dim3((sk + kSm90BwdKeys - 1) / kSm90BwdKeys, k.size(1), bsz), kSm90BwdThreads,
+               sm90_dkdv_smem_bytes<D>(), stream, p);
+      }
+      if (sq > 0 && bsz > 0) {
+        launch(attention_bwd_dq_sm90_kernel<T, D, decltype(c)::value>,
+               dim3((sq + kSm90DqRows - 1) / kSm90DqRows, hq, bsz), kSm90BwdThreads, sm90_dq_smem_bytes<D>(), stream,
+               p);
+      }
+    });
+    return;
   }
   if (sk > 0 && bsz > 0) {  // an empty batch: no grid (a zero grid dimension is a launch error)
     constexpr int kKeys = 16 * kBwdWarps;

@@ -147,6 +147,23 @@ struct FwdParams {
   float scale_log2;                 // scale * log2(e)
 };
 
+// ---- the backward's arguments (both backwards) ----------------------------------------------------
+struct BwdParams {
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* go;
+  const float* dt;    // [B, Hq, Sq_pad]
+  const float* lse2;  // [B, Hq, Sq_pad]
+  float* dq;          // the mma.sync backward's: contiguous float32 [B, Hq, Sq, D], zeroed; scale * dS K added
+  void* dq_out;       // the wgmma backward's: dq itself (q's sizes, unit last stride)
+  void* dk;
+  void* dv;
+  int64_t qs[3], ks[3], vs[3], gs[3], dqs[3], dks[3], dvs[3];
+  int64_t hq, group, sq, sk, sq_pad;
+  float scale, scale_log2;
+};
+
 // ---- the forward's row work (both forwards) -----------------------------------------------------
 // The (batch, head, query block) a forward block of kRows rows owns, and how many key blocks of
 // kKeys it walks (causal: only those its rows see; the last query blocks, which see the most keys,

@@ -1,0 +1,284 @@
+// The attention backward on Hopper's warpgroup MMA (wgmma, sm_90a), head dims 64 and 128: two
+// kernels after attention.cu's prep kernel (dt = rowsum(dO * out) - grad_lse and lse2 = lse *
+// log2(e), +inf for a row that saw no key), so that no gradient is accumulated across blocks:
+//
+// - dK, dV: a block of two warpgroups owns 128 keys of one (batch, kv head), 64 a warpgroup, with
+//   k and v in shared memory, and walks the query blocks (64 rows) of every query head of its group
+//   that see one of its keys, q, dO, lse2 and dt loading (cp.async, two stages) while the last are
+//   computed. Per query block a warpgroup computes S^T = K Q^T and dP^T = V dO^T (both operands
+//   K-major in shared memory, m64 x 64 queries), then P^T = exp2(S^T scale log2(e) - lse2) and
+//   dS^T = P^T (dP^T - dt) in registers, and adds dV += P^T dO and dK += dS^T Q with P^T and dS^T
+//   as register A fragments (the layout of an m64 accumulator is the A fragments' once packed) and
+//   dO and Q N-major from shared memory. dK and dV stay in registers over the whole walk and are
+//   written once (dK times the scale).
+// - dQ: a block of two warpgroups owns 128 query rows of one (batch, head), 64 a warpgroup, with q
+//   and dO in shared memory, and walks the key blocks (64 keys) its rows see: S = Q K^T, dP = dO V^T,
+//   P and dS as above, dQ += dS K (dS as A fragments, K N-major); dQ is written once, times the
+//   scale. S and dP are computed twice (here and above): 7 products instead of 5, and no float32
+//   dQ accumulator in memory, no atomics.
+//
+// Compiled only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL), launched where the forward's wgmma kernels
+// are (use_sm90 in attention.cu).
+#pragma once
+
+#include <cstdint>
+
+#include "attention.cuh"
+#include "attention_sm90.cuh"
+#include "cp_async.cuh"
+
+namespace customops::cuda::attention {
+
+constexpr int kSm90BwdKeys = 128, kSm90BwdRows = 64;  // dK, dV: keys a block, query rows a step
+constexpr int kSm90DqRows = 128, kSm90DqKeys = 64;    // dQ: query rows a block, keys a step
+constexpr int kSm90BwdThreads = 256;                  // two warpgroups
+
+template <int D>
+constexpr int sm90_dkdv_smem_bytes() {
+  // k, v: [128, D]; q, dO: two stages of [64, D]; lse2, dt: two stages of 64 floats; 1024 to align
+  return (2 * kSm90BwdKeys + 4 * kSm90BwdRows) * D * 2 + 4 * kSm90BwdRows * 4 + 1024;
+}
+template <int D>
+constexpr int sm90_dq_smem_bytes() {
+  // q, dO: [128, D]; k, v: two stages of [64, D]; 1024 to align
+  return (2 * kSm90DqRows + 4 * kSm90DqKeys) * D * 2 + 1024;
+}
+
+// acc * scale (a warp's 16 rows of an m64 x D accumulator, rows from row0) into rows below n of a
+// row-major matrix (row stride `stride`).
+template <typename T, int kDT>
+__device__ __forceinline__ void store_accumulator(const float (&acc)[kDT][4], float scale, T* base, int64_t stride,
+                                                  int64_t row0, int64_t n, int lane) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = row0 + lane / 4 + r * 8;
+    if (row >= n) continue;
+    T* dst = base + row * stride + (lane % 4) * 2;
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+      *reinterpret_cast<uint32_t*>(dst + dt * 8) = pack2<T>(acc[dt][2 * r] * scale, acc[dt][2 * r + 1] * scale);
+    }
+  }
+}
+
+// m64 x N (+)= A B over D with both operands K-major swizzled tiles: A a warpgroup's 64 rows at a
+// (panels kARows * 128 bytes apart), B kBRows rows at b.
+template <typename T, int D, int kARows, int kBRows, int N>
+__device__ __forceinline__ void wgmma_over_d(float (&d)[N][4], uint32_t a, uint32_t b) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint32_t off = (kk % 4) * 32;  // 16 columns into the panel
+    wgmma<T, 0>(d, sw128_desc(a + (kk / 4) * (kARows * 128) + off, 16, 1024),
+                sw128_desc(b + (kk / 4) * (kBRows * 128) + off, 16, 1024), kk > 0);
+  }
+}
+
+// d += A B with A the register fragments of kK / 16 k-steps and B a [kK, D] tile N-major.
+template <typename T, int kK, int N>
+__device__ __forceinline__ void wgmma_rs_n_major(float (&d)[N][4], const uint32_t (&a)[kK / 16][4], uint32_t b) {
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) wgmma<T, 1>(d, a[kk], sw128_desc(b + kk * 16 * 128, kK * 128, 1024), 1);
+}
+
+template <typename T, int D, bool kCausal>
+__global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_kernel(BwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kKeys = kSm90BwdKeys, kRows = kSm90BwdRows, kThreads = kSm90BwdThreads;
+  constexpr int kDT = D / 8, kNT = kRows / 8;
+  constexpr uint32_t kKBytes = kKeys * D * 2, kQBytes = kRows * D * 2;
+  extern __shared__ char smem[];
+  const uint32_t pad = ((smem_addr(smem) + 1023) & ~1023u) - smem_addr(smem);
+  const uint32_t sk = smem_addr(smem) + pad, sv = sk + kKBytes;
+  auto q_base = [&](int st) { return sv + kKBytes + st * 2 * kQBytes; };
+  auto g_base = [&](int st) { return sv + kKBytes + st * 2 * kQBytes + kQBytes; };
+  float* const stats = reinterpret_cast<float*>(smem + pad + 2 * kKBytes + 4 * kQBytes);  // [stage][lse2, dt][kRows]
+
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int64_t b = blockIdx.z, hk = blockIdx.y, n0 = int64_t(blockIdx.x) * kKeys;
+  const int64_t shift = p.sk - p.sq;
+  // The query blocks that see a key of this block (causal: rows from n0 - shift on), per head of
+  // the group; the walk goes head by head.
+  const int64_t m_first = kCausal ? std::max<int64_t>(0, n0 - shift) / kRows : 0;
+  const int64_t per_head = std::max<int64_t>(0, (p.sq + kRows - 1) / kRows - m_first);
+  const int64_t steps = per_head * p.group;
+
+  load_sw128<kKeys, D, kThreads>(sk, head_rows<const T>(p.k, p.ks, b, hk), p.ks[2], n0, p.sk);
+  load_sw128<kKeys, D, kThreads>(sv, head_rows<const T>(p.v, p.vs, b, hk), p.vs[2], n0, p.sk);
+  // Step i's q and dO rows and their lse2 and dt into stage st (rows past sq: zeros, and lse2 +inf
+  // and dt 0 from the prep kernel, whose rows run to a multiple of 64).
+  auto load_step = [&](int64_t i, int st) {
+    const int64_t h = hk * p.group + i / per_head, m0 = (m_first + i % per_head) * kRows;
+    load_sw128<kRows, D, kThreads>(q_base(st), head_rows<const T>(p.q, p.qs, b, h), p.qs[2], m0, p.sq);
+    load_sw128<kRows, D, kThreads>(g_base(st), head_rows<const T>(p.go, p.gs, b, h), p.gs[2], m0, p.sq);
+    if (threadIdx.x < kRows / 2) {  // 16 chunks of 4 floats each of lse2 and dt
+      const int which = threadIdx.x / (kRows / 4), c = threadIdx.x % (kRows / 4);
+      const float* src = (which == 0 ? p.lse2 : p.dt) + (b * p.hq + h) * p.sq_pad + m0 + c * 4;
+      cp_async16(smem_addr(stats + (st * 2 + which) * kRows + c * 4), src);
+    }
+  };
+  if (steps > 0) load_step(0, 0);
+  cp_async_commit();
+
+  float dk[kDT][4], dv[kDT][4];
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.f;
+  const int key_row = wg * 64 + warp * 16;  // this thread's keys: n0 + key_row + lane / 4 (+ 8)
+  const uint32_t k_wg = sk + wg * 64 * 128, v_wg = sv + wg * 64 * 128;  // this warpgroup's 64 rows of each panel
+
+  for (int64_t i = 0; i < steps; ++i) {
+    const int st = static_cast<int>(i & 1);
+    // Step i is in (and visible to wgmma), both warpgroups are done with step i - 1, whose stage
+    // takes step i + 1.
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    if (i + 1 < steps) {
+      load_step(i + 1, st ^ 1);
+      cp_async_commit();
+    }
+    const int64_t m0 = (m_first + i % per_head) * kRows;
+
+    float s[kNT][4], dp[kNT][4];
+    wgmma_fence();
+    wgmma_over_d<T, D, kKeys, kRows>(s, k_wg, q_base(st));   // S^T = K Q^T
+    wgmma_over_d<T, D, kKeys, kRows>(dp, v_wg, g_base(st));  // dP^T = V dO^T
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(s);
+    wgmma_fence_operands(dp);
+
+    // P^T and dS^T in place; column c is query m0 + c. Keys past sk, and (causal) past a query's
+    // limit, give 0 (where the block has such keys).
+    const float* lse2 = stats + st * 2 * kRows;
+    const float* dt = lse2 + kRows;
+    const bool masked = n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift);
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = nt * 8 + (lane % 4) * 2 + (e & 1);
+        float pr = exp2_nonpositive(fmaf(s[nt][e], p.scale_log2, -lse2[c]));
+        if (masked) {
+          const int64_t key = n0 + key_row + lane / 4 + (e >> 1) * 8;
+          if (key >= p.sk || (kCausal && key > m0 + c + shift)) pr = 0.f;
+        }
+        s[nt][e] = pr;
+        dp[nt][e] = pr * (dp[nt][e] - dt[c]);
+      }
+    uint32_t pa[kRows / 16][4], da[kRows / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < kRows / 16; ++kk) {
+      accumulators_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
+      accumulators_to_a<T>(da[kk], dp[2 * kk], dp[2 * kk + 1]);
+    }
+    wgmma_fence();
+    wgmma_rs_n_major<T, kRows>(dv, pa, g_base(st));  // dV += P^T dO
+    wgmma_rs_n_major<T, kRows>(dk, da, q_base(st));  // dK += dS^T Q
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(dv);
+    wgmma_fence_operands(dk);
+  }
+  cp_async_wait<0>();  // (no step: k and v may still be landing)
+
+  store_accumulator<T>(dk, p.scale, head_rows<T>(p.dk, p.dks, b, hk), p.dks[2], n0 + key_row, p.sk, lane);
+  store_accumulator<T>(dv, 1.f, head_rows<T>(p.dv, p.dvs, b, hk), p.dvs[2], n0 + key_row, p.sk, lane);
+#else
+  __trap();  // launched only on sm_90a builds for compute capability 9.0 (see the host side)
+#endif
+}
+
+template <typename T, int D, bool kCausal>
+__global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dq_sm90_kernel(BwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kRows = kSm90DqRows, kKeys = kSm90DqKeys, kThreads = kSm90BwdThreads;
+  constexpr int kDT = D / 8, kNT = kKeys / 8;
+  constexpr uint32_t kQBytes = kRows * D * 2, kKBytes = kKeys * D * 2;
+  extern __shared__ char smem[];
+  const uint32_t sq = (smem_addr(smem) + 1023) & ~1023u, sg = sq + kQBytes;
+  auto k_base = [&](int st) { return sg + kQBytes + st * 2 * kKBytes; };
+  auto v_base = [&](int st) { return sg + kQBytes + st * 2 * kKBytes + kKBytes; };
+
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / p.group;
+  // (causal: the last query blocks, which see the most keys, start first)
+  const int64_t m0 = (kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * int64_t(kRows);
+  const int64_t shift = p.sk - p.sq;
+  const int64_t key_end = kCausal ? std::min<int64_t>(p.sk, m0 + kRows + shift) : p.sk;
+  const int nblocks = key_end > 0 ? static_cast<int>((key_end + kKeys - 1) / kKeys) : 0;
+  const T* k = head_rows<const T>(p.k, p.ks, b, hk);
+  const T* v = head_rows<const T>(p.v, p.vs, b, hk);
+
+  load_sw128<kRows, D, kThreads>(sq, head_rows<const T>(p.q, p.qs, b, h), p.qs[2], m0, p.sq);
+  load_sw128<kRows, D, kThreads>(sg, head_rows<const T>(p.go, p.gs, b, h), p.gs[2], m0, p.sq);
+  if (nblocks > 0) {
+    load_sw128<kKeys, D, kThreads>(k_base(0), k, p.ks[2], 0, p.sk);
+    load_sw128<kKeys, D, kThreads>(v_base(0), v, p.vs[2], 0, p.sk);
+  }
+  cp_async_commit();
+
+  const int warp_row = wg * 64 + warp * 16;  // this thread's rows: m0 + warp_row + lane / 4 (+ 8)
+  float lse2[2], dt[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = m0 + warp_row + lane / 4 + r * 8;
+    const int64_t at = (b * p.hq + h) * p.sq_pad + row;
+    lse2[r] = row < p.sq ? p.lse2[at] : kInfF;
+    dt[r] = row < p.sq ? p.dt[at] : 0.f;
+  }
+  float dq[kDT][4];
+#pragma unroll
+  for (int d = 0; d < kDT; ++d) dq[d][0] = dq[d][1] = dq[d][2] = dq[d][3] = 0.f;
+  const uint32_t q_wg = sq + wg * 64 * 128, g_wg = sg + wg * 64 * 128;
+
+  for (int j = 0; j < nblocks; ++j) {
+    const int st = j & 1;
+    cp_async_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+    if (j + 1 < nblocks) {
+      load_sw128<kKeys, D, kThreads>(k_base(st ^ 1), k, p.ks[2], int64_t(j + 1) * kKeys, p.sk);
+      load_sw128<kKeys, D, kThreads>(v_base(st ^ 1), v, p.vs[2], int64_t(j + 1) * kKeys, p.sk);
+      cp_async_commit();
+    }
+    float s[kNT][4], dp[kNT][4];
+    wgmma_fence();
+    wgmma_over_d<T, D, kRows, kKeys>(s, q_wg, k_base(st));   // S = Q K^T
+    wgmma_over_d<T, D, kRows, kKeys>(dp, g_wg, v_base(st));  // dP = dO V^T
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(s);
+    wgmma_fence_operands(dp);
+
+    const int64_t n0 = int64_t(j) * kKeys;
+    if (n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift)) {
+      mask_scores<kNT, kCausal>(s, m0 + warp_row, n0, p.sk, shift, lane);
+    }
+    uint32_t da[kKeys / 16][4];
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        const float pr = exp2_nonpositive(fmaf(s[nt][e], p.scale_log2, -lse2[r]));
+        dp[nt][e] = pr * (dp[nt][e] - dt[r]);
+      }
+#pragma unroll
+    for (int kk = 0; kk < kKeys / 16; ++kk) accumulators_to_a<T>(da[kk], dp[2 * kk], dp[2 * kk + 1]);
+    wgmma_fence();
+    wgmma_rs_n_major<T, kKeys>(dq, da, k_base(st));  // dQ += dS K
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_operands(dq);
+  }
+  cp_async_wait<0>();
+
+  store_accumulator<T>(dq, p.scale, head_rows<T>(p.dq_out, p.dqs, b, h), p.dqs[2], m0 + warp_row, p.sq, lane);
+#else
+  __trap();
+#endif
+}
+
+}  // namespace customops::cuda::attention
