@@ -181,6 +181,8 @@ __global__ void __launch_bounds__(kFwdWarps * 32) attention_fwd_kernel(FwdParams
 
 // ---- backward -----------------------------------------------------------------------------------
 constexpr int kBwdRows = 64;  // query rows per step
+// (the prep kernel's rows, padded to kBwdRows, are whole query blocks of the wgmma backward too)
+static_assert(kBwdRows % kSm90BwdRows == 0, "the wgmma backward reads lse2 and dt in blocks of its rows");
 
 // dt = rowsum(dO * out) - grad_lse and lse2 = lse * log2(e) (+inf for a row that saw no key, so
 // its probabilities are 0), both [B, Hq, Sq_pad] with padding rows dt = 0, lse2 = +inf.
@@ -707,7 +709,7 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
                dim3((sk + kSm90BwdKeys - 1) / kSm90BwdKeys, k.size(1), bsz), kSm90BwdThreads,
                sm90_dkdv_smem_bytes<D>(), stream, p);
       }
-      if (sq > 0 && bsz > 0) {
+      if (sq > 0 && hq > 0 && bsz > 0) {
         launch(attention_bwd_dq_sm90_kernel<T, D, decltype(c)::value>,
                dim3((sq + kSm90DqRows - 1) / kSm90DqRows, hq, bsz), kSm90BwdThreads, sm90_dq_smem_bytes<D>(), stream,
                p);

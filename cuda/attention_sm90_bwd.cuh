@@ -140,17 +140,19 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_ke
     }
     const int64_t m0 = (m_first + i % per_head) * kRows;
 
+    // Four commit groups, each waited for as late as its result is needed: P^T is computed while
+    // dP^T runs, dS^T while dV's product does.
     float s[kNT][4], dp[kNT][4];
     wgmma_fence();
-    wgmma_over_d<T, D, kKeys, kRows>(s, k_wg, q_base(st));   // S^T = K Q^T
+    wgmma_over_d<T, D, kKeys, kRows>(s, k_wg, q_base(st));  // S^T = K Q^T
+    wgmma_commit();
     wgmma_over_d<T, D, kKeys, kRows>(dp, v_wg, g_base(st));  // dP^T = V dO^T
     wgmma_commit();
-    wgmma_wait<0>();
+    wgmma_wait<1>();
     wgmma_fence_operands(s);
-    wgmma_fence_operands(dp);
 
-    // P^T and dS^T in place; column c is query m0 + c. Keys past sk, and (causal) past a query's
-    // limit, give 0 (where the block has such keys).
+    // P^T in place; column c is query m0 + c. Keys past sk, and (causal) past a query's limit,
+    // give 0 (where the block has such keys).
     const float* lse2 = stats + st * 2 * kRows;
     const float* dt = lse2 + kRows;
     const bool masked = n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift);
@@ -165,16 +167,23 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_ke
           if (key >= p.sk || (kCausal && key > m0 + c + shift)) pr = 0.f;
         }
         s[nt][e] = pr;
-        dp[nt][e] = pr * (dp[nt][e] - dt[c]);
       }
     uint32_t pa[kRows / 16][4], da[kRows / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < kRows / 16; ++kk) {
-      accumulators_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
-      accumulators_to_a<T>(da[kk], dp[2 * kk], dp[2 * kk + 1]);
-    }
+    for (int kk = 0; kk < kRows / 16; ++kk) accumulators_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
     wgmma_fence();
     wgmma_rs_n_major<T, kRows>(dv, pa, g_base(st));  // dV += P^T dO
+    wgmma_commit();
+    wgmma_wait<1>();  // dP^T is in (dV's product may still run)
+    wgmma_fence_operands(dp);
+    // dS^T = P^T (dP^T - dt) in place
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - dt[nt * 8 + (lane % 4) * 2 + (e & 1)]);
+#pragma unroll
+    for (int kk = 0; kk < kRows / 16; ++kk) accumulators_to_a<T>(da[kk], dp[2 * kk], dp[2 * kk + 1]);
+    wgmma_fence();
     wgmma_rs_n_major<T, kRows>(dk, da, q_base(st));  // dK += dS^T Q
     wgmma_commit();
     wgmma_wait<0>();
@@ -243,28 +252,31 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dq_sm90_kern
       load_sw128<kKeys, D, kThreads>(v_base(st ^ 1), v, p.vs[2], int64_t(j + 1) * kKeys, p.sk);
       cp_async_commit();
     }
+    // P is computed while dP's product runs.
     float s[kNT][4], dp[kNT][4];
     wgmma_fence();
-    wgmma_over_d<T, D, kRows, kKeys>(s, q_wg, k_base(st));   // S = Q K^T
+    wgmma_over_d<T, D, kRows, kKeys>(s, q_wg, k_base(st));  // S = Q K^T
+    wgmma_commit();
     wgmma_over_d<T, D, kRows, kKeys>(dp, g_wg, v_base(st));  // dP = dO V^T
     wgmma_commit();
-    wgmma_wait<0>();
+    wgmma_wait<1>();
     wgmma_fence_operands(s);
-    wgmma_fence_operands(dp);
 
     const int64_t n0 = int64_t(j) * kKeys;
     if (n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift)) {
       mask_scores<kNT, kCausal>(s, m0 + warp_row, n0, p.sk, shift, lane);
     }
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = exp2_nonpositive(fmaf(s[nt][e], p.scale_log2, -lse2[e >> 1]));
+    wgmma_wait<0>();
+    wgmma_fence_operands(dp);
     uint32_t da[kKeys / 16][4];
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1;
-        const float pr = exp2_nonpositive(fmaf(s[nt][e], p.scale_log2, -lse2[r]));
-        dp[nt][e] = pr * (dp[nt][e] - dt[r]);
-      }
+      for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - dt[e >> 1]);
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) accumulators_to_a<T>(da[kk], dp[2 * kk], dp[2 * kk + 1]);
     wgmma_fence();

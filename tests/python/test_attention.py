@@ -140,6 +140,8 @@ def _kernel(device, forward, monkeypatch):
     elif forward == "wgmma":
         monkeypatch.setenv("CUSTOMOPS_ATTENTION_WS", "0")
     elif forward == "wgmma-bwd":
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the wgmma backward runs on compute capability 9.0 only")
         monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_SM90", "1")
 
 
