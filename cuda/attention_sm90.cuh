@@ -147,6 +147,27 @@ __device__ __forceinline__ void load_sw128(uint32_t base, const T* src, int64_t 
   }
 }
 
+// ---- products over swizzled tiles (the forwards' and the backward's) -----------------------------
+// d (m64 x 8 kNT) = A B^T over D with both operands K-major swizzled tiles: A a warpgroup's 64 rows
+// at a (panels kARows * 128 bytes apart), B 8 kNT rows at b (panels kBRows * 128 bytes apart).
+template <typename T, int D, int kARows, int kBRows, int kNT>
+__device__ __forceinline__ void wgmma_over_d(float (&d)[kNT][4], uint32_t a, uint32_t b) {
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const uint32_t off = (kk % 4) * 32;  // 16 columns into the panel
+    wgmma<T, 0>(d, sw128_desc(a + (kk / 4) * (kARows * 128) + off, 16, 1024),
+                sw128_desc(b + (kk / 4) * (kBRows * 128) + off, 16, 1024), kk > 0);
+  }
+}
+
+// d (m64 x 8 kNT) += A B with A the register fragments of kK / 16 k-steps and B the first 8 kNT
+// columns from b of a [kK, D] tile, N-major.
+template <typename T, int kK, int kNT>
+__device__ __forceinline__ void wgmma_rs_n_major(float (&d)[kNT][4], const uint32_t (&a)[kK / 16][4], uint32_t b) {
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) wgmma<T, 1>(d, a[kk], sw128_desc(b + kk * 16 * 128, kK * 128, 1024), 1);
+}
+
 // ---- forward ------------------------------------------------------------------------------------
 constexpr int kSm90Rows = 128, kSm90Threads = 256;  // two warpgroups of 64 query rows
 
@@ -202,13 +223,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) attention_fwd_sm90_kernel(Fwd
     // s = q k^T over this key block: q and k K-major in shared memory, 16 columns of D a step.
     float s[kNT][4];
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t off = (kk % 4) * 32;  // 16 columns into the panel
-      const uint64_t da = sw128_desc(q_wg + (kk / 4) * (kRows * 128) + off, 16, 1024);
-      const uint64_t db = sw128_desc(k_base(stage) + (kk / 4) * (kKeys * 128) + off, 16, 1024);
-      wgmma<T, 0>(s, da, db, kk > 0);
-    }
+    wgmma_over_d<T, D, kRows, kKeys>(s, q_wg, k_base(stage));
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operands(s);
@@ -227,10 +242,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) attention_fwd_sm90_kernel(Fwd
 #pragma unroll
     for (int kk = 0; kk < kKeys / 16; ++kk) accumulators_to_a<T>(a[kk], s[2 * kk], s[2 * kk + 1]);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {
-      wgmma<T, 1>(o, a[kk], sw128_desc(v_base(stage) + kk * 16 * 128, kKeys * 128, 1024), 1);
-    }
+    wgmma_rs_n_major<T, kKeys>(o, a, v_base(stage));
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operands(o);
@@ -358,24 +370,13 @@ __global__ void __launch_bounds__(kWsThreads, 1)
   float s[kNT][4];
   if (nblocks > 0) tma::mbar_wait(full_q, 0);
 
-  auto issue_qk = [&](int st) {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t off = (kk % 4) * 32;  // 16 columns into the panel
-      const uint64_t da = sw128_desc(q_wg + (kk / 4) * (kRows * 128) + off, 16, 1024);
-      const uint64_t db = sw128_desc(k_base(st) + (kk / 4) * (kKeys * 128) + off, 16, 1024);
-      wgmma<T, 0>(s, da, db, kk > 0);
-    }
-  };
+  auto issue_qk = [&](int st) { wgmma_over_d<T, D, kRows, kKeys>(s, q_wg, k_base(st)); };
   auto issue_pv = [&](int st) {
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) {
-      if constexpr (D <= 128) {
-        wgmma<T, 1>(o, a[kk], sw128_desc(v_base(st) + kk * 16 * 128, kKeys * 128, 1024), 1);
-      } else {  // two m64n128 halves of O: v's panels 0-1 and 2-3
-        wgmma<T, 1>(o_half<0>(o), a[kk], sw128_desc(v_base(st) + kk * 16 * 128, kKeys * 128, 1024), 1);
-        wgmma<T, 1>(o_half<1>(o), a[kk], sw128_desc(v_base(st) + 2 * kKeys * 128 + kk * 16 * 128, kKeys * 128, 1024), 1);
-      }
+    if constexpr (D <= 128) {
+      wgmma_rs_n_major<T, kKeys>(o, a, v_base(st));
+    } else {  // two m64n128 halves of O: v's panels 0-1 and 2-3
+      wgmma_rs_n_major<T, kKeys>(o_half<0>(o), a, v_base(st));
+      wgmma_rs_n_major<T, kKeys>(o_half<1>(o), a, v_base(st) + 2 * kKeys * 128);
     }
   };
   // Block 0 (S_0 only) before the loop, and no condition inside it: ptxas serializes every wgmma of

@@ -61,25 +61,6 @@ __device__ __forceinline__ void store_accumulator(const float (&acc)[kDT][4], fl
   }
 }
 
-// m64 x N (+)= A B over D with both operands K-major swizzled tiles: A a warpgroup's 64 rows at a
-// (panels kARows * 128 bytes apart), B kBRows rows at b.
-template <typename T, int D, int kARows, int kBRows, int N>
-__device__ __forceinline__ void wgmma_over_d(float (&d)[N][4], uint32_t a, uint32_t b) {
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const uint32_t off = (kk % 4) * 32;  // 16 columns into the panel
-    wgmma<T, 0>(d, sw128_desc(a + (kk / 4) * (kARows * 128) + off, 16, 1024),
-                sw128_desc(b + (kk / 4) * (kBRows * 128) + off, 16, 1024), kk > 0);
-  }
-}
-
-// d += A B with A the register fragments of kK / 16 k-steps and B a [kK, D] tile N-major.
-template <typename T, int kK, int N>
-__device__ __forceinline__ void wgmma_rs_n_major(float (&d)[N][4], const uint32_t (&a)[kK / 16][4], uint32_t b) {
-#pragma unroll
-  for (int kk = 0; kk < kK / 16; ++kk) wgmma<T, 1>(d, a[kk], sw128_desc(b + kk * 16 * 128, kK * 128, 1024), 1);
-}
-
 template <typename T, int D, bool kCausal>
 __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_kernel(BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
