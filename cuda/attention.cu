@@ -554,16 +554,18 @@ bool attention_cuda_fused(const at::Tensor& q, double scale, bool forward = fals
 }
 
 // The warp-specialized forward of p at head dim D, where the TMA can read q, k and v: whether it ran.
-template <int D>
+// kConsumers warpgroups of 64 query rows a block.
+template <int D, int kConsumers = 2>
 bool attention_fwd_ws(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                       const FwdParams& p, cudaStream_t stream) {
-  const auto mq = tensor_map(q, kWsRows), mk = tensor_map(k, ws_keys<D>()), mv = tensor_map(v, ws_keys<D>());
+  constexpr int kRows = ws_rows(kConsumers), kSmem = sm90_ws_smem_bytes<D, kConsumers>();
+  const auto mq = tensor_map(q, kRows), mk = tensor_map(k, ws_keys<D>()), mv = tensor_map(v, ws_keys<D>());
   if (!mq || !mk || !mv) return false;
-  const dim3 grid((p.sq + kWsRows - 1) / kWsRows, p.hq, q.size(0));
+  const dim3 grid((p.sq + kRows - 1) / kRows, p.hq, q.size(0));
   auto run = [&](auto t, auto c) {
-    auto kernel = attention_fwd_sm90_ws_kernel<decltype(t), D, decltype(c)::value>;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, sm90_ws_smem_bytes<D>()));
-    kernel<<<grid, kWsThreads, sm90_ws_smem_bytes<D>(), stream>>>(*mq, *mk, *mv, p);
+    auto kernel = attention_fwd_sm90_ws_kernel<decltype(t), D, decltype(c)::value, kConsumers>;
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    kernel<<<grid, ws_threads(kConsumers), kSmem, stream>>>(*mq, *mk, *mv, p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   auto with_causal = [&](auto t) {
@@ -579,6 +581,13 @@ bool attention_fwd_ws(const at::Tensor& q, const at::Tensor& k, const at::Tensor
     with_causal(__nv_bfloat16{});
   }
   return true;
+}
+
+// Head dim 64 with blocks of 192 query rows (three consumer warpgroups, FlashAttention-3's tile
+// there) instead of 128, for now only with CUSTOMOPS_ATTENTION_WS_ROWS=192 (until it is measured).
+bool ws_rows_192() {
+  const char* env = std::getenv("CUSTOMOPS_ATTENTION_WS_ROWS");
+  return env != nullptr && std::string_view(env) == "192";
 }
 
 // Writes out (q's sizes, unit last stride) and lse (contiguous float32 [B, Hq, Sq]); false where
@@ -606,8 +615,10 @@ bool attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (q.size(3) == 256) return attention_fwd_ws<256>(q, k, v, causal, p, stream);
   if (use_sm90(q) && use_sm90_ws()) {
-    if (q.size(3) == 64 ? attention_fwd_ws<64>(q, k, v, causal, p, stream)
-                        : attention_fwd_ws<128>(q, k, v, causal, p, stream)) {
+    const bool ran = q.size(3) == 128 ? attention_fwd_ws<128>(q, k, v, causal, p, stream)
+                     : ws_rows_192()   ? attention_fwd_ws<64, 3>(q, k, v, causal, p, stream)
+                                       : attention_fwd_ws<64>(q, k, v, causal, p, stream);
+    if (ran) {
       return true;
     }
   }

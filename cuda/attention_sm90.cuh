@@ -270,15 +270,19 @@ __global__ void __launch_bounds__(kSm90Threads, 1) attention_fwd_sm90_kernel(Fwd
 // (setmaxnreg) for the consumers' accumulators. Head dims 64 and 128 take key blocks of 128; 256
 // takes 64 (its two stages of k and v, 128 KiB, and q, 64 KiB, fill a block's shared memory; its
 // O, 128 registers a thread, leaves room for S of 64 keys), its P V as two m64n128 halves of O.
-constexpr int kWsRows = 128, kWsThreads = 384, kWsStages = 2;
+// kConsumers 3 (192 query rows a block, FlashAttention-3's tile at head dim 64, where a key block's
+// products are short beside its softmax) gives each consumer fewer registers (setmaxnreg 160).
+constexpr int kWsStages = 2;
 template <int D>
 constexpr int ws_keys() {
   return D == 256 ? 64 : 128;
 }
+constexpr int ws_rows(int consumers) { return 64 * consumers; }
+constexpr int ws_threads(int consumers) { return 128 * (consumers + 1); }
 
-template <int D>
+template <int D, int kConsumers = 2>
 constexpr int sm90_ws_smem_bytes() {
-  return (kWsRows + 2 * kWsStages * ws_keys<D>()) * D * 2 + 8 * (1 + 4 * kWsStages) + 1024;  // tiles, barriers, align
+  return (ws_rows(kConsumers) + 2 * kWsStages * ws_keys<D>()) * D * 2 + 8 * (1 + 4 * kWsStages) + 1024;  // tiles, barriers, align
 }
 
 // Columns [128 h, 128 h + 128) of an m64 x D accumulator, as the m64n128 wgmma takes them.
@@ -288,12 +292,14 @@ __device__ __forceinline__ float (&o_half(float (&o)[kDT][4]))[16][4] {
   return *reinterpret_cast<float(*)[16][4]>(&o[H * 16]);
 }
 
-template <typename T, int D, bool kCausal>
-__global__ void __launch_bounds__(kWsThreads, 1)
+template <typename T, int D, bool kCausal, int kConsumers = 2>
+__global__ void __launch_bounds__(ws_threads(kConsumers), 1)
     attention_fwd_sm90_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                                  const __grid_constant__ CUtensorMap tv, FwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kRows = kWsRows, kKeys = ws_keys<D>(), kStages = kWsStages, kDT = D / 8, kNT = kKeys / 8;
+  static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
+  constexpr int kRows = ws_rows(kConsumers), kKeys = ws_keys<D>(), kStages = kWsStages, kDT = D / 8, kNT = kKeys / 8;
+  constexpr uint32_t kConsumerThreads = 128 * kConsumers;
   constexpr int kPanels = D / 64;
   constexpr uint32_t kQBytes = kRows * D * 2, kKVBytes = kKeys * D * 2;
   extern __shared__ char smem[];
@@ -316,15 +322,15 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     for (int st = 0; st < kStages; ++st) {
       tma::mbar_init(full_k(st), 1);
       tma::mbar_init(full_v(st), 1);
-      tma::mbar_init(empty_k(st), 256);  // every consumer thread, once its reads of the tile are done
-      tma::mbar_init(empty_v(st), 256);
+      tma::mbar_init(empty_k(st), kConsumerThreads);  // every consumer thread, once its reads of the tile are done
+      tma::mbar_init(empty_v(st), kConsumerThreads);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();  // the last block-wide barrier: the warpgroups part here
 
   if (wg == 0) {  // the producer
-    tma::regs_down<40>();
+    tma::regs_down<kConsumers == 2 ? 40 : 32>();
     if (threadIdx.x != 0 || nblocks == 0) return;  // (no copy in flight when the block exits)
     const int b = static_cast<int>(blk.b), h = static_cast<int>(blk.h), hk = static_cast<int>(blk.hk);
     tma::mbar_arrive_expect_tx(full_q, kQBytes);
@@ -351,16 +357,19 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     return;
   }
 
-  tma::regs_up<232>();
+  tma::regs_up<kConsumers == 2 ? 232 : 160>();
   const int c = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int64_t m0 = blk.m0, shift = blk.shift;
   const int warp_row = c * 64 + warp * 16;  // this thread's rows: warp_row + lane / 4 (+ 8)
   const uint32_t q_wg = sq + c * 64 * 128;  // this warpgroup's 64 rows of each q panel
-  // Turns on the tensor cores: named barrier 1 + c is this warpgroup's; the first consumer goes
-  // first. Each turn ends with an arrive on the other's barrier, but for the second's last (no turn
-  // of the first's follows it): both take nblocks turns, so every barrier's arrivals are matched.
-  constexpr uint32_t kPair = 256;
-  if (c == 1 && nblocks > 0) tma::named_arrive(1, kPair);
+  // Turns on the tensor cores, round robin: named barrier 1 + c is this warpgroup's; the first
+  // consumer goes first (the last one's arrive stands for a turn before it). Each turn ends with an
+  // arrive on the next one's barrier, but for the last one's last turn (no turn of the first's
+  // follows it): all take nblocks turns, so every barrier's arrivals are matched.
+  constexpr uint32_t kPair = 256;  // a barrier's waiting warpgroup and the one that arrives
+  const uint32_t next = 1 + (c + 1) % kConsumers;
+  const bool last = c == kConsumers - 1;
+  if (last && nblocks > 0) tma::named_arrive(1, kPair);
 
   float o[kDT][4];
 #pragma unroll
@@ -387,7 +396,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     wgmma_fence();
     issue_qk(0);
     wgmma_commit();
-    if (!(c == 1 && nblocks == 1)) tma::named_arrive(2 - c, kPair);
+    if (!(last && nblocks == 1)) tma::named_arrive(next, kPair);
     wgmma_wait<0>();
     wgmma_fence_operands(s);
     tma::mbar_arrive(empty_k(0));
@@ -410,7 +419,7 @@ __global__ void __launch_bounds__(kWsThreads, 1)
     wgmma_fence();
     issue_pv(prev);
     wgmma_commit();
-    if (!(c == 1 && j == nblocks - 1)) tma::named_arrive(2 - c, kPair);
+    if (!(last && j == nblocks - 1)) tma::named_arrive(next, kPair);
     wgmma_wait<1>();  // S_j is in (k_j is free); P_{j-1} V_{j-1} may still run
     wgmma_fence_operands(s);
     tma::mbar_arrive(empty_k(st));
