@@ -258,14 +258,14 @@ __global__ void __launch_bounds__(kSm90Threads, 1) attention_fwd_sm90_kernel(Fwd
 
 
 // ---- forward, warp-specialized (FlashAttention-3's structure) ------------------------------------
-// Three warpgroups. The first produces: one thread loads the block's 128 query rows once and then
-// each key block's k and v through the tensor memory accelerator (TMA: tensor maps of q, k and v,
-// the 128-byte swizzle done by the copy, zeros past the edges) into a ring of kWsStages stages, on
-// mbarriers (full: the copy landed; empty: both consumers are done with the stage). The other two
-// consume, 64 query rows each, as the kernel above computes, but never meet at a block barrier, and
-// take turns on the tensor cores ("ping-pong", two named barriers): a warpgroup issues S_j = Q K_j^T
-// and O += P_{j-1} V_{j-1} back to back, lets the other issue its two, and computes the softmax of
-// S_j while the other's products run. P_{j-1} V_{j-1} in the same turn as Q K_j^T is the in-warpgroup
+// 1 + kConsumers warpgroups. The first produces: one thread loads the block's 64 kConsumers query
+// rows once and then each key block's k and v through the tensor memory accelerator (TMA: tensor
+// maps of q, k and v, the 128-byte swizzle done by the copy, zeros past the edges) into a ring of
+// kWsStages stages, on mbarriers (full: the copy landed; empty: every consumer is done with the
+// stage). The others consume, 64 query rows each, as the kernel above computes, but never meet at a
+// block barrier, and take turns on the tensor cores ("ping-pong" with two, round robin with three;
+// a named barrier each): a warpgroup issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back,
+// lets the next issue its two, and computes the softmax of S_j while the others' products run. P_{j-1} V_{j-1} in the same turn as Q K_j^T is the in-warpgroup
 // overlap: the softmax never waits for its own product of P and V. The producer gives up registers
 // (setmaxnreg) for the consumers' accumulators. Head dims 64 and 128 take key blocks of 128; 256
 // takes 64 (its two stages of k and v, 128 KiB, and q, 64 KiB, fill a block's shared memory; its
@@ -297,7 +297,8 @@ __global__ void __launch_bounds__(ws_threads(kConsumers), 1)
     attention_fwd_sm90_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                                  const __grid_constant__ CUtensorMap tv, FwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(kConsumers == 2 || kConsumers == 3, "two or three consumer warpgroups");
+  static_assert(kConsumers == 2 || (kConsumers == 3 && D == 64), "two consumer warpgroups, or three at head dim 64 "
+                "(160 registers a consumer thread: O, S and P of head dim 128 would spill)");
   constexpr int kRows = ws_rows(kConsumers), kKeys = ws_keys<D>(), kStages = kWsStages, kDT = D / 8, kNT = kKeys / 8;
   constexpr uint32_t kConsumerThreads = 128 * kConsumers;
   constexpr int kPanels = D / 64;
@@ -438,10 +439,10 @@ __global__ void __launch_bounds__(ws_threads(kConsumers), 1)
     for (int kk = 0; kk < kKeys / 16; ++kk) accumulators_to_a<T>(a[kk], s[2 * kk], s[2 * kk + 1]);
   }
   if (nblocks > 0) {  // the last block's P V, outside the turns
-    const int last = (nblocks - 1) % kStages;
-    tma::mbar_wait(full_v(last), static_cast<uint32_t>(((nblocks - 1) / kStages) & 1));
+    const int final_stage = (nblocks - 1) % kStages;
+    tma::mbar_wait(full_v(final_stage), static_cast<uint32_t>(((nblocks - 1) / kStages) & 1));
     wgmma_fence();
-    issue_pv(last);
+    issue_pv(final_stage);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_operands(o);
