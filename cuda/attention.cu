@@ -555,15 +555,15 @@ bool attention_cuda_fused(const at::Tensor& q, double scale, bool forward = fals
 
 // The warp-specialized forward of p at head dim D, where the TMA can read q, k and v: whether it ran.
 // kConsumers warpgroups of 64 query rows a block.
-template <int D, int kConsumers = 2, int kRing = kWsStages>
+template <int D, int kConsumers = 2>
 bool attention_fwd_ws(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                       const FwdParams& p, cudaStream_t stream) {
-  constexpr int kRows = ws_rows(kConsumers), kSmem = sm90_ws_smem_bytes<D, kConsumers, kRing>();
+  constexpr int kRows = ws_rows(kConsumers), kSmem = sm90_ws_smem_bytes<D, kConsumers>();
   const auto mq = tensor_map(q, kRows), mk = tensor_map(k, ws_keys<D>()), mv = tensor_map(v, ws_keys<D>());
   if (!mq || !mk || !mv) return false;
   const dim3 grid((p.sq + kRows - 1) / kRows, p.hq, q.size(0));
   auto run = [&](auto t, auto c) {
-    auto kernel = attention_fwd_sm90_ws_kernel<decltype(t), D, decltype(c)::value, kConsumers, kRing>;
+    auto kernel = attention_fwd_sm90_ws_kernel<decltype(t), D, decltype(c)::value, kConsumers>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     kernel<<<grid, ws_threads(kConsumers), kSmem, stream>>>(*mq, *mk, *mv, p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -588,15 +588,6 @@ bool attention_fwd_ws(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 bool ws_rows_192() {
   const char* env = std::getenv("CUSTOMOPS_ATTENTION_WS_ROWS");
   return env != nullptr && std::string_view(env) == "192";
-}
-
-// Head dim 128 with three stages of k and v instead of two, for now only with
-// CUSTOMOPS_ATTENTION_WS_STAGES=3 where a block may take the shared memory (until it is measured).
-bool ws_three_stages(const at::Tensor& q) {
-  const char* env = std::getenv("CUSTOMOPS_ATTENTION_WS_STAGES");
-  return env != nullptr && std::string_view(env) == "3" &&
-         static_cast<int>(at::cuda::getDeviceProperties(q.get_device())->sharedMemPerBlockOptin) >=
-             sm90_ws_smem_bytes<128, 2, 3>();
 }
 
 // Writes out (q's sizes, unit last stride) and lse (contiguous float32 [B, Hq, Sq]); false where
@@ -624,8 +615,7 @@ bool attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (q.size(3) == 256) return attention_fwd_ws<256>(q, k, v, causal, p, stream);
   if (use_sm90(q) && use_sm90_ws()) {
-    const bool ran = q.size(3) == 128 ? (ws_three_stages(q) ? attention_fwd_ws<128, 2, 3>(q, k, v, causal, p, stream)
-                                                           : attention_fwd_ws<128>(q, k, v, causal, p, stream))
+    const bool ran = q.size(3) == 128 ? attention_fwd_ws<128>(q, k, v, causal, p, stream)
                      : ws_rows_192()   ? attention_fwd_ws<64, 3>(q, k, v, causal, p, stream)
                                        : attention_fwd_ws<64>(q, k, v, causal, p, stream);
     if (ran) {

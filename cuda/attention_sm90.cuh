@@ -272,8 +272,6 @@ __global__ void __launch_bounds__(kSm90Threads, 1) attention_fwd_sm90_kernel(Fwd
 // O, 128 registers a thread, leaves room for S of 64 keys), its P V as two m64n128 halves of O.
 // kConsumers 3 (192 query rows a block, FlashAttention-3's tile at head dim 64, where a key block's
 // products are short beside its softmax) gives each consumer fewer registers (setmaxnreg 160).
-// kRing 3 at head dim 128 (q and three stages of k and v: 230,504 bytes of the 232,448 a block may
-// take on an H100) keeps two key blocks in flight while one is computed.
 constexpr int kWsStages = 2;
 template <int D>
 constexpr int ws_keys() {
@@ -282,9 +280,9 @@ constexpr int ws_keys() {
 constexpr int ws_rows(int consumers) { return 64 * consumers; }
 constexpr int ws_threads(int consumers) { return 128 * (consumers + 1); }
 
-template <int D, int kConsumers = 2, int kStages = kWsStages>
+template <int D, int kConsumers = 2>
 constexpr int sm90_ws_smem_bytes() {
-  return (ws_rows(kConsumers) + 2 * kStages * ws_keys<D>()) * D * 2 + 8 * (1 + 4 * kStages) + 1024;  // tiles, barriers, align
+  return (ws_rows(kConsumers) + 2 * kWsStages * ws_keys<D>()) * D * 2 + 8 * (1 + 4 * kWsStages) + 1024;  // tiles, barriers, align
 }
 
 // Columns [128 h, 128 h + 128) of an m64 x D accumulator, as the m64n128 wgmma takes them.
@@ -294,14 +292,14 @@ __device__ __forceinline__ float (&o_half(float (&o)[kDT][4]))[16][4] {
   return *reinterpret_cast<float(*)[16][4]>(&o[H * 16]);
 }
 
-template <typename T, int D, bool kCausal, int kConsumers = 2, int kRing = kWsStages>
+template <typename T, int D, bool kCausal, int kConsumers = 2>
 __global__ void __launch_bounds__(ws_threads(kConsumers), 1)
     attention_fwd_sm90_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
                                  const __grid_constant__ CUtensorMap tv, FwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert(kConsumers == 2 || (kConsumers == 3 && D == 64), "two consumer warpgroups, or three at head dim 64 "
                 "(160 registers a consumer thread: O, S and P of head dim 128 would spill)");
-  constexpr int kRows = ws_rows(kConsumers), kKeys = ws_keys<D>(), kStages = kRing, kDT = D / 8, kNT = kKeys / 8;
+  constexpr int kRows = ws_rows(kConsumers), kKeys = ws_keys<D>(), kStages = kWsStages, kDT = D / 8, kNT = kKeys / 8;
   constexpr uint32_t kConsumerThreads = 128 * kConsumers;
   constexpr int kPanels = D / 64;
   constexpr uint32_t kQBytes = kRows * D * 2, kKVBytes = kKeys * D * 2;

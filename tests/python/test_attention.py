@@ -76,7 +76,7 @@ def test_matches_sdpa_and_reads_transposed_views_in_place(device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("forward", ["default", "sm80", "wgmma", "wgmma-bwd", "ws192", "ws3"])
+@pytest.mark.parametrize("forward", ["default", "sm80", "wgmma", "wgmma-bwd", "ws192"])
 def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, monkeypatch):
     # The tensor-core kernel's shapes: grouped heads, lengths off the block sizes, Sq < Sk and
     # Sq > Sk (causal: rows that see no key), one query; q as a [B, S, H, D] view; lse's gradient.
@@ -84,14 +84,11 @@ def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, 
     # head dim 256, whose backward is the blocked one); "sm80" keeps the mma.sync forward there and
     # "wgmma" the wgmma one without warp specialization; "wgmma-bwd" takes the wgmma backward there
     # (CUSTOMOPS_ATTENTION_BWD_SM90=1); "ws192" the warp-specialized one with blocks of 192 query
-    # rows at head dim 64 (CUSTOMOPS_ATTENTION_WS_ROWS=192); "ws3" three stages of k and v at head dim
-    # 128 (CUSTOMOPS_ATTENTION_WS_STAGES=3); all until they are measured.
+    # rows at head dim 64 (CUSTOMOPS_ATTENTION_WS_ROWS=192); both until they are measured.
     if d == 256 and forward != "default":
         pytest.skip("head dim 256 has one fused forward")
     if forward == "ws192" and d != 64:
         pytest.skip("blocks of 192 query rows at head dim 64 only")
-    if forward == "ws3" and d != 128:
-        pytest.skip("three stages of k and v at head dim 128 only")
     _kernel("cuda", forward, monkeypatch)
     torch.manual_seed(0)
     for b, hq, hkv, sq, sk in [(2, 4, 2, 256, 256), (1, 3, 1, 100, 300), (1, 2, 2, 300, 100), (2, 2, 1, 1, 77)]:
@@ -138,7 +135,6 @@ KERNELS = [pytest.param(dev, dt, d, fwd, id=f"{dev}-{str(dt).removeprefix('torch
                                (torch.bfloat16, 64, "sm80"), (torch.bfloat16, 128, "wgmma"),
                                (torch.bfloat16, 256, "default"), (torch.bfloat16, 128, "wgmma-bwd"),
                                (torch.float16, 64, "wgmma-bwd"), (torch.float16, 64, "ws192"),
-                               (torch.bfloat16, 128, "ws3"),
                                (torch.float32, 64, "default")])]
 
 
@@ -151,11 +147,10 @@ def _kernel(device, forward, monkeypatch):
         if torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the wgmma backward runs on compute capability 9.0 only")
         monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_SM90", "1")
-    elif forward in ("ws192", "ws3"):
+    elif forward == "ws192":
         if torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
-        monkeypatch.setenv(*{"ws192": ("CUSTOMOPS_ATTENTION_WS_ROWS", "192"),
-                             "ws3": ("CUSTOMOPS_ATTENTION_WS_STAGES", "3")}[forward])
+        monkeypatch.setenv("CUSTOMOPS_ATTENTION_WS_ROWS", "192")
 
 
 @pytest.mark.parametrize("device, dtype, d, forward", KERNELS)
