@@ -584,10 +584,11 @@ bool attention_fwd_ws(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 }
 
 // Head dim 64 with blocks of 192 query rows (three consumer warpgroups, FlashAttention-3's tile
-// there) instead of 128, for now only with CUSTOMOPS_ATTENTION_WS_ROWS=192 (until it is measured).
+// there): 3-7% faster than 128 rows on an H100, where a key block's exponentials take about as long
+// as its products. CUSTOMOPS_ATTENTION_WS_ROWS=128 keeps two consumers (the tests run both).
 bool ws_rows_192() {
   const char* env = std::getenv("CUSTOMOPS_ATTENTION_WS_ROWS");
-  return env != nullptr && std::string_view(env) == "192";
+  return env == nullptr || std::string_view(env) != "128";
 }
 
 // Writes out (q's sizes, unit last stride) and lse (contiguous float32 [B, Hq, Sq]); false where

@@ -76,19 +76,19 @@ def test_matches_sdpa_and_reads_transposed_views_in_place(device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("forward", ["default", "sm80", "wgmma", "wgmma-bwd", "ws192"])
+@pytest.mark.parametrize("forward", ["default", "sm80", "wgmma", "wgmma-bwd", "ws128"])
 def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, monkeypatch):
     # The tensor-core kernel's shapes: grouped heads, lengths off the block sizes, Sq < Sk and
     # Sq > Sk (causal: rows that see no key), one query; q as a [B, S, H, D] view; lse's gradient.
     # On an H100 or H200 the default forward is the warp-specialized wgmma one (the only fused one at
     # head dim 256, whose backward is the blocked one); "sm80" keeps the mma.sync forward there and
     # "wgmma" the wgmma one without warp specialization; "wgmma-bwd" takes the wgmma backward there
-    # (CUSTOMOPS_ATTENTION_BWD_SM90=1); "ws192" the warp-specialized one with blocks of 192 query
-    # rows at head dim 64 (CUSTOMOPS_ATTENTION_WS_ROWS=192); both until they are measured.
+    # (CUSTOMOPS_ATTENTION_BWD_SM90=1); "ws128" the warp-specialized one with blocks of 128 query
+    # rows at head dim 64 (CUSTOMOPS_ATTENTION_WS_ROWS=128; the default takes 192 there).
     if d == 256 and forward != "default":
         pytest.skip("head dim 256 has one fused forward")
-    if forward == "ws192" and d != 64:
-        pytest.skip("blocks of 192 query rows at head dim 64 only")
+    if forward == "ws128" and d != 64:
+        pytest.skip("128 or 192 query rows a block is a choice at head dim 64 only")
     _kernel("cuda", forward, monkeypatch)
     torch.manual_seed(0)
     for b, hq, hkv, sq, sk in [(2, 4, 2, 256, 256), (1, 3, 1, 100, 300), (1, 2, 2, 300, 100), (2, 2, 1, 1, 77)]:
@@ -134,7 +134,7 @@ KERNELS = [pytest.param(dev, dt, d, fwd, id=f"{dev}-{str(dt).removeprefix('torch
                               [(torch.bfloat16, 64, "default"), (torch.float16, 128, "default"),
                                (torch.bfloat16, 64, "sm80"), (torch.bfloat16, 128, "wgmma"),
                                (torch.bfloat16, 256, "default"), (torch.bfloat16, 128, "wgmma-bwd"),
-                               (torch.float16, 64, "wgmma-bwd"), (torch.float16, 64, "ws192"),
+                               (torch.float16, 64, "wgmma-bwd"), (torch.float16, 64, "ws128"),
                                (torch.float32, 64, "default")])]
 
 
@@ -147,10 +147,10 @@ def _kernel(device, forward, monkeypatch):
         if torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the wgmma backward runs on compute capability 9.0 only")
         monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_SM90", "1")
-    elif forward == "ws192":
+    elif forward == "ws128":
         if torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
-        monkeypatch.setenv("CUSTOMOPS_ATTENTION_WS_ROWS", "192")
+        monkeypatch.setenv("CUSTOMOPS_ATTENTION_WS_ROWS", "128")
 
 
 @pytest.mark.parametrize("device, dtype, d, forward", KERNELS)
