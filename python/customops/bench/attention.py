@@ -89,10 +89,12 @@ def parse_variant(text: str) -> dict[str, str]:
     return {name: value for name, _, value in pairs}
 
 
-def _with_environment(fn, env: dict[str, str]):
-    def call(*args):
+def _in_environment(env: dict[str, str], thunk):
+    """thunk, called with env's variables set (a variant's switches), for the forward and the backward
+    alike: the backward reads its switches when autograd runs it, after the forward has returned."""
+    def call():
         with unittest.mock.patch.dict(os.environ, env):
-            return fn(*args)
+            return thunk()
     return call
 
 
@@ -101,11 +103,13 @@ def variant_name(env: dict[str, str]) -> str:
 
 
 def _functions(shape: Shape, variants: list[dict[str, str]] = ()):
+    """name -> (the attention function, the environment it runs in)."""
     gqa = {"enable_gqa": True} if shape.hq != shape.hkv else {}
-    fns = {"customops": lambda q, k, v: customops.attention(q, k, v, causal=shape.causal),
-           "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, **gqa)}
+    custom = lambda q, k, v: customops.attention(q, k, v, causal=shape.causal)  # noqa: E731
+    fns = {"customops": (custom, {}),
+           "sdpa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, **gqa), {})}
     for env in variants:
-        fns[variant_name(env)] = _with_environment(fns["customops"], env)
+        fns[variant_name(env)] = (custom, env)
     return fns
 
 
@@ -118,17 +122,18 @@ def _row(shape: Shape, device: str, budget: timers.Budget, variants: list[dict[s
         g = shape.hq // shape.hkv
         ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(g, 1),
                                              v.float().repeat_interleave(g, 1), is_causal=shape.causal)
-        err = {name: (fn(q, k, v).float() - ref).abs().max().item() for name, fn in fns.items()}
+        err = {name: (_in_environment(env, lambda fn=fn: fn(q, k, v))().float() - ref).abs().max().item()
+               for name, (fn, env) in fns.items()}
     del ref
     time = timers.timer(device)
-    fwd = time({name: (lambda fn=fn: fn(q, k, v)) for name, fn in fns.items()}, budget)
+    fwd = time({name: _in_environment(env, lambda fn=fn: fn(q, k, v)) for name, (fn, env) in fns.items()}, budget)
     qg, kg, vg = _inputs(shape, device, requires_grad=True)
     grad = torch.randn_like(q)
 
-    def step(fn):
-        return lambda: torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), grad)
+    def step(fn, env):
+        return _in_environment(env, lambda: torch.autograd.grad(fn(qg, kg, vg), (qg, kg, vg), grad))
 
-    both = time({name: step(fn) for name, fn in fns.items()}, budget)
+    both = time({name: step(fn, env) for name, (fn, env) in fns.items()}, budget)
     flops = shape.flops()
     row = {"shape": str(shape), "b": shape.b, "hq": shape.hq, "hkv": shape.hkv, "s": shape.s, "d": shape.d,
            "causal": shape.causal, "dtype": str(shape.dtype).removeprefix("torch.")}
