@@ -54,11 +54,14 @@ def _cross_entropy_ref(logits, target, ignore_index=-100, label_smoothing=0.0):
 
 def _linear_cross_entropy_ref(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0,
                               reduction="mean", tile_rows=None, tile_classes=None):
-    import torch.nn.functional as F
-
+    """_cross_entropy_ref's loss of hidden @ weight^T (+ bias), reduced as F.cross_entropy reduces.
+    (Not F.cross_entropy itself: with smoothing it sums -log_softmax over every class and row before
+    scaling, which overflows where each row's loss is finite, e.g. hidden near 1e307 in float64.)"""
     logits = hidden @ weight.T + (bias if bias is not None else 0)
-    return F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                           reduction=reduction)
+    loss = _cross_entropy_ref(logits, target, ignore_index, label_smoothing)[0]
+    if reduction == "none":
+        return loss
+    return loss.sum() if reduction == "sum" else loss.sum() / (target != ignore_index).sum()
 
 
 def _attention_ref(q, k, v, causal=False, scale=None):
