@@ -470,11 +470,12 @@ bool use_sm90_ws() {
   return env == nullptr || std::string_view(env) != "0";
 }
 
-// The wgmma backward (attention_sm90_bwd.cuh) on compute capability 9.0 with sm_90a code, for now
-// only with CUSTOMOPS_ATTENTION_BWD_SM90=1 (until it is measured against the mma.sync one).
+// The wgmma backward (attention_sm90_bwd.cuh) wherever the wgmma forward runs: 1.3x the mma.sync
+// backward's forward+backward at head dim 128 and 1.2-1.3x at 64 on an H100.
+// CUSTOMOPS_ATTENTION_BWD_SM90=0 keeps the mma.sync one there.
 bool use_sm90_bwd(const at::Tensor& q) {
   const char* env = std::getenv("CUSTOMOPS_ATTENTION_BWD_SM90");
-  return use_sm90(q) && env != nullptr && std::string_view(env) == "1";
+  return use_sm90(q) && (env == nullptr || std::string_view(env) != "0");
 }
 
 // A tensor map of t ([B, H, S, D], unit last stride) for the TMA: boxes of `rows` rows of 64

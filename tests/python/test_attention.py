@@ -76,14 +76,15 @@ def test_matches_sdpa_and_reads_transposed_views_in_place(device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("forward", ["default", "sm80", "wgmma", "wgmma-bwd", "ws128"])
+@pytest.mark.parametrize("forward", ["default", "sm80", "wgmma", "mma-bwd", "ws128"])
 def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, monkeypatch):
     # The tensor-core kernel's shapes: grouped heads, lengths off the block sizes, Sq < Sk and
     # Sq > Sk (causal: rows that see no key), one query; q as a [B, S, H, D] view; lse's gradient.
     # On an H100 or H200 the default forward is the warp-specialized wgmma one (the only fused one at
-    # head dim 256, whose backward is the blocked one); "sm80" keeps the mma.sync forward there and
-    # "wgmma" the wgmma one without warp specialization; "wgmma-bwd" takes the wgmma backward there
-    # (CUSTOMOPS_ATTENTION_BWD_SM90=1); "ws128" the warp-specialized one with blocks of 128 query
+    # head dim 256, whose backward is the blocked one) and the default backward the wgmma one; "sm80"
+    # keeps the mma.sync forward and backward there, "wgmma" the wgmma forward without warp
+    # specialization, "mma-bwd" the mma.sync backward after the default forward
+    # (CUSTOMOPS_ATTENTION_BWD_SM90=0), "ws128" the warp-specialized forward with blocks of 128 query
     # rows at head dim 64 (CUSTOMOPS_ATTENTION_WS_ROWS=128; the default takes 192 there).
     if d == 256 and forward != "default":
         pytest.skip("head dim 256 has one fused forward")
@@ -133,8 +134,8 @@ KERNELS = [pytest.param(dev, dt, d, fwd, id=f"{dev}-{str(dt).removeprefix('torch
                               if dev == "cpu" else
                               [(torch.bfloat16, 64, "default"), (torch.float16, 128, "default"),
                                (torch.bfloat16, 64, "sm80"), (torch.bfloat16, 128, "wgmma"),
-                               (torch.bfloat16, 256, "default"), (torch.bfloat16, 128, "wgmma-bwd"),
-                               (torch.float16, 64, "wgmma-bwd"), (torch.float16, 64, "ws128"),
+                               (torch.bfloat16, 256, "default"), (torch.bfloat16, 128, "mma-bwd"),
+                               (torch.float16, 64, "ws128"),
                                (torch.float32, 64, "default")])]
 
 
@@ -143,10 +144,8 @@ def _kernel(device, forward, monkeypatch):
         monkeypatch.setenv("CUSTOMOPS_ATTENTION_SM80", "1")
     elif forward == "wgmma":
         monkeypatch.setenv("CUSTOMOPS_ATTENTION_WS", "0")
-    elif forward == "wgmma-bwd":
-        if torch.cuda.get_device_capability() != (9, 0):
-            pytest.skip("the wgmma backward runs on compute capability 9.0 only")
-        monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_SM90", "1")
+    elif forward == "mma-bwd":
+        monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_SM90", "0")
     elif forward == "ws128":
         if torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
