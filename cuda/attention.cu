@@ -478,6 +478,13 @@ bool use_sm90_bwd(const at::Tensor& q) {
   return use_sm90(q) && (env == nullptr || std::string_view(env) != "0");
 }
 
+// The wgmma backward's dQ: a pass of its own (default) or, with CUSTOMOPS_ATTENTION_BWD_DQ=atomic,
+// added by the dK/dV kernel with float32 atomics (attention_sm90_bwd.cuh; until it is measured).
+bool sm90_atomic_dq() {
+  const char* env = std::getenv("CUSTOMOPS_ATTENTION_BWD_DQ");
+  return env != nullptr && std::string_view(env) == "atomic";
+}
+
 // A tensor map of t ([B, H, S, D], unit last stride) for the TMA: boxes of `rows` rows of 64
 // columns, swizzled by 128 bytes as the wgmma kernels' tiles are; nullopt where the TMA cannot read
 // t (an address or stride not a multiple of 16 bytes, or a shape the driver refuses).
@@ -656,8 +663,10 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
   const int64_t sq_pad = (sq + kBwdRows - 1) / kBwdRows * kBwdRows;
   const auto f32 = q.options().dtype(at::kFloat);
   const at::Tensor dt = at::empty({bsz, hq, sq_pad}, f32), lse2 = at::empty({bsz, hq, sq_pad}, f32);
-  const bool sm90 = use_sm90_bwd(q);  // (which writes dq itself: no float32 accumulator)
-  const at::Tensor dq_acc = sm90 ? at::Tensor() : at::zeros({bsz, hq, sq, d}, f32);
+  const bool sm90 = use_sm90_bwd(q), atomic_dq = sm90 && sm90_atomic_dq();
+  // (the wgmma backward's dQ pass writes dq itself: no float32 accumulator; its atomic dQ adds into
+  // whole query blocks, padded rows included)
+  const at::Tensor dq_acc = sm90 && !atomic_dq ? at::Tensor() : at::zeros({bsz, hq, atomic_dq ? sq_pad : sq, d}, f32);
   const at::Tensor lse_c = lse.contiguous();
   const at::Tensor glse = grad_lse.has_value() && grad_lse->defined() ? grad_lse->contiguous() : at::Tensor();
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -683,7 +692,7 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
   p.go = go.data_ptr();
   p.dt = pp.dt;
   p.lse2 = pp.lse2;
-  p.dq = sm90 ? nullptr : dq_acc.data_ptr<float>();
+  p.dq = dq_acc.defined() ? dq_acc.data_ptr<float>() : nullptr;
   p.dq_out = dq.data_ptr();
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
@@ -717,17 +726,21 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
     with_types(q, causal, [&](auto t, auto dd, auto c) {
       using T = decltype(t);
       constexpr int D = decltype(dd)::value;
-      if (sk > 0 && bsz > 0) {
-        launch(attention_bwd_dkdv_sm90_kernel<T, D, decltype(c)::value>,
-               dim3((sk + kSm90BwdKeys - 1) / kSm90BwdKeys, k.size(1), bsz), kSm90BwdThreads,
+      const dim3 grid((sk + kSm90BwdKeys - 1) / kSm90BwdKeys, k.size(1), bsz);
+      if (sk > 0 && bsz > 0 && atomic_dq) {
+        launch(attention_bwd_dkdv_sm90_kernel<T, D, decltype(c)::value, true>, grid, kSm90BwdThreads,
+               sm90_dkdv_smem_bytes<D, true>(), stream, p);
+      } else if (sk > 0 && bsz > 0) {
+        launch(attention_bwd_dkdv_sm90_kernel<T, D, decltype(c)::value>, grid, kSm90BwdThreads,
                sm90_dkdv_smem_bytes<D>(), stream, p);
       }
-      if (sq > 0 && hq > 0 && bsz > 0) {
+      if (sq > 0 && hq > 0 && bsz > 0 && !atomic_dq) {
         launch(attention_bwd_dq_sm90_kernel<T, D, decltype(c)::value>,
                dim3((sq + kSm90DqRows - 1) / kSm90DqRows, hq, bsz), kSm90BwdThreads, sm90_dq_smem_bytes<D>(), stream,
                p);
       }
     });
+    if (atomic_dq) dq.copy_(dq_acc.narrow(2, 0, sq));
     return;
   }
   if (sk > 0 && bsz > 0) {  // an empty batch: no grid (a zero grid dimension is a launch error)

@@ -155,7 +155,8 @@ struct BwdParams {
   const void* go;
   const float* dt;    // [B, Hq, Sq_pad]
   const float* lse2;  // [B, Hq, Sq_pad]
-  float* dq;          // the mma.sync backward's: contiguous float32 [B, Hq, Sq, D], zeroed; scale * dS K added
+  float* dq;          // contiguous float32 [B, Hq, Sq, D] (mma.sync) or [B, Hq, Sq_pad, D] (wgmma, atomic dQ),
+                      // zeroed; scale * dS K added
   void* dq_out;       // the wgmma backward's: dq itself (q's sizes, unit last stride)
   void* dk;
   void* dv;

@@ -55,16 +55,17 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 #define CUSTOMOPS_F8(i)                                                                                       \
   "+f"(d[i / 4][0]), "+f"(d[i / 4][1]), "+f"(d[i / 4][2]), "+f"(d[i / 4][3]), "+f"(d[i / 4 + 1][0]), "+f"(d[i / 4 + 1][1]), \
       "+f"(d[i / 4 + 1][2]), "+f"(d[i / 4 + 1][3])
-template <typename T, int kTransB>
+// (kTransA 1: a M-major, which the SS m64n64 form takes for the backward's dQ = dS K from dS^T.)
+template <typename T, int kTransB, int kTransA = 0>
 __device__ __forceinline__ void wgmma(float (&d)[8][4], uint64_t a, uint64_t b, int accumulate) {
 #define CUSTOMOPS_WGMMA_SS(TY)                                                                         \
   asm volatile(                                                                                        \
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                                     \
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " "                                        \
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "  \
-      "%32, %33, p, 1, 1, 0, %35;\n}\n"                                                          \
+      "%32, %33, p, 1, 1, %36, %35;\n}\n"                                                          \
       : CUSTOMOPS_F8(0), CUSTOMOPS_F8(8), CUSTOMOPS_F8(16), CUSTOMOPS_F8(24)                                                                                   \
-      : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB))
+      : "l"(a), "l"(b), "r"(accumulate), "n"(kTransB), "n"(kTransA))
   if constexpr (std::is_same_v<T, __half>) {
     CUSTOMOPS_WGMMA_SS("f16");
   } else {

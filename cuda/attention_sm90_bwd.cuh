@@ -16,6 +16,11 @@
 //   P and dS as above, dQ += dS K (dS as A fragments, K N-major); dQ is written once, times the
 //   scale. S and dP are computed twice (here and above): 7 products instead of 5, and no float32
 //   dQ accumulator in memory, no atomics.
+// - Or dQ in the dK/dV kernel (kAtomicDq, CUSTOMOPS_ATTENTION_BWD_DQ=atomic): 5 products. Each step
+//   stores dS^T to shared memory (keys x queries, the M-major A of dQ += dS K) and adds its dQ into
+//   a zeroed float32 [B, Hq, Sq_pad, D] with 8-byte atomic adds: at head dim 128 warpgroup w takes
+//   columns [64 w, 64 w + 64) over the block's 128 keys (both warpgroups' dS^T, a block barrier), at
+//   64 every column over its own 64 keys; either way an m64n64 product, 32 registers.
 //
 // Compiled only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL), launched where the forward's wgmma kernels
 // are (use_sm90 in attention.cu).
@@ -33,10 +38,12 @@ constexpr int kSm90BwdKeys = 128, kSm90BwdRows = 64;  // dK, dV: keys a block, q
 constexpr int kSm90DqRows = 128, kSm90DqKeys = 64;    // dQ: query rows a block, keys a step
 constexpr int kSm90BwdThreads = 256;                  // two warpgroups
 
-template <int D>
+template <int D, bool kAtomicDq = false>
 constexpr int sm90_dkdv_smem_bytes() {
-  // k, v: [128, D]; q, dO: two stages of [64, D]; lse2, dt: two stages of 64 floats; 1024 to align
-  return (2 * kSm90BwdKeys + 4 * kSm90BwdRows) * D * 2 + 4 * kSm90BwdRows * 4 + 1024;
+  // k, v: [128, D]; q, dO: two stages of [64, D]; lse2, dt: two stages of 64 floats; dS^T: [128, 64]
+  // (kAtomicDq); 1024 to align
+  return (2 * kSm90BwdKeys + 4 * kSm90BwdRows) * D * 2 + 4 * kSm90BwdRows * 4 +
+         (kAtomicDq ? kSm90BwdKeys * kSm90BwdRows * 2 : 0) + 1024;
 }
 template <int D>
 constexpr int sm90_dq_smem_bytes() {
@@ -61,7 +68,55 @@ __device__ __forceinline__ void store_accumulator(const float (&acc)[kDT][4], fl
   }
 }
 
-template <typename T, int D, bool kCausal>
+// kAtomicDq's step (after dK's product is issued): dS^T (da, this thread's keys' A fragments) into
+// the tile at sds, then dQ += dS K for this warpgroup's share (see the top) added to p.dq from row
+// `row0` of the padded [B * Hq * Sq_pad, D] accumulator, times the scale.
+template <typename T, int D, int kKeys, int kRows>
+__device__ __forceinline__ void add_dq(const BwdParams& p, const uint32_t (&da)[kRows / 16][4], uint32_t sds, uint32_t sk,
+                                       int wg, int warp, int lane, int64_t row0) {
+  static_assert(kRows == 64 && (D == 64 || D == 128), "a query row of dS^T is one 128-byte panel; m64n64 dQ shares");
+  const int key_row = wg * 64 + warp * 16 + lane / 4;
+#pragma unroll
+  for (int kk = 0; kk < kRows / 16; ++kk)
+#pragma unroll
+    for (int half = 0; half < 2; ++half)  // accumulator tile 2 kk + half, rows key_row (+ 8)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int key = key_row + r * 8, col = (2 * kk + half) * 8 + (lane % 4) * 2;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sw128_at<kKeys>(sds, key, col & ~7) + (col & 7) * 2),
+                     "r"(da[kk][half * 2 + r])
+                     : "memory");
+      }
+  fence_proxy_async();
+  constexpr int kDqKeys = D == 128 ? kKeys : 64;  // keys a warpgroup's dQ share sums over
+  if constexpr (D == 128) {
+    tma::named_sync(1, kSm90BwdThreads);  // both warpgroups' dS^T
+  } else {
+    tma::named_sync(1 + wg, 128);  // this warpgroup's
+  }
+  const uint32_t a = sds + (D == 128 ? 0 : wg * 64 * 128);
+  const uint32_t b = sk + (D == 128 ? wg * kKeys * 128 : wg * 64 * 128);  // K's panel w, or this warpgroup's keys
+  float dq[8][4] = {};
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kDqKeys / 16; ++kk) {
+    wgmma<T, 1, 1>(dq, sw128_desc(a + kk * 16 * 128, kKeys * 128, 1024), sw128_desc(b + kk * 16 * 128, kKeys * 128, 1024),
+                   kk > 0);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_operands(dq);
+  float* dst = p.dq + (row0 + warp * 16 + lane / 4) * D + (D == 128 ? wg * 64 : 0) + (lane % 4) * 2;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      atomicAdd(reinterpret_cast<float2*>(dst + r * 8 * D + nt * 8),
+                make_float2(dq[nt][2 * r] * p.scale, dq[nt][2 * r + 1] * p.scale));
+    }
+}
+
+template <typename T, int D, bool kCausal, bool kAtomicDq = false>
 __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_kernel(BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kKeys = kSm90BwdKeys, kRows = kSm90BwdRows, kThreads = kSm90BwdThreads;
@@ -73,6 +128,7 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_ke
   auto q_base = [&](int st) { return sv + kKBytes + st * 2 * kQBytes; };
   auto g_base = [&](int st) { return sv + kKBytes + st * 2 * kQBytes + kQBytes; };
   float* const stats = reinterpret_cast<float*>(smem + pad + 2 * kKBytes + 4 * kQBytes);  // [stage][lse2, dt][kRows]
+  [[maybe_unused]] const uint32_t sds = sv + kKBytes + 4 * kQBytes + 4 * kRows * 4;  // dS^T [kKeys][kRows] (kAtomicDq), 1024-aligned
 
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int64_t b = blockIdx.z, hk = blockIdx.y, n0 = int64_t(blockIdx.x) * kKeys;
@@ -167,6 +223,9 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_ke
     wgmma_fence();
     wgmma_rs_n_major<T, kRows>(dk, da, q_base(st));  // dK += dS^T Q
     wgmma_commit();
+    if constexpr (kAtomicDq) {
+      add_dq<T, D, kKeys, kRows>(p, da, sds, sk, wg, warp, lane, (b * p.hq + hk * p.group + i / per_head) * p.sq_pad + m0);
+    }
     wgmma_wait<0>();
     wgmma_fence_operands(dv);
     wgmma_fence_operands(dk);

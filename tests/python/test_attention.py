@@ -76,7 +76,7 @@ def test_matches_sdpa_and_reads_transposed_views_in_place(device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("forward", ["default", "sm80", "wgmma", "mma-bwd", "ws128"])
+@pytest.mark.parametrize("forward", ["default", "sm80", "wgmma", "mma-bwd", "atomic-dq", "ws128"])
 def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, monkeypatch):
     # The tensor-core kernel's shapes: grouped heads, lengths off the block sizes, Sq < Sk and
     # Sq > Sk (causal: rows that see no key), one query; q as a [B, S, H, D] view; lse's gradient.
@@ -84,8 +84,10 @@ def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, 
     # head dim 256, whose backward is the blocked one) and the default backward the wgmma one; "sm80"
     # keeps the mma.sync forward and backward there, "wgmma" the wgmma forward without warp
     # specialization, "mma-bwd" the mma.sync backward after the default forward
-    # (CUSTOMOPS_ATTENTION_BWD_SM90=0), "ws128" the warp-specialized forward with blocks of 128 query
-    # rows at head dim 64 (CUSTOMOPS_ATTENTION_WS_ROWS=128; the default takes 192 there).
+    # (CUSTOMOPS_ATTENTION_BWD_SM90=0), "atomic-dq" the wgmma backward adding dQ with atomics in its
+    # dK/dV kernel (CUSTOMOPS_ATTENTION_BWD_DQ=atomic; until it is measured), "ws128" the
+    # warp-specialized forward with blocks of 128 query rows at head dim 64
+    # (CUSTOMOPS_ATTENTION_WS_ROWS=128; the default takes 192 there).
     if d == 256 and forward != "default":
         pytest.skip("head dim 256 has one fused forward")
     if forward == "ws128" and d != 64:
@@ -135,6 +137,7 @@ KERNELS = [pytest.param(dev, dt, d, fwd, id=f"{dev}-{str(dt).removeprefix('torch
                               [(torch.bfloat16, 64, "default"), (torch.float16, 128, "default"),
                                (torch.bfloat16, 64, "sm80"), (torch.bfloat16, 128, "wgmma"),
                                (torch.bfloat16, 256, "default"), (torch.bfloat16, 128, "mma-bwd"),
+                               (torch.bfloat16, 128, "atomic-dq"), (torch.float16, 64, "atomic-dq"),
                                (torch.float16, 64, "ws128"),
                                (torch.float32, 64, "default")])]
 
@@ -146,6 +149,10 @@ def _kernel(device, forward, monkeypatch):
         monkeypatch.setenv("CUSTOMOPS_ATTENTION_WS", "0")
     elif forward == "mma-bwd":
         monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_SM90", "0")
+    elif forward == "atomic-dq":
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the wgmma backward runs on compute capability 9.0 only")
+        monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_DQ", "atomic")
     elif forward == "ws128":
         if torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
