@@ -345,19 +345,11 @@ __global__ void __launch_bounds__(kWarps * 32) attention_bwd_kernel(BwdParams p)
     const bool masked = n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift);
     const float* dts = sdt + stage * kRows;
     const float* lses = slse + stage * kRows;
+    transposed_probs<kNT, kCausal>(s, lses, p.scale_log2, masked, n0 + key_row, m0 + shift, p.sk, lane);
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int qi = nt * 8 + (lane % 4) * 2 + (e & 1);
-        float pr = exp2_nonpositive(fmaf(s[nt][e], p.scale_log2, -lses[qi]));
-        if (masked) {
-          const int64_t key = n0 + key_row + lane / 4 + (e >> 1) * 8;
-          if (key >= p.sk || (kCausal && key > m0 + qi + shift)) pr = 0.f;
-        }
-        s[nt][e] = pr;
-        dp[nt][e] = pr * (dp[nt][e] - dts[qi]);
-      }
+      for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - dts[nt * 8 + (lane % 4) * 2 + (e & 1)]);
 
     // dV += P^T dO and dK += dS^T Q (the block's query rows are k).
 #pragma unroll

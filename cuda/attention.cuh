@@ -209,6 +209,27 @@ __device__ __forceinline__ void mask_scores(float (&s)[kNT][4], int64_t row0, in
     }
 }
 
+// The backward's P^T = exp2(S^T scale log2(e) - lse2) in place over transposed scores (rows: keys
+// key0 + lane / 4 and 8 below; column c: query m0 + c, lse2[c] its row's lse * log2(e)); where
+// `masked` (the block has such keys) 0 for keys past sk and, causal, past a query's limit
+// (m0 + c + shift).
+template <int kNT, bool kCausal>
+__device__ __forceinline__ void transposed_probs(float (&s)[kNT][4], const float* lse2, float scale_log2, bool masked,
+                                                 int64_t key0, int64_t m0_shift, int64_t sk, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int c = nt * 8 + (lane % 4) * 2 + (e & 1);
+      float pr = exp2_nonpositive(fmaf(s[nt][e], scale_log2, -lse2[c]));
+      if (masked) {
+        const int64_t key = key0 + lane / 4 + (e >> 1) * 8;
+        if (key >= sk || (kCausal && key > m0_shift + c)) pr = 0.f;
+      }
+      s[nt][e] = pr;
+    }
+}
+
 // One online-softmax step over a key block's scores: the rows' new running max (log2 units, scale
 // folded in), probabilities in place, running sums; corr is what the output so far must be scaled by.
 template <int kNT>

@@ -193,18 +193,7 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_ke
     const float* lse2 = stats + st * 2 * kRows;
     const float* dt = lse2 + kRows;
     const bool masked = n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift);
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = nt * 8 + (lane % 4) * 2 + (e & 1);
-        float pr = exp2_nonpositive(fmaf(s[nt][e], p.scale_log2, -lse2[c]));
-        if (masked) {
-          const int64_t key = n0 + key_row + lane / 4 + (e >> 1) * 8;
-          if (key >= p.sk || (kCausal && key > m0 + c + shift)) pr = 0.f;
-        }
-        s[nt][e] = pr;
-      }
+    transposed_probs<kNT, kCausal>(s, lse2, p.scale_log2, masked, n0 + key_row, m0 + shift, p.sk, lane);
     uint32_t pa[kRows / 16][4], da[kRows / 16][4];
 #pragma unroll
     for (int kk = 0; kk < kRows / 16; ++kk) accumulators_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
