@@ -68,13 +68,12 @@ __device__ __forceinline__ void store_accumulator(const float (&acc)[kDT][4], fl
   }
 }
 
-// kAtomicDq's step (after dK's product is issued): dS^T (da, this thread's keys' A fragments) into
-// the tile at sds, then dQ += dS K for this warpgroup's share (see the top) added to p.dq from row
-// `row0` of the padded [B * Hq * Sq_pad, D] accumulator, times the scale.
-template <typename T, int D, int kKeys, int kRows>
-__device__ __forceinline__ void add_dq(const BwdParams& p, const uint32_t (&da)[kRows / 16][4], uint32_t sds, uint32_t sk,
-                                       int wg, int warp, int lane, int64_t row0) {
-  static_assert(kRows == 64 && (D == 64 || D == 128), "a query row of dS^T is one 128-byte panel; m64n64 dQ shares");
+// kAtomicDq, before dK's product is issued (which reads da: no other instruction may until it is
+// waited for): dS^T (da, this thread's keys' A fragments) into the tile at sds.
+template <int kKeys, int kRows>
+__device__ __forceinline__ void store_ds_t(const uint32_t (&da)[kRows / 16][4], uint32_t sds, int wg, int warp,
+                                           int lane) {
+  static_assert(kRows == 64, "a query row of dS^T is one 128-byte panel");
   const int key_row = wg * 64 + warp * 16 + lane / 4;
 #pragma unroll
   for (int kk = 0; kk < kRows / 16; ++kk)
@@ -87,15 +86,28 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, const uint32_t (&da)[
                      "r"(da[kk][half * 2 + r])
                      : "memory");
       }
+}
+
+// kAtomicDq, after dK's product is issued and every thread's store_ds_t: dQ += dS K for this
+// warpgroup's share (see the top), K's tile at k_tile, added to p.dq from row `row0` of the padded
+// [B * Hq * Sq_pad, D] accumulator, times the scale.
+template <typename T, int D, int kKeys>
+__device__ __forceinline__ void add_dq(const BwdParams& p, uint32_t sds, uint32_t k_tile, int wg, int warp, int lane,
+                                       int64_t row0) {
+  static_assert(D == 64 || D == 128, "m64n64 dQ shares: a 64-column panel of K a warpgroup");
   fence_proxy_async();
   constexpr int kDqKeys = D == 128 ? kKeys : 64;  // keys a warpgroup's dQ share sums over
   if constexpr (D == 128) {
     tma::named_sync(1, kSm90BwdThreads);  // both warpgroups' dS^T
   } else {
-    tma::named_sync(1 + wg, 128);  // this warpgroup's
+    if (wg == 0) {  // this warpgroup's (barrier ids as constants: a runtime id reserves all 16)
+      tma::named_sync(1, 128);
+    } else {
+      tma::named_sync(2, 128);
+    }
   }
   const uint32_t a = sds + (D == 128 ? 0 : wg * 64 * 128);
-  const uint32_t b = sk + (D == 128 ? wg * kKeys * 128 : wg * 64 * 128);  // K's panel w, or this warpgroup's keys
+  const uint32_t b = k_tile + (D == 128 ? wg * kKeys * 128 : wg * 64 * 128);  // K's panel w, or this warpgroup's keys
   float dq[8][4] = {};
   wgmma_fence();
 #pragma unroll
@@ -209,11 +221,12 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_ke
       for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - dt[nt * 8 + (lane % 4) * 2 + (e & 1)]);
 #pragma unroll
     for (int kk = 0; kk < kRows / 16; ++kk) accumulators_to_a<T>(da[kk], dp[2 * kk], dp[2 * kk + 1]);
+    if constexpr (kAtomicDq) store_ds_t<kKeys, kRows>(da, sds, wg, warp, lane);
     wgmma_fence();
     wgmma_rs_n_major<T, kRows>(dk, da, q_base(st));  // dK += dS^T Q
     wgmma_commit();
     if constexpr (kAtomicDq) {
-      add_dq<T, D, kKeys, kRows>(p, da, sds, sk, wg, warp, lane, (b * p.hq + hk * p.group + i / per_head) * p.sq_pad + m0);
+      add_dq<T, D, kKeys>(p, sds, sk, wg, warp, lane, (b * p.hq + hk * p.group + i / per_head) * p.sq_pad + m0);
     }
     wgmma_wait<0>();
     wgmma_fence_operands(dv);

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import unittest.mock
 
 import torch
 import torch.nn.functional as F
@@ -90,11 +89,24 @@ def parse_variant(text: str) -> dict[str, str]:
 
 
 def _in_environment(env: dict[str, str], thunk):
-    """thunk, called with env's variables set (a variant's switches), for the forward and the backward
-    alike: the backward reads its switches when autograd runs it, after the forward has returned."""
+    """thunk, called with env's variables set (a variant's switches) and put back after it, for the
+    forward and the backward alike: the backward reads its switches when autograd runs it, after the
+    forward has returned. Only env's variables are touched: unittest.mock.patch.dict restores the
+    whole environment, about 0.1 ms a call, as long as the shortest shapes' kernels."""
+    if not env:
+        return thunk
+
     def call():
-        with unittest.mock.patch.dict(os.environ, env):
+        old = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
+        try:
             return thunk()
+        finally:
+            for name, value in old.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
     return call
 
 

@@ -55,8 +55,9 @@ def _cross_entropy_ref(logits, target, ignore_index=-100, label_smoothing=0.0):
 def _linear_cross_entropy_ref(hidden, weight, target, bias=None, ignore_index=-100, label_smoothing=0.0,
                               reduction="mean", tile_rows=None, tile_classes=None):
     """_cross_entropy_ref's loss of hidden @ weight^T (+ bias), reduced as F.cross_entropy reduces.
-    (Not F.cross_entropy itself: with smoothing it sums -log_softmax over every class and row before
-    scaling, which overflows where each row's loss is finite, e.g. hidden near 1e307 in float64.)"""
+    (Not F.cross_entropy itself: with smoothing it sums -log_softmax over every class and every row
+    before scaling, which overflows where the op's per-row losses, whose class sums stay within a
+    row, are finite: hidden near 5e307 in float64 with 1000 classes.)"""
     logits = hidden @ weight.T + (bias if bias is not None else 0)
     loss = _cross_entropy_ref(logits, target, ignore_index, label_smoothing)[0]
     if reduction == "none":
