@@ -33,6 +33,7 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -478,6 +479,13 @@ bool sm90_atomic_dq() {
   return env != nullptr && std::string_view(env) == "atomic";
 }
 
+// The wgmma backward's dK/dV kernel warp-specialized (attention_bwd_dkdv_sm90_ws_kernel) where the
+// TMA can read q, dO, k and v, for now only with CUSTOMOPS_ATTENTION_BWD_WS=1 (until it is measured).
+bool sm90_ws_bwd() {
+  const char* env = std::getenv("CUSTOMOPS_ATTENTION_BWD_WS");
+  return env != nullptr && std::string_view(env) == "1";
+}
+
 // A tensor map of t ([B, H, S, D], unit last stride) for the TMA: boxes of `rows` rows of 64
 // columns, swizzled by 128 bytes as the wgmma kernels' tiles are; nullopt where the TMA cannot read
 // t (an address or stride not a multiple of 16 bytes, or a shape the driver refuses).
@@ -714,6 +722,13 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
     });
   }
   if (sm90) {
+    // The warp-specialized dK/dV kernel's tensor maps (q, dO, k, v), where asked for and possible.
+    std::optional<std::array<CUtensorMap, 4>> ws_maps;
+    if (!atomic_dq && sm90_ws_bwd()) {
+      const auto mq = tensor_map(q, kSm90BwdRows), mg = tensor_map(go, kSm90BwdRows);
+      const auto mk = tensor_map(k, kSm90BwdKeys), mv = tensor_map(v, kSm90BwdKeys);
+      if (mq && mg && mk && mv) ws_maps = std::array<CUtensorMap, 4>{*mq, *mg, *mk, *mv};
+    }
     // (an empty batch or sequence: no grid, a zero grid dimension is a launch error; sk = 0 leaves
     // dq to the dQ kernel, which writes zeros, and sq = 0 dk and dv to the other)
     with_types(q, causal, [&](auto t, auto dd, auto c) {
@@ -723,6 +738,13 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
       if (sk > 0 && bsz > 0 && atomic_dq) {
         launch(attention_bwd_dkdv_sm90_kernel<T, D, decltype(c)::value, true>, grid, kSm90BwdThreads,
                sm90_dkdv_smem_bytes<D, true>(), stream, p);
+      } else if (sk > 0 && bsz > 0 && ws_maps) {
+        auto kernel = attention_bwd_dkdv_sm90_ws_kernel<T, D, decltype(c)::value>;
+        constexpr int kSmem = sm90_dkdv_ws_smem_bytes<D>();
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+        kernel<<<grid, kSm90BwdWsThreads, kSmem, stream>>>((*ws_maps)[0], (*ws_maps)[1], (*ws_maps)[2], (*ws_maps)[3],
+                                                           p);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
       } else if (sk > 0 && bsz > 0) {
         launch(attention_bwd_dkdv_sm90_kernel<T, D, decltype(c)::value>, grid, kSm90BwdThreads,
                sm90_dkdv_smem_bytes<D>(), stream, p);

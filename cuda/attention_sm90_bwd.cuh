@@ -128,6 +128,46 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, uint32_t sds, uint32_
     }
 }
 
+// A step of the dK/dV walk for a warpgroup's 64 keys (k_wg, v_wg: its rows of the k and v tiles;
+// q_tile, g_tile: the step's q and dO; lse2, dt: their rows' floats) with four commit groups, each
+// waited for as late as its result is needed (P^T computed while dP^T runs, dS^T while dV's product
+// does): S^T = K Q^T, dP^T = V dO^T, P^T, dV += P^T dO, dS^T = P^T (dP^T - dt), before_dk(dS^T's
+// A fragments), dK += dS^T Q. Returns with dV's and dK's products committed, not waited for.
+template <typename T, int D, int kKeys, int kRows, bool kCausal, typename BeforeDk>
+__device__ __forceinline__ void dkdv_step(float (&dk)[D / 8][4], float (&dv)[D / 8][4], uint32_t k_wg, uint32_t v_wg,
+                                          uint32_t q_tile, uint32_t g_tile, const float* lse2, const float* dt,
+                                          float scale_log2, bool masked, int64_t key0, int64_t m0_shift, int64_t sk,
+                                          int lane, BeforeDk&& before_dk) {
+  constexpr int kNT = kRows / 8;
+  float s[kNT][4], dp[kNT][4];
+  wgmma_fence();
+  wgmma_over_d<T, D, kKeys, kRows>(s, k_wg, q_tile);  // S^T = K Q^T
+  wgmma_commit();
+  wgmma_over_d<T, D, kKeys, kRows>(dp, v_wg, g_tile);  // dP^T = V dO^T
+  wgmma_commit();
+  wgmma_wait<1>();
+  wgmma_fence_operands(s);
+  transposed_probs<kNT, kCausal>(s, lse2, scale_log2, masked, key0, m0_shift, sk, lane);  // P^T in place
+  uint32_t pa[kRows / 16][4], da[kRows / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < kRows / 16; ++kk) accumulators_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
+  wgmma_fence();
+  wgmma_rs_n_major<T, kRows>(dv, pa, g_tile);  // dV += P^T dO
+  wgmma_commit();
+  wgmma_wait<1>();  // dP^T is in (dV's product may still run)
+  wgmma_fence_operands(dp);
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - dt[nt * 8 + (lane % 4) * 2 + (e & 1)]);
+#pragma unroll
+  for (int kk = 0; kk < kRows / 16; ++kk) accumulators_to_a<T>(da[kk], dp[2 * kk], dp[2 * kk + 1]);
+  before_dk(da);
+  wgmma_fence();
+  wgmma_rs_n_major<T, kRows>(dk, da, q_tile);  // dK += dS^T Q
+  wgmma_commit();
+}
+
 template <typename T, int D, bool kCausal, bool kAtomicDq = false>
 __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_kernel(BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -189,42 +229,13 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_ke
     }
     const int64_t m0 = (m_first + i % per_head) * kRows;
 
-    // Four commit groups, each waited for as late as its result is needed: P^T is computed while
-    // dP^T runs, dS^T while dV's product does.
-    float s[kNT][4], dp[kNT][4];
-    wgmma_fence();
-    wgmma_over_d<T, D, kKeys, kRows>(s, k_wg, q_base(st));  // S^T = K Q^T
-    wgmma_commit();
-    wgmma_over_d<T, D, kKeys, kRows>(dp, v_wg, g_base(st));  // dP^T = V dO^T
-    wgmma_commit();
-    wgmma_wait<1>();
-    wgmma_fence_operands(s);
-
-    // P^T in place; column c is query m0 + c. Keys past sk, and (causal) past a query's limit,
-    // give 0 (where the block has such keys).
     const float* lse2 = stats + st * 2 * kRows;
-    const float* dt = lse2 + kRows;
     const bool masked = n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift);
-    transposed_probs<kNT, kCausal>(s, lse2, p.scale_log2, masked, n0 + key_row, m0 + shift, p.sk, lane);
-    uint32_t pa[kRows / 16][4], da[kRows / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < kRows / 16; ++kk) accumulators_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
-    wgmma_fence();
-    wgmma_rs_n_major<T, kRows>(dv, pa, g_base(st));  // dV += P^T dO
-    wgmma_commit();
-    wgmma_wait<1>();  // dP^T is in (dV's product may still run)
-    wgmma_fence_operands(dp);
-    // dS^T = P^T (dP^T - dt) in place
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - dt[nt * 8 + (lane % 4) * 2 + (e & 1)]);
-#pragma unroll
-    for (int kk = 0; kk < kRows / 16; ++kk) accumulators_to_a<T>(da[kk], dp[2 * kk], dp[2 * kk + 1]);
-    if constexpr (kAtomicDq) store_ds_t<kKeys, kRows>(da, sds, wg, warp, lane);
-    wgmma_fence();
-    wgmma_rs_n_major<T, kRows>(dk, da, q_base(st));  // dK += dS^T Q
-    wgmma_commit();
+    dkdv_step<T, D, kKeys, kRows, kCausal>(dk, dv, k_wg, v_wg, q_base(st), g_base(st), lse2, lse2 + kRows,
+                                           p.scale_log2, masked, n0 + key_row, m0 + shift, p.sk, lane,
+                                           [&](const uint32_t(&da)[kRows / 16][4]) {
+                                             if constexpr (kAtomicDq) store_ds_t<kKeys, kRows>(da, sds, wg, warp, lane);
+                                           });
     if constexpr (kAtomicDq) {
       add_dq<T, D, kKeys>(p, sds, sk, wg, warp, lane, (b * p.hq + hk * p.group + i / per_head) * p.sq_pad + m0);
     }
@@ -234,6 +245,120 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_ke
   }
   cp_async_wait<0>();  // (no step: k and v may still be landing)
 
+  store_accumulator<T>(dk, p.scale, head_rows<T>(p.dk, p.dks, b, hk), p.dks[2], n0 + key_row, p.sk, lane);
+  store_accumulator<T>(dv, 1.f, head_rows<T>(p.dv, p.dvs, b, hk), p.dvs[2], n0 + key_row, p.sk, lane);
+#else
+  __trap();  // launched only on sm_90a builds for compute capability 9.0 (see the host side)
+#endif
+}
+
+// The dK/dV kernel warp-specialized (FlashAttention-3's structure): a producer warpgroup whose one
+// thread loads k and v once and each step's q and dO (the TMA, 128-byte swizzle) and lse2 and dt
+// (bulk copies) into two stages on mbarriers, and two consumer warpgroups of 64 keys that run
+// dkdv_step and release a stage once their products have read it: no block barrier and no loads
+// issued by the computing threads. Registers: producer 24, consumers 240 (setmaxnreg).
+constexpr int kSm90BwdWsThreads = 384;
+template <int D>
+constexpr int sm90_dkdv_ws_smem_bytes() {
+  // k, v: [128, D]; two stages of q, dO: [64, D] and lse2, dt: 64 floats; barriers; 1024 to align
+  return (2 * kSm90BwdKeys + 4 * kSm90BwdRows) * D * 2 + 4 * kSm90BwdRows * 4 + 8 * 8 + 1024;
+}
+
+template <typename T, int D, bool kCausal>
+__global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
+    attention_bwd_dkdv_sm90_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tg,
+                                      const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
+                                      BwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kKeys = kSm90BwdKeys, kRows = kSm90BwdRows, kStages = 2, kPanels = D / 64;
+  constexpr int kDT = D / 8;
+  constexpr uint32_t kKBytes = kKeys * D * 2, kQBytes = kRows * D * 2, kStatBytes = kRows * 4;
+  constexpr uint32_t kConsumerThreads = 256;
+  extern __shared__ char smem[];
+  const uint32_t sk = (smem_addr(smem) + 1023) & ~1023u, sv = sk + kKBytes;
+  auto q_base = [&](int st) { return sv + kKBytes + st * 2 * kQBytes; };
+  auto g_base = [&](int st) { return q_base(st) + kQBytes; };
+  const uint32_t stats = sv + kKBytes + kStages * 2 * kQBytes;  // [stage][lse2, dt][kRows] floats
+  auto lse2_base = [&](int st) { return stats + st * 2 * kStatBytes; };
+  const uint32_t bars = stats + kStages * 2 * kStatBytes;
+  const uint32_t full_kv = bars;
+  auto full = [&](int st) { return bars + 8 * (1 + st); };
+  auto empty = [&](int st) { return bars + 8 * (1 + kStages + st); };
+  const float* const stats_ptr = reinterpret_cast<const float*>(smem + (stats - smem_addr(smem)));
+
+  const int wg = threadIdx.x / 128;
+  const int64_t b = blockIdx.z, hk = blockIdx.y, n0 = int64_t(blockIdx.x) * kKeys;
+  const int64_t shift = p.sk - p.sq;
+  const int64_t m_first = kCausal ? std::max<int64_t>(0, n0 - shift) / kRows : 0;
+  const int64_t per_head = std::max<int64_t>(0, (p.sq + kRows - 1) / kRows - m_first);
+  const int64_t steps = per_head * p.group;
+  if (threadIdx.x == 0) {
+    tma::mbar_init(full_kv, 1);
+    for (int st = 0; st < kStages; ++st) {
+      tma::mbar_init(full(st), 1);
+      tma::mbar_init(empty(st), kConsumerThreads);  // every consumer thread, once its products read the stage
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();  // the last block-wide barrier: the warpgroups part here
+
+  if (wg == 0) {  // the producer
+    tma::regs_down<24>();
+    if (threadIdx.x != 0 || steps == 0) return;  // (no copy in flight when the block exits)
+    uint64_t policy;  // lse2 and dt: read again by every key block of the head
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    tma::mbar_arrive_expect_tx(full_kv, 2 * kKBytes);
+#pragma unroll
+    for (int pc = 0; pc < kPanels; ++pc) {
+      tma::tensor_load_4d(sk + pc * kKeys * 128, &tk, pc * 64, static_cast<int>(n0), static_cast<int>(hk),
+                          static_cast<int>(b), full_kv);
+      tma::tensor_load_4d(sv + pc * kKeys * 128, &tv, pc * 64, static_cast<int>(n0), static_cast<int>(hk),
+                          static_cast<int>(b), full_kv);
+    }
+    for (int64_t i = 0; i < steps; ++i) {
+      const int st = static_cast<int>(i % kStages);
+      if (i >= kStages) tma::mbar_wait(empty(st), static_cast<uint32_t>((i / kStages - 1) & 1));
+      const int64_t h = hk * p.group + i / per_head, m0 = (m_first + i % per_head) * kRows;
+      tma::mbar_arrive_expect_tx(full(st), 2 * kQBytes + 2 * kStatBytes);
+#pragma unroll
+      for (int pc = 0; pc < kPanels; ++pc) {  // (rows past sq: zeros, the TMA's fill)
+        tma::tensor_load_4d(q_base(st) + pc * kRows * 128, &tq, pc * 64, static_cast<int>(m0), static_cast<int>(h),
+                            static_cast<int>(b), full(st));
+        tma::tensor_load_4d(g_base(st) + pc * kRows * 128, &tg, pc * 64, static_cast<int>(m0), static_cast<int>(h),
+                            static_cast<int>(b), full(st));
+      }
+      // (rows past sq: lse2 +inf and dt 0 from the prep kernel, whose rows run to a multiple of 64)
+      const int64_t at = (b * p.hq + h) * p.sq_pad + m0;
+      tma::bulk_load(lse2_base(st), p.lse2 + at, kStatBytes, full(st), policy);
+      tma::bulk_load(lse2_base(st) + kStatBytes, p.dt + at, kStatBytes, full(st), policy);
+    }
+    return;
+  }
+
+  tma::regs_up<240>();
+  const int c = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  float dk[kDT][4], dv[kDT][4];
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.f;
+  const int key_row = c * 64 + warp * 16;  // this thread's keys: n0 + key_row + lane / 4 (+ 8)
+  const uint32_t k_wg = sk + c * 64 * 128, v_wg = sv + c * 64 * 128;  // this warpgroup's 64 rows of each panel
+  if (steps > 0) tma::mbar_wait(full_kv, 0);
+  for (int64_t i = 0; i < steps; ++i) {
+    const int st = static_cast<int>(i % kStages);
+    tma::mbar_wait(full(st), static_cast<uint32_t>((i / kStages) & 1));
+    const int64_t m0 = (m_first + i % per_head) * kRows;
+    const float* lse2 = stats_ptr + st * 2 * kRows;
+    const bool masked = n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift);
+    dkdv_step<T, D, kKeys, kRows, kCausal>(dk, dv, k_wg, v_wg, q_base(st), g_base(st), lse2, lse2 + kRows,
+                                           p.scale_log2, masked, n0 + key_row, m0 + shift, p.sk, lane,
+                                           [](const uint32_t(&)[kRows / 16][4]) {});
+    wgmma_wait<0>();
+    wgmma_fence_operands(dv);
+    wgmma_fence_operands(dk);
+    tma::mbar_arrive(empty(st));
+  }
   store_accumulator<T>(dk, p.scale, head_rows<T>(p.dk, p.dks, b, hk), p.dks[2], n0 + key_row, p.sk, lane);
   store_accumulator<T>(dv, 1.f, head_rows<T>(p.dv, p.dvs, b, hk), p.dvs[2], n0 + key_row, p.sk, lane);
 #else

@@ -76,7 +76,7 @@ def test_matches_sdpa_and_reads_transposed_views_in_place(device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("forward", ["default", "sm80", "wgmma", "mma-bwd", "atomic-dq", "ws128"])
+@pytest.mark.parametrize("forward", ["default", "sm80", "wgmma", "mma-bwd", "atomic-dq", "ws-bwd", "ws128"])
 def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, monkeypatch):
     # The tensor-core kernel's shapes: grouped heads, lengths off the block sizes, Sq < Sk and
     # Sq > Sk (causal: rows that see no key), one query; q as a [B, S, H, D] view; lse's gradient.
@@ -85,7 +85,8 @@ def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, 
     # keeps the mma.sync forward and backward there, "wgmma" the wgmma forward without warp
     # specialization, "mma-bwd" the mma.sync backward after the default forward
     # (CUSTOMOPS_ATTENTION_BWD_SM90=0), "atomic-dq" the wgmma backward adding dQ with atomics in its
-    # dK/dV kernel (CUSTOMOPS_ATTENTION_BWD_DQ=atomic; measured, not the default), "ws128" the
+    # dK/dV kernel (CUSTOMOPS_ATTENTION_BWD_DQ=atomic; measured, not the default), "ws-bwd" its
+    # warp-specialized dK/dV kernel (CUSTOMOPS_ATTENTION_BWD_WS=1; until it is measured), "ws128" the
     # warp-specialized forward with blocks of 128 query rows at head dim 64
     # (CUSTOMOPS_ATTENTION_WS_ROWS=128; the default takes 192 there).
     if d == 256 and forward != "default":
@@ -138,6 +139,7 @@ KERNELS = [pytest.param(dev, dt, d, fwd, id=f"{dev}-{str(dt).removeprefix('torch
                                (torch.bfloat16, 64, "sm80"), (torch.bfloat16, 128, "wgmma"),
                                (torch.bfloat16, 256, "default"), (torch.bfloat16, 128, "mma-bwd"),
                                (torch.bfloat16, 128, "atomic-dq"), (torch.float16, 64, "atomic-dq"),
+                               (torch.bfloat16, 128, "ws-bwd"), (torch.float16, 64, "ws-bwd"),
                                (torch.float16, 64, "ws128"),
                                (torch.float32, 64, "default")])]
 
@@ -153,6 +155,10 @@ def _kernel(device, forward, monkeypatch):
         if torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the wgmma backward runs on compute capability 9.0 only")
         monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_DQ", "atomic")
+    elif forward == "ws-bwd":
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the wgmma backward runs on compute capability 9.0 only")
+        monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_WS", "1")
     elif forward == "ws128":
         if torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
