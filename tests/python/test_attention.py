@@ -86,7 +86,8 @@ def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, 
     # specialization, "mma-bwd" the mma.sync backward after the default forward
     # (CUSTOMOPS_ATTENTION_BWD_SM90=0), "atomic-dq" the wgmma backward adding dQ with atomics in its
     # dK/dV kernel (CUSTOMOPS_ATTENTION_BWD_DQ=atomic; measured, not the default), "ws-bwd" its
-    # warp-specialized dK/dV kernel (CUSTOMOPS_ATTENTION_BWD_WS=1; until it is measured), "ws128" the
+    # warp-specialized dK/dV kernel (CUSTOMOPS_ATTENTION_BWD_WS=1; measured faster, not yet the
+    # default), "ws128" the
     # warp-specialized forward with blocks of 128 query rows at head dim 64
     # (CUSTOMOPS_ATTENTION_WS_ROWS=128; the default takes 192 there).
     if d == 256 and forward != "default":
