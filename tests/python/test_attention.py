@@ -72,24 +72,30 @@ def test_matches_sdpa_and_reads_transposed_views_in_place(device):
         assert got.transpose(1, 2).is_contiguous()  # o_proj's [B, S, H * D] input is a view
 
 
+# The CUDA kernel paths the tests pin: name -> (the environment switches that select it, whether it
+# exists on compute capability 9.0 only). On an H100 or H200 the default forward is the
+# warp-specialized wgmma one (192 query rows a block at head dim 64; the only fused one at head dim
+# 256, whose backward is the blocked one) and the default backward the wgmma one.
+PATHS = {
+    "default": ({}, False),
+    "sm80": ({"CUSTOMOPS_ATTENTION_SM80": "1"}, False),  # mma.sync forward and backward
+    "wgmma": ({"CUSTOMOPS_ATTENTION_WS": "0"}, False),  # the wgmma forward without warp specialization
+    "mma-bwd": ({"CUSTOMOPS_ATTENTION_BWD_SM90": "0"}, False),  # the mma.sync backward after the default forward
+    "atomic-dq": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "atomic"}, True),  # dQ by atomics in the dK/dV kernel
+    "ws-bwd": ({"CUSTOMOPS_ATTENTION_BWD_WS": "1"}, True),  # the warp-specialized dK/dV kernel
+    "ws128": ({"CUSTOMOPS_ATTENTION_WS_ROWS": "128"}, True),  # 128 query rows a block at head dim 64
+}
+
+
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("forward", ["default", "sm80", "wgmma", "mma-bwd", "atomic-dq", "ws-bwd", "ws128"])
+@pytest.mark.parametrize("forward", list(PATHS))
 def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, monkeypatch):
     # The tensor-core kernel's shapes: grouped heads, lengths off the block sizes, Sq < Sk and
     # Sq > Sk (causal: rows that see no key), one query; q as a [B, S, H, D] view; lse's gradient.
-    # On an H100 or H200 the default forward is the warp-specialized wgmma one (the only fused one at
-    # head dim 256, whose backward is the blocked one) and the default backward the wgmma one; "sm80"
-    # keeps the mma.sync forward and backward there, "wgmma" the wgmma forward without warp
-    # specialization, "mma-bwd" the mma.sync backward after the default forward
-    # (CUSTOMOPS_ATTENTION_BWD_SM90=0), "atomic-dq" the wgmma backward adding dQ with atomics in its
-    # dK/dV kernel (CUSTOMOPS_ATTENTION_BWD_DQ=atomic; measured, not the default), "ws-bwd" its
-    # warp-specialized dK/dV kernel (CUSTOMOPS_ATTENTION_BWD_WS=1; measured faster, not yet the
-    # default), "ws128" the
-    # warp-specialized forward with blocks of 128 query rows at head dim 64
-    # (CUSTOMOPS_ATTENTION_WS_ROWS=128; the default takes 192 there).
+    # Every kernel path of PATHS (head dim 256: the default only, its one fused forward).
     if d == 256 and forward != "default":
         pytest.skip("head dim 256 has one fused forward")
     if forward == "ws128" and d != 64:
@@ -146,24 +152,11 @@ KERNELS = [pytest.param(dev, dt, d, fwd, id=f"{dev}-{str(dt).removeprefix('torch
 
 
 def _kernel(device, forward, monkeypatch):
-    if forward == "sm80":
-        monkeypatch.setenv("CUSTOMOPS_ATTENTION_SM80", "1")
-    elif forward == "wgmma":
-        monkeypatch.setenv("CUSTOMOPS_ATTENTION_WS", "0")
-    elif forward == "mma-bwd":
-        monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_SM90", "0")
-    elif forward == "atomic-dq":
-        if torch.cuda.get_device_capability() != (9, 0):
-            pytest.skip("the wgmma backward runs on compute capability 9.0 only")
-        monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_DQ", "atomic")
-    elif forward == "ws-bwd":
-        if torch.cuda.get_device_capability() != (9, 0):
-            pytest.skip("the wgmma backward runs on compute capability 9.0 only")
-        monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_WS", "1")
-    elif forward == "ws128":
-        if torch.cuda.get_device_capability() != (9, 0):
-            pytest.skip("the warp-specialized forward runs on compute capability 9.0 only")
-        monkeypatch.setenv("CUSTOMOPS_ATTENTION_WS_ROWS", "128")
+    env, sm90_only = PATHS[forward]
+    if sm90_only and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"{forward}: a kernel path of compute capability 9.0 only")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
 
 
 @pytest.mark.parametrize("device, dtype, d, forward", KERNELS)
