@@ -75,14 +75,15 @@ def test_matches_sdpa_and_reads_transposed_views_in_place(device):
 # The CUDA kernel paths the tests pin: name -> (the environment switches that select it, whether it
 # exists on compute capability 9.0 only). On an H100 or H200 the default forward is the
 # warp-specialized wgmma one (192 query rows a block at head dim 64; the only fused one at head dim
-# 256, whose backward is the blocked one) and the default backward the wgmma one.
+# 256, whose backward is the blocked one) and the default backward the wgmma one, its dK/dV kernel
+# warp-specialized.
 PATHS = {
     "default": ({}, False),
     "sm80": ({"CUSTOMOPS_ATTENTION_SM80": "1"}, False),  # mma.sync forward and backward
     "wgmma": ({"CUSTOMOPS_ATTENTION_WS": "0"}, False),  # the wgmma forward without warp specialization
     "mma-bwd": ({"CUSTOMOPS_ATTENTION_BWD_SM90": "0"}, False),  # the mma.sync backward after the default forward
     "atomic-dq": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "atomic"}, True),  # dQ by atomics in the dK/dV kernel
-    "ws-bwd": ({"CUSTOMOPS_ATTENTION_BWD_WS": "1"}, True),  # the warp-specialized dK/dV kernel
+    "cp-bwd": ({"CUSTOMOPS_ATTENTION_BWD_WS": "0"}, False),  # the wgmma dK/dV kernel loading by cp.async
     "ws128": ({"CUSTOMOPS_ATTENTION_WS_ROWS": "128"}, True),  # 128 query rows a block at head dim 64
 }
 
@@ -146,7 +147,7 @@ KERNELS = [pytest.param(dev, dt, d, fwd, id=f"{dev}-{str(dt).removeprefix('torch
                                (torch.bfloat16, 64, "sm80"), (torch.bfloat16, 128, "wgmma"),
                                (torch.bfloat16, 256, "default"), (torch.bfloat16, 128, "mma-bwd"),
                                (torch.bfloat16, 128, "atomic-dq"), (torch.float16, 64, "atomic-dq"),
-                               (torch.bfloat16, 128, "ws-bwd"), (torch.float16, 64, "ws-bwd"),
+                               (torch.bfloat16, 128, "cp-bwd"),
                                (torch.float16, 64, "ws128"),
                                (torch.float32, 64, "default")])]
 
