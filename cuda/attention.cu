@@ -479,12 +479,18 @@ bool sm90_atomic_dq() {
   return env != nullptr && std::string_view(env) == "atomic";
 }
 
-// The wgmma backward's dK/dV kernel warp-specialized (attention_bwd_dkdv_sm90_ws_kernel) where the
-// TMA can read q, dO, k and v: 1.06-1.10x the cp.async kernel's forward+backward at head dim 128 on
-// an H100. CUSTOMOPS_ATTENTION_BWD_WS=0 keeps the cp.async one (the tests run both).
-bool sm90_ws_bwd() {
+// The wgmma backward's kernels warp-specialized (attention_bwd_dkdv_sm90_ws_kernel, measured
+// 1.06-1.10x the cp.async one's forward+backward at head dim 128 on an H100, and
+// attention_bwd_dq_sm90_ws_kernel) where the TMA can read q, dO, k and v.
+// CUSTOMOPS_ATTENTION_BWD_WS=0 keeps both cp.async kernels, =dkdv only the dQ one (the tests run
+// each).
+struct WsBwd {
+  bool dkdv, dq;
+};
+WsBwd sm90_ws_bwd() {
   const char* env = std::getenv("CUSTOMOPS_ATTENTION_BWD_WS");
-  return env == nullptr || std::string_view(env) != "0";
+  const std::string_view v = env == nullptr ? "" : env;
+  return {v != "0", v != "0" && v != "dkdv"};
 }
 
 // A tensor map of t ([B, H, S, D], unit last stride) for the TMA: boxes of `rows` rows of 64
@@ -518,6 +524,15 @@ std::optional<CUtensorMap> tensor_map(const at::Tensor& t, int rows) {
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) return std::nullopt;
   return map;
+}
+
+// Tensor maps of q and dO (boxes of `rows` rows) and k and v (`keys` rows) for the warp-specialized
+// backward kernels, where the TMA can read all four.
+std::optional<std::array<CUtensorMap, 4>> bwd_maps(const at::Tensor& q, const at::Tensor& go, const at::Tensor& k,
+                                                   const at::Tensor& v, int rows, int keys) {
+  const auto mq = tensor_map(q, rows), mg = tensor_map(go, rows), mk = tensor_map(k, keys), mv = tensor_map(v, keys);
+  if (!mq || !mg || !mk || !mv) return std::nullopt;
+  return std::array<CUtensorMap, 4>{*mq, *mg, *mk, *mv};
 }
 
 // A kernel with `bytes` of dynamic shared memory (above the 48 KiB default) on the current stream.
@@ -723,13 +738,11 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
     });
   }
   if (sm90) {
-    // The warp-specialized dK/dV kernel's tensor maps (q, dO, k, v), where asked for and possible.
-    std::optional<std::array<CUtensorMap, 4>> ws_maps;
-    if (!atomic_dq && sm90_ws_bwd()) {
-      const auto mq = tensor_map(q, kSm90BwdRows), mg = tensor_map(go, kSm90BwdRows);
-      const auto mk = tensor_map(k, kSm90BwdKeys), mv = tensor_map(v, kSm90BwdKeys);
-      if (mq && mg && mk && mv) ws_maps = std::array<CUtensorMap, 4>{*mq, *mg, *mk, *mv};
-    }
+    // The warp-specialized kernels' tensor maps (q, dO, k, v), where asked for and possible.
+    std::optional<std::array<CUtensorMap, 4>> ws_maps, dq_maps;
+    const WsBwd ws = sm90_ws_bwd();
+    if (!atomic_dq && ws.dkdv) ws_maps = bwd_maps(q, go, k, v, kSm90BwdRows, kSm90BwdKeys);
+    if (!atomic_dq && ws.dq) dq_maps = bwd_maps(q, go, k, v, kSm90DqRows, kSm90DqKeys);
     // (an empty batch or sequence: no grid, a zero grid dimension is a launch error; sk = 0 leaves
     // dq to the dQ kernel, which writes zeros, and sq = 0 dk and dv to the other)
     with_types(q, causal, [&](auto t, auto dd, auto c) {
@@ -750,7 +763,14 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
         launch(attention_bwd_dkdv_sm90_kernel<T, D, decltype(c)::value>, grid, kSm90BwdThreads,
                sm90_dkdv_smem_bytes<D>(), stream, p);
       }
-      if (sq > 0 && hq > 0 && bsz > 0 && !atomic_dq) {
+      if (sq > 0 && hq > 0 && bsz > 0 && !atomic_dq && dq_maps) {
+        auto kernel = attention_bwd_dq_sm90_ws_kernel<T, D, decltype(c)::value>;
+        constexpr int kSmem = sm90_dq_ws_smem_bytes<D>();
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+        kernel<<<dim3((sq + kSm90DqRows - 1) / kSm90DqRows, hq, bsz), kSm90BwdWsThreads, kSmem, stream>>>(
+            (*dq_maps)[0], (*dq_maps)[1], (*dq_maps)[2], (*dq_maps)[3], p);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      } else if (sq > 0 && hq > 0 && bsz > 0 && !atomic_dq) {
         launch(attention_bwd_dq_sm90_kernel<T, D, decltype(c)::value>,
                dim3((sq + kSm90DqRows - 1) / kSm90DqRows, hq, bsz), kSm90BwdThreads, sm90_dq_smem_bytes<D>(), stream,
                p);

@@ -366,6 +366,45 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
 #endif
 }
 
+// A step of the dQ walk for a warpgroup's 64 query rows (q_wg, g_wg: its rows of the q and dO tiles;
+// rows row0 + lane / 4 (+ 8), their lse2 and dt in registers) over a key block (k_tile, v_tile; keys
+// from n0): S = Q K^T, dP = dO V^T (P computed while dP's product runs), dS = P (dP - dt),
+// dQ += dS K; waited for.
+template <typename T, int D, int kRows, int kKeys, bool kCausal>
+__device__ __forceinline__ void dq_step(float (&dq)[D / 8][4], uint32_t q_wg, uint32_t g_wg, uint32_t k_tile,
+                                        uint32_t v_tile, const float (&lse2)[2], const float (&dt)[2],
+                                        float scale_log2, int64_t row0, int64_t n0, int64_t sk, int64_t shift,
+                                        bool masked, int lane) {
+  constexpr int kNT = kKeys / 8;
+  float s[kNT][4], dp[kNT][4];
+  wgmma_fence();
+  wgmma_over_d<T, D, kRows, kKeys>(s, q_wg, k_tile);  // S = Q K^T
+  wgmma_commit();
+  wgmma_over_d<T, D, kRows, kKeys>(dp, g_wg, v_tile);  // dP = dO V^T
+  wgmma_commit();
+  wgmma_wait<1>();
+  wgmma_fence_operands(s);
+  if (masked) mask_scores<kNT, kCausal>(s, row0, n0, sk, shift, lane);
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[nt][e] = exp2_nonpositive(fmaf(s[nt][e], scale_log2, -lse2[e >> 1]));
+  wgmma_wait<0>();
+  wgmma_fence_operands(dp);
+  uint32_t da[kKeys / 16][4];
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - dt[e >> 1]);
+#pragma unroll
+  for (int kk = 0; kk < kKeys / 16; ++kk) accumulators_to_a<T>(da[kk], dp[2 * kk], dp[2 * kk + 1]);
+  wgmma_fence();
+  wgmma_rs_n_major<T, kKeys>(dq, da, k_tile);  // dQ += dS K
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_operands(dq);
+}
+
 template <typename T, int D, bool kCausal>
 __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dq_sm90_kernel(BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -419,41 +458,111 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dq_sm90_kern
       load_sw128<kKeys, D, kThreads>(v_base(st ^ 1), v, p.vs[2], int64_t(j + 1) * kKeys, p.sk);
       cp_async_commit();
     }
-    // P is computed while dP's product runs.
-    float s[kNT][4], dp[kNT][4];
-    wgmma_fence();
-    wgmma_over_d<T, D, kRows, kKeys>(s, q_wg, k_base(st));  // S = Q K^T
-    wgmma_commit();
-    wgmma_over_d<T, D, kRows, kKeys>(dp, g_wg, v_base(st));  // dP = dO V^T
-    wgmma_commit();
-    wgmma_wait<1>();
-    wgmma_fence_operands(s);
-
     const int64_t n0 = int64_t(j) * kKeys;
-    if (n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift)) {
-      mask_scores<kNT, kCausal>(s, m0 + warp_row, n0, p.sk, shift, lane);
-    }
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = exp2_nonpositive(fmaf(s[nt][e], p.scale_log2, -lse2[e >> 1]));
-    wgmma_wait<0>();
-    wgmma_fence_operands(dp);
-    uint32_t da[kKeys / 16][4];
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - dt[e >> 1]);
-#pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) accumulators_to_a<T>(da[kk], dp[2 * kk], dp[2 * kk + 1]);
-    wgmma_fence();
-    wgmma_rs_n_major<T, kKeys>(dq, da, k_base(st));  // dQ += dS K
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(dq);
+    dq_step<T, D, kRows, kKeys, kCausal>(dq, q_wg, g_wg, k_base(st), v_base(st), lse2, dt, p.scale_log2,
+                                         m0 + warp_row, n0, p.sk, shift,
+                                         n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift), lane);
   }
   cp_async_wait<0>();
 
+  store_accumulator<T>(dq, p.scale, head_rows<T>(p.dq_out, p.dqs, b, h), p.dqs[2], m0 + warp_row, p.sq, lane);
+#else
+  __trap();
+#endif
+}
+
+// The dQ kernel warp-specialized as the dK/dV one: the producer's one thread loads the block's q
+// and dO once and each key block's k and v (64 keys) through the TMA into two stages on mbarriers;
+// two consumer warpgroups of 64 query rows run dq_step and release a stage once its products have
+// read it.
+template <int D>
+constexpr int sm90_dq_ws_smem_bytes() {
+  // q, dO: [128, D]; two stages of k, v: [64, D]; barriers; 1024 to align
+  return (2 * kSm90DqRows + 4 * kSm90DqKeys) * D * 2 + 8 * 8 + 1024;
+}
+
+template <typename T, int D, bool kCausal>
+__global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
+    attention_bwd_dq_sm90_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tg,
+                                    const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
+                                    BwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int kRows = kSm90DqRows, kKeys = kSm90DqKeys, kStages = 2, kPanels = D / 64, kDT = D / 8;
+  constexpr uint32_t kQBytes = kRows * D * 2, kKBytes = kKeys * D * 2, kConsumerThreads = 256;
+  extern __shared__ char smem[];
+  const uint32_t sq = (smem_addr(smem) + 1023) & ~1023u, sg = sq + kQBytes;
+  auto k_base = [&](int st) { return sg + kQBytes + st * 2 * kKBytes; };
+  auto v_base = [&](int st) { return k_base(st) + kKBytes; };
+  const uint32_t bars = sg + kQBytes + kStages * 2 * kKBytes;
+  const uint32_t full_q = bars;
+  auto full = [&](int st) { return bars + 8 * (1 + st); };
+  auto empty = [&](int st) { return bars + 8 * (1 + kStages + st); };
+
+  const int wg = threadIdx.x / 128;
+  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / p.group;
+  // (causal: the last query blocks, which see the most keys, start first)
+  const int64_t m0 = (kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * int64_t(kRows);
+  const int64_t shift = p.sk - p.sq;
+  const int64_t key_end = kCausal ? std::min<int64_t>(p.sk, m0 + kRows + shift) : p.sk;
+  const int nblocks = key_end > 0 ? static_cast<int>((key_end + kKeys - 1) / kKeys) : 0;
+  if (threadIdx.x == 0) {
+    tma::mbar_init(full_q, 1);
+    for (int st = 0; st < kStages; ++st) {
+      tma::mbar_init(full(st), 1);
+      tma::mbar_init(empty(st), kConsumerThreads);  // every consumer thread, once its products read the stage
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();  // the last block-wide barrier: the warpgroups part here
+
+  if (wg == 0) {  // the producer
+    tma::regs_down<24>();
+    if (threadIdx.x != 0 || nblocks == 0) return;  // (no copy in flight when the block exits)
+    const int bi = static_cast<int>(b), hi = static_cast<int>(h), hki = static_cast<int>(hk);
+    tma::mbar_arrive_expect_tx(full_q, 2 * kQBytes);
+#pragma unroll
+    for (int pc = 0; pc < kPanels; ++pc) {  // (rows past sq: zeros, the TMA's fill)
+      tma::tensor_load_4d(sq + pc * kRows * 128, &tq, pc * 64, static_cast<int>(m0), hi, bi, full_q);
+      tma::tensor_load_4d(sg + pc * kRows * 128, &tg, pc * 64, static_cast<int>(m0), hi, bi, full_q);
+    }
+    for (int j = 0; j < nblocks; ++j) {
+      const int st = j % kStages;
+      if (j >= kStages) tma::mbar_wait(empty(st), static_cast<uint32_t>((j / kStages - 1) & 1));
+      tma::mbar_arrive_expect_tx(full(st), 2 * kKBytes);
+#pragma unroll
+      for (int pc = 0; pc < kPanels; ++pc) {  // (keys past sk: zeros, masked)
+        tma::tensor_load_4d(k_base(st) + pc * kKeys * 128, &tk, pc * 64, j * kKeys, hki, bi, full(st));
+        tma::tensor_load_4d(v_base(st) + pc * kKeys * 128, &tv, pc * 64, j * kKeys, hki, bi, full(st));
+      }
+    }
+    return;
+  }
+
+  tma::regs_up<240>();
+  const int c = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int warp_row = c * 64 + warp * 16;  // this thread's rows: m0 + warp_row + lane / 4 (+ 8)
+  float lse2[2], dt[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = m0 + warp_row + lane / 4 + r * 8;
+    const int64_t at = (b * p.hq + h) * p.sq_pad + row;
+    lse2[r] = row < p.sq ? p.lse2[at] : kInfF;
+    dt[r] = row < p.sq ? p.dt[at] : 0.f;
+  }
+  float dq[kDT][4];
+#pragma unroll
+  for (int d = 0; d < kDT; ++d) dq[d][0] = dq[d][1] = dq[d][2] = dq[d][3] = 0.f;
+  const uint32_t q_wg = sq + c * 64 * 128, g_wg = sg + c * 64 * 128;
+  if (nblocks > 0) tma::mbar_wait(full_q, 0);
+  for (int j = 0; j < nblocks; ++j) {
+    const int st = j % kStages;
+    tma::mbar_wait(full(st), static_cast<uint32_t>((j / kStages) & 1));
+    const int64_t n0 = int64_t(j) * kKeys;
+    dq_step<T, D, kRows, kKeys, kCausal>(dq, q_wg, g_wg, k_base(st), v_base(st), lse2, dt, p.scale_log2,
+                                         m0 + warp_row, n0, p.sk, shift,
+                                         n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift), lane);
+    tma::mbar_arrive(empty(st));
+  }
   store_accumulator<T>(dq, p.scale, head_rows<T>(p.dq_out, p.dqs, b, h), p.dqs[2], m0 + warp_row, p.sq, lane);
 #else
   __trap();

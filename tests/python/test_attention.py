@@ -75,7 +75,7 @@ def test_matches_sdpa_and_reads_transposed_views_in_place(device):
 # The CUDA kernel paths the tests pin: name -> (the environment switches that select it, whether it
 # exists on compute capability 9.0 only). On an H100 or H200 the default forward is the
 # warp-specialized wgmma one (192 query rows a block at head dim 64; the only fused one at head dim
-# 256, whose backward is the blocked one) and the default backward the wgmma one, its dK/dV kernel
+# 256, whose backward is the blocked one) and the default backward the wgmma one, its kernels
 # warp-specialized.
 PATHS = {
     "default": ({}, False),
@@ -83,7 +83,8 @@ PATHS = {
     "wgmma": ({"CUSTOMOPS_ATTENTION_WS": "0"}, False),  # the wgmma forward without warp specialization
     "mma-bwd": ({"CUSTOMOPS_ATTENTION_BWD_SM90": "0"}, False),  # the mma.sync backward after the default forward
     "atomic-dq": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "atomic"}, True),  # dQ by atomics in the dK/dV kernel
-    "cp-bwd": ({"CUSTOMOPS_ATTENTION_BWD_WS": "0"}, False),  # the wgmma dK/dV kernel loading by cp.async
+    "cp-bwd": ({"CUSTOMOPS_ATTENTION_BWD_WS": "0"}, False),  # the wgmma backward's kernels loading by cp.async
+    "cp-dq": ({"CUSTOMOPS_ATTENTION_BWD_WS": "dkdv"}, False),  # its dQ kernel only so
     "ws128": ({"CUSTOMOPS_ATTENTION_WS_ROWS": "128"}, True),  # 128 query rows a block at head dim 64
 }
 
