@@ -482,8 +482,8 @@ bool sm90_atomic_dq() {
 // The wgmma backward's kernels warp-specialized (attention_bwd_dkdv_sm90_ws_kernel, measured
 // 1.06-1.10x the cp.async one's forward+backward at head dim 128 on an H100, and
 // attention_bwd_dq_sm90_ws_kernel) where the TMA can read q, dO, k and v.
-// CUSTOMOPS_ATTENTION_BWD_WS=0 keeps both cp.async kernels, =dkdv only the dQ one (the tests run
-// each).
+// CUSTOMOPS_ATTENTION_BWD_WS=0 keeps both cp.async kernels, =dkdv keeps the cp.async one for dQ
+// only (the tests run each).
 struct WsBwd {
   bool dkdv, dq;
 };

@@ -172,7 +172,7 @@ template <typename T, int D, bool kCausal, bool kAtomicDq = false>
 __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_kernel(BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kKeys = kSm90BwdKeys, kRows = kSm90BwdRows, kThreads = kSm90BwdThreads;
-  constexpr int kDT = D / 8, kNT = kRows / 8;
+  constexpr int kDT = D / 8;
   constexpr uint32_t kKBytes = kKeys * D * 2, kQBytes = kRows * D * 2;
   extern __shared__ char smem[];
   const uint32_t pad = ((smem_addr(smem) + 1023) & ~1023u) - smem_addr(smem);
@@ -409,7 +409,7 @@ template <typename T, int D, bool kCausal>
 __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dq_sm90_kernel(BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kRows = kSm90DqRows, kKeys = kSm90DqKeys, kThreads = kSm90BwdThreads;
-  constexpr int kDT = D / 8, kNT = kKeys / 8;
+  constexpr int kDT = D / 8;
   constexpr uint32_t kQBytes = kRows * D * 2, kKBytes = kKeys * D * 2;
   extern __shared__ char smem[];
   const uint32_t sq = (smem_addr(smem) + 1023) & ~1023u, sg = sq + kQBytes;

@@ -148,7 +148,7 @@ KERNELS = [pytest.param(dev, dt, d, fwd, id=f"{dev}-{str(dt).removeprefix('torch
                                (torch.bfloat16, 64, "sm80"), (torch.bfloat16, 128, "wgmma"),
                                (torch.bfloat16, 256, "default"), (torch.bfloat16, 128, "mma-bwd"),
                                (torch.bfloat16, 128, "atomic-dq"), (torch.float16, 64, "atomic-dq"),
-                               (torch.bfloat16, 128, "cp-bwd"),
+                               (torch.bfloat16, 128, "cp-bwd"), (torch.float16, 64, "cp-dq"),
                                (torch.float16, 64, "ws128"),
                                (torch.float32, 64, "default")])]
 
