@@ -301,10 +301,8 @@ __global__ void __launch_bounds__(kWarps * 32) attention_bwd_kernel(BwdParams p)
   cp_async_commit();
 
   float dk[kDT][4], dv[kDT][4];
-#pragma unroll
-  for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.f;
+  zero(dk);
+  zero(dv);
   const int key_row = warp * 16;  // this warp's keys in the block
 
   for (int64_t t = 0; t < steps; ++t) {
@@ -439,6 +437,13 @@ __global__ void __launch_bounds__(kWarps * 32) attention_bwd_kernel(BwdParams p)
 constexpr int kFwdRowTiles = 1, kFwdKeys = 64, kFwdRows = 16 * kFwdRowTiles * kFwdWarps;
 constexpr int kBwdWarps = 8;
 
+// Whether environment variable `name` is set to `value`: the kernel paths' switches below, read at
+// each call so that tests and benchmarks can flip them.
+bool env_is(const char* name, std::string_view value) {
+  const char* env = std::getenv(name);
+  return env != nullptr && value == env;
+}
+
 // The wgmma forward (attention_sm90.cuh) on compute capability 9.0 when the build has sm_90a code;
 // CUSTOMOPS_ATTENTION_SM80=1 keeps the mma.sync kernel there (the tests run both).
 constexpr int kSm90Keys = 128;
@@ -446,8 +451,7 @@ bool use_sm90(const at::Tensor& q) {
 #ifdef CUSTOMOPS_SM90A
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(q.get_device());
   if (prop->major != 9 || prop->minor != 0) return false;
-  const char* env = std::getenv("CUSTOMOPS_ATTENTION_SM80");
-  return env == nullptr || std::string_view(env) != "1";
+  return !env_is("CUSTOMOPS_ATTENTION_SM80", "1");
 #else
   (void)q;
   return false;
@@ -459,24 +463,21 @@ bool use_sm90(const at::Tensor& q) {
 // only fused forward at head dim 256. CUSTOMOPS_ATTENTION_WS=0 keeps the wgmma one (the tests run
 // both).
 bool use_sm90_ws() {
-  const char* env = std::getenv("CUSTOMOPS_ATTENTION_WS");
-  return env == nullptr || std::string_view(env) != "0";
+  return !env_is("CUSTOMOPS_ATTENTION_WS", "0");
 }
 
 // The wgmma backward (attention_sm90_bwd.cuh) wherever the wgmma forward runs: 1.3x the mma.sync
 // backward's forward+backward at head dim 128 and 1.2-1.3x at 64 on an H100.
 // CUSTOMOPS_ATTENTION_BWD_SM90=0 keeps the mma.sync one there.
 bool use_sm90_bwd(const at::Tensor& q) {
-  const char* env = std::getenv("CUSTOMOPS_ATTENTION_BWD_SM90");
-  return use_sm90(q) && (env == nullptr || std::string_view(env) != "0");
+  return use_sm90(q) && !env_is("CUSTOMOPS_ATTENTION_BWD_SM90", "0");
 }
 
 // The wgmma backward's dQ: a pass of its own (default) or, with CUSTOMOPS_ATTENTION_BWD_DQ=atomic,
 // added by the dK/dV kernel with float32 atomics (attention_sm90_bwd.cuh): +0-3% forward+backward at
 // head dim 128 on an H100, 10% slower at 64 (docs/benchmarks.md), so not the default.
 bool sm90_atomic_dq() {
-  const char* env = std::getenv("CUSTOMOPS_ATTENTION_BWD_DQ");
-  return env != nullptr && std::string_view(env) == "atomic";
+  return env_is("CUSTOMOPS_ATTENTION_BWD_DQ", "atomic");
 }
 
 // The wgmma backward's kernels warp-specialized (attention_bwd_dkdv_sm90_ws_kernel, measured
@@ -488,9 +489,8 @@ struct WsBwd {
   bool dkdv, dq;
 };
 WsBwd sm90_ws_bwd() {
-  const char* env = std::getenv("CUSTOMOPS_ATTENTION_BWD_WS");
-  const std::string_view v = env == nullptr ? "" : env;
-  return {v != "0", v != "0" && v != "dkdv"};
+  const bool off = env_is("CUSTOMOPS_ATTENTION_BWD_WS", "0");
+  return {!off, !off && !env_is("CUSTOMOPS_ATTENTION_BWD_WS", "dkdv")};
 }
 
 // A tensor map of t ([B, H, S, D], unit last stride) for the TMA: boxes of `rows` rows of 64
@@ -535,11 +535,11 @@ std::optional<std::array<CUtensorMap, 4>> bwd_maps(const at::Tensor& q, const at
   return std::array<CUtensorMap, 4>{*mq, *mg, *mk, *mv};
 }
 
-// A kernel with `bytes` of dynamic shared memory (above the 48 KiB default) on the current stream.
-template <typename Kernel, typename Params>
-void launch(Kernel kernel, dim3 grid, int threads, int bytes, cudaStream_t stream, const Params& p) {
+// A kernel with `bytes` of dynamic shared memory (above the 48 KiB default) on `stream`.
+template <typename Kernel, typename... Args>
+void launch(Kernel kernel, dim3 grid, int threads, int bytes, cudaStream_t stream, const Args&... args) {
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  kernel<<<grid, threads, bytes, stream>>>(p);
+  kernel<<<grid, threads, bytes, stream>>>(args...);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -588,10 +588,8 @@ bool attention_fwd_ws(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   if (!mq || !mk || !mv) return false;
   const dim3 grid((p.sq + kRows - 1) / kRows, p.hq, q.size(0));
   auto run = [&](auto t, auto c) {
-    auto kernel = attention_fwd_sm90_ws_kernel<decltype(t), D, decltype(c)::value, kConsumers>;
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    kernel<<<grid, ws_threads(kConsumers), kSmem, stream>>>(*mq, *mk, *mv, p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch(attention_fwd_sm90_ws_kernel<decltype(t), D, decltype(c)::value, kConsumers>, grid, ws_threads(kConsumers),
+           kSmem, stream, *mq, *mk, *mv, p);
   };
   auto with_causal = [&](auto t) {
     if (causal) {
@@ -612,8 +610,7 @@ bool attention_fwd_ws(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 // there): 3-7% faster than 128 rows on an H100, where a key block's exponentials take about as long
 // as its products. CUSTOMOPS_ATTENTION_WS_ROWS=128 keeps two consumers (the tests run both).
 bool ws_rows_192() {
-  const char* env = std::getenv("CUSTOMOPS_ATTENTION_WS_ROWS");
-  return env == nullptr || std::string_view(env) != "128";
+  return !env_is("CUSTOMOPS_ATTENTION_WS_ROWS", "128");
 }
 
 // Writes out (q's sizes, unit last stride) and lse (contiguous float32 [B, Hq, Sq]); false where
@@ -753,23 +750,18 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
         launch(attention_bwd_dkdv_sm90_kernel<T, D, decltype(c)::value, true>, grid, kSm90BwdThreads,
                sm90_dkdv_smem_bytes<D, true>(), stream, p);
       } else if (sk > 0 && bsz > 0 && ws_maps) {
-        auto kernel = attention_bwd_dkdv_sm90_ws_kernel<T, D, decltype(c)::value>;
-        constexpr int kSmem = sm90_dkdv_ws_smem_bytes<D>();
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-        kernel<<<grid, kSm90BwdWsThreads, kSmem, stream>>>((*ws_maps)[0], (*ws_maps)[1], (*ws_maps)[2], (*ws_maps)[3],
-                                                           p);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        const auto& m = *ws_maps;
+        launch(attention_bwd_dkdv_sm90_ws_kernel<T, D, decltype(c)::value>, grid, kSm90BwdWsThreads,
+               sm90_dkdv_ws_smem_bytes<D>(), stream, m[0], m[1], m[2], m[3], p);
       } else if (sk > 0 && bsz > 0) {
         launch(attention_bwd_dkdv_sm90_kernel<T, D, decltype(c)::value>, grid, kSm90BwdThreads,
                sm90_dkdv_smem_bytes<D>(), stream, p);
       }
       if (sq > 0 && hq > 0 && bsz > 0 && !atomic_dq && dq_maps) {
-        auto kernel = attention_bwd_dq_sm90_ws_kernel<T, D, decltype(c)::value>;
-        constexpr int kSmem = sm90_dq_ws_smem_bytes<D>();
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-        kernel<<<dim3((sq + kSm90DqRows - 1) / kSm90DqRows, hq, bsz), kSm90BwdWsThreads, kSmem, stream>>>(
-            (*dq_maps)[0], (*dq_maps)[1], (*dq_maps)[2], (*dq_maps)[3], p);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        const auto& m = *dq_maps;
+        launch(attention_bwd_dq_sm90_ws_kernel<T, D, decltype(c)::value>,
+               dim3((sq + kSm90DqRows - 1) / kSm90DqRows, hq, bsz), kSm90BwdWsThreads, sm90_dq_ws_smem_bytes<D>(),
+               stream, m[0], m[1], m[2], m[3], p);
       } else if (sq > 0 && hq > 0 && bsz > 0 && !atomic_dq) {
         launch(attention_bwd_dq_sm90_kernel<T, D, decltype(c)::value>,
                dim3((sq + kSm90DqRows - 1) / kSm90DqRows, hq, bsz), kSm90BwdThreads, sm90_dq_smem_bytes<D>(), stream,

@@ -195,6 +195,13 @@ __device__ __forceinline__ T* head_rows(P* base, const int64_t (&s)[3], int64_t 
 // A thread holds two rows (row0 + lane / 4 and 8 below) of a 16-row tile: kNT accumulator tiles of
 // 8 columns, mma.sync's C layout, which is also a warp's share of an m64 wgmma accumulator.
 
+// Accumulator tiles to 0.
+template <int N>
+__device__ __forceinline__ void zero(float (&a)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) a[i][0] = a[i][1] = a[i][2] = a[i][3] = 0.f;
+}
+
 // Keys past sk, and (causal) past a row's limit (row + shift), to -inf; keys from n0.
 template <int kNT, bool kCausal>
 __device__ __forceinline__ void mask_scores(float (&s)[kNT][4], int64_t row0, int64_t n0, int64_t sk, int64_t shift,

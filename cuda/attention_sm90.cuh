@@ -202,8 +202,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) attention_fwd_sm90_kernel(Fwd
   cp_async_commit();
 
   float o[kDT][4];
-#pragma unroll
-  for (int dt = 0; dt < kDT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  zero(o);
   float row_max[2] = {-kInfF, -kInfF}, row_sum[2] = {0.f, 0.f};
   const int warp_row = wg * 64 + warp * 16;  // this thread's rows: warp_row + lane / 4 (+ 8)
   const uint32_t q_wg = sq + wg * 64 * 128;   // this warpgroup's 64 rows of each q panel
@@ -374,8 +373,7 @@ __global__ void __launch_bounds__(ws_threads(kConsumers), 1)
   if (last && nblocks > 0) tma::named_arrive(1, kPair);
 
   float o[kDT][4];
-#pragma unroll
-  for (int dt = 0; dt < kDT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  zero(o);
   float row_max[2] = {-kInfF, -kInfF}, row_sum[2] = {0.f, 0.f};
   uint32_t a[kKeys / 16][4];  // P of the last key block, 16-bit A fragments
   float s[kNT][4];

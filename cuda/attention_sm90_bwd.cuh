@@ -209,10 +209,8 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_ke
   cp_async_commit();
 
   float dk[kDT][4], dv[kDT][4];
-#pragma unroll
-  for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.f;
+  zero(dk);
+  zero(dv);
   const int key_row = wg * 64 + warp * 16;  // this thread's keys: n0 + key_row + lane / 4 (+ 8)
   const uint32_t k_wg = sk + wg * 64 * 128, v_wg = sv + wg * 64 * 128;  // this warpgroup's 64 rows of each panel
 
@@ -338,10 +336,8 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
   tma::regs_up<240>();
   const int c = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   float dk[kDT][4], dv[kDT][4];
-#pragma unroll
-  for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) dk[dt][e] = dv[dt][e] = 0.f;
+  zero(dk);
+  zero(dv);
   const int key_row = c * 64 + warp * 16;  // this thread's keys: n0 + key_row + lane / 4 (+ 8)
   const uint32_t k_wg = sk + c * 64 * 128, v_wg = sv + c * 64 * 128;  // this warpgroup's 64 rows of each panel
   if (steps > 0) tma::mbar_wait(full_kv, 0);
@@ -444,8 +440,7 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dq_sm90_kern
     dt[r] = row < p.sq ? p.dt[at] : 0.f;
   }
   float dq[kDT][4];
-#pragma unroll
-  for (int d = 0; d < kDT; ++d) dq[d][0] = dq[d][1] = dq[d][2] = dq[d][3] = 0.f;
+  zero(dq);
   const uint32_t q_wg = sq + wg * 64 * 128, g_wg = sg + wg * 64 * 128;
 
   for (int j = 0; j < nblocks; ++j) {
@@ -550,8 +545,7 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
     dt[r] = row < p.sq ? p.dt[at] : 0.f;
   }
   float dq[kDT][4];
-#pragma unroll
-  for (int d = 0; d < kDT; ++d) dq[d][0] = dq[d][1] = dq[d][2] = dq[d][3] = 0.f;
+  zero(dq);
   const uint32_t q_wg = sq + c * 64 * 128, g_wg = sg + c * 64 * 128;
   if (nblocks > 0) tma::mbar_wait(full_q, 0);
   for (int j = 0; j < nblocks; ++j) {
