@@ -473,11 +473,14 @@ bool use_sm90_bwd(const at::Tensor& q) {
   return use_sm90(q) && !env_is("CUSTOMOPS_ATTENTION_BWD_SM90", "0");
 }
 
-// The wgmma backward's dQ: a pass of its own (default) or, with CUSTOMOPS_ATTENTION_BWD_DQ=atomic,
-// added by the dK/dV kernel with float32 atomics (attention_sm90_bwd.cuh): +0-3% forward+backward at
-// head dim 128 on an H100, 10% slower at 64 (docs/benchmarks.md), so not the default.
-bool sm90_atomic_dq() {
-  return env_is("CUSTOMOPS_ATTENTION_BWD_DQ", "atomic");
+// The wgmma backward's dQ: a pass of its own (default); CUSTOMOPS_ATTENTION_BWD_DQ=atomic adds it in
+// the cp.async dK/dV kernel with float32 atomics (attention_sm90_bwd.cuh: +0-3% forward+backward at
+// head dim 128 on an H100, 10% slower at 64, docs/benchmarks.md), =reduce in the warp-specialized
+// one through the TMA's reductions.
+enum class DqMode { pass, atomic, reduce };
+DqMode sm90_dq_mode() {
+  if (env_is("CUSTOMOPS_ATTENTION_BWD_DQ", "atomic")) return DqMode::atomic;
+  return env_is("CUSTOMOPS_ATTENTION_BWD_DQ", "reduce") ? DqMode::reduce : DqMode::pass;
 }
 
 // The wgmma backward's kernels warp-specialized (attention_bwd_dkdv_sm90_ws_kernel, measured
@@ -493,9 +496,10 @@ WsBwd sm90_ws_bwd() {
   return {!off, !off && !env_is("CUSTOMOPS_ATTENTION_BWD_WS", "dkdv")};
 }
 
-// A tensor map of t ([B, H, S, D], unit last stride) for the TMA: boxes of `rows` rows of 64
-// columns, swizzled by 128 bytes as the wgmma kernels' tiles are; nullopt where the TMA cannot read
-// t (an address or stride not a multiple of 16 bytes, or a shape the driver refuses).
+// A tensor map of t ([B, H, S, D], unit last stride; float16, bfloat16 or float32) for the TMA:
+// boxes of `rows` rows of 128 bytes (64 or 32 columns), swizzled by 128 bytes as the wgmma kernels'
+// tiles are; nullopt where the TMA cannot read t (an address or stride not a multiple of 16 bytes,
+// or a shape the driver refuses).
 std::optional<CUtensorMap> tensor_map(const at::Tensor& t, int rows) {
   static const auto encode = [] {
     void* fn = nullptr;
@@ -516,10 +520,13 @@ std::optional<CUtensorMap> tensor_map(const at::Tensor& t, int rows) {
     const int dim = 2 - i;  // S, H, B
     strides[i] = t.size(dim) == 1 && i > 0 ? strides[i - 1] * dims[i] : static_cast<cuuint64_t>(t.stride(dim)) * es;
   }
-  const cuuint32_t box[4] = {64, static_cast<cuuint32_t>(rows), 1, 1}, unit[4] = {1, 1, 1, 1};
+  const cuuint32_t box[4] = {static_cast<cuuint32_t>(128 / es), static_cast<cuuint32_t>(rows), 1, 1},
+                   unit[4] = {1, 1, 1, 1};
+  const auto type = t.scalar_type() == at::kFloat  ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                    : t.scalar_type() == at::kHalf ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                   : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   CUtensorMap map{};
-  const CUresult r = encode(&map, t.scalar_type() == at::kHalf ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                            4, t.data_ptr(), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+  const CUresult r = encode(&map, type, 4, t.data_ptr(), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
                             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) return std::nullopt;
@@ -677,10 +684,22 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
   const int64_t sq_pad = (sq + kBwdRows - 1) / kBwdRows * kBwdRows;
   const auto f32 = q.options().dtype(at::kFloat);
   const at::Tensor dt = at::empty({bsz, hq, sq_pad}, f32), lse2 = at::empty({bsz, hq, sq_pad}, f32);
-  const bool sm90 = use_sm90_bwd(q), atomic_dq = sm90 && sm90_atomic_dq();
-  // (the wgmma backward's dQ pass writes dq itself: no float32 accumulator; its atomic dQ adds into
-  // whole query blocks, padded rows included)
-  const at::Tensor dq_acc = sm90 && !atomic_dq ? at::Tensor() : at::zeros({bsz, hq, atomic_dq ? sq_pad : sq, d}, f32);
+  const bool sm90 = use_sm90_bwd(q);
+  const DqMode dq_mode = sm90 ? sm90_dq_mode() : DqMode::pass;
+  // The warp-specialized kernels' tensor maps (q, dO, k, v), where asked for and possible.
+  std::optional<std::array<CUtensorMap, 4>> ws_maps, dq_maps;
+  const WsBwd ws = sm90_ws_bwd();
+  if (sm90 && dq_mode != DqMode::atomic && ws.dkdv) ws_maps = bwd_maps(q, go, k, v, kSm90BwdRows, kSm90BwdKeys);
+  const bool atomic_dq = dq_mode == DqMode::atomic, reduce_dq = dq_mode == DqMode::reduce && ws_maps;
+  if (sm90 && !atomic_dq && !reduce_dq && ws.dq) dq_maps = bwd_maps(q, go, k, v, kSm90DqRows, kSm90DqKeys);
+  // (the wgmma backward's dQ pass writes dq itself: no float32 accumulator; its atomic or TMA dQ adds
+  // into whole query blocks, padded rows included)
+  const at::Tensor dq_acc = sm90 && !atomic_dq && !reduce_dq
+                                ? at::Tensor()
+                                : at::zeros({bsz, hq, atomic_dq || reduce_dq ? sq_pad : sq, d}, f32);
+  // (a fresh contiguous float32 tensor of 16-byte rows: the TMA takes it)
+  const std::optional<CUtensorMap> dq_acc_map = reduce_dq ? tensor_map(dq_acc, kSm90BwdRows) : std::nullopt;
+  TORCH_INTERNAL_ASSERT(!reduce_dq || dq_acc_map, "customops::attention: no tensor map of the dQ accumulator");
   const at::Tensor lse_c = lse.contiguous();
   const at::Tensor glse = grad_lse.has_value() && grad_lse->defined() ? grad_lse->contiguous() : at::Tensor();
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -735,11 +754,6 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
     });
   }
   if (sm90) {
-    // The warp-specialized kernels' tensor maps (q, dO, k, v), where asked for and possible.
-    std::optional<std::array<CUtensorMap, 4>> ws_maps, dq_maps;
-    const WsBwd ws = sm90_ws_bwd();
-    if (!atomic_dq && ws.dkdv) ws_maps = bwd_maps(q, go, k, v, kSm90BwdRows, kSm90BwdKeys);
-    if (!atomic_dq && ws.dq) dq_maps = bwd_maps(q, go, k, v, kSm90DqRows, kSm90DqKeys);
     // (an empty batch or sequence: no grid, a zero grid dimension is a launch error; sk = 0 leaves
     // dq to the dQ kernel, which writes zeros, and sq = 0 dk and dv to the other)
     with_types(q, causal, [&](auto t, auto dd, auto c) {
@@ -749,26 +763,30 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
       if (sk > 0 && bsz > 0 && atomic_dq) {
         launch(attention_bwd_dkdv_sm90_kernel<T, D, decltype(c)::value, true>, grid, kSm90BwdThreads,
                sm90_dkdv_smem_bytes<D, true>(), stream, p);
-      } else if (sk > 0 && bsz > 0 && ws_maps) {
+      } else if (sk > 0 && bsz > 0 && reduce_dq) {
         const auto& m = *ws_maps;
+        launch(attention_bwd_dkdv_sm90_ws_kernel<T, D, decltype(c)::value, true>, grid, kSm90BwdWsThreads,
+               sm90_dkdv_ws_smem_bytes<D, true>(), stream, m[0], m[1], m[2], m[3], *dq_acc_map, p);
+      } else if (sk > 0 && bsz > 0 && ws_maps) {
+        const auto& m = *ws_maps;  // (k's map in the unused dQ accumulator's place)
         launch(attention_bwd_dkdv_sm90_ws_kernel<T, D, decltype(c)::value>, grid, kSm90BwdWsThreads,
-               sm90_dkdv_ws_smem_bytes<D>(), stream, m[0], m[1], m[2], m[3], p);
+               sm90_dkdv_ws_smem_bytes<D>(), stream, m[0], m[1], m[2], m[3], m[2], p);
       } else if (sk > 0 && bsz > 0) {
         launch(attention_bwd_dkdv_sm90_kernel<T, D, decltype(c)::value>, grid, kSm90BwdThreads,
                sm90_dkdv_smem_bytes<D>(), stream, p);
       }
-      if (sq > 0 && hq > 0 && bsz > 0 && !atomic_dq && dq_maps) {
+      if (sq > 0 && hq > 0 && bsz > 0 && !atomic_dq && !reduce_dq && dq_maps) {
         const auto& m = *dq_maps;
         launch(attention_bwd_dq_sm90_ws_kernel<T, D, decltype(c)::value>,
                dim3((sq + kSm90DqRows - 1) / kSm90DqRows, hq, bsz), kSm90BwdWsThreads, sm90_dq_ws_smem_bytes<D>(),
                stream, m[0], m[1], m[2], m[3], p);
-      } else if (sq > 0 && hq > 0 && bsz > 0 && !atomic_dq) {
+      } else if (sq > 0 && hq > 0 && bsz > 0 && !atomic_dq && !reduce_dq) {
         launch(attention_bwd_dq_sm90_kernel<T, D, decltype(c)::value>,
                dim3((sq + kSm90DqRows - 1) / kSm90DqRows, hq, bsz), kSm90BwdThreads, sm90_dq_smem_bytes<D>(), stream,
                p);
       }
     });
-    if (atomic_dq) dq.copy_(dq_acc.narrow(2, 0, sq));
+    if (atomic_dq || reduce_dq) dq.copy_(dq_acc.narrow(2, 0, sq));
     return;
   }
   if (sk > 0 && bsz > 0) {  // an empty batch: no grid (a zero grid dimension is a launch error)

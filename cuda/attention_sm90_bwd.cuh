@@ -88,17 +88,16 @@ __device__ __forceinline__ void store_ds_t(const uint32_t (&da)[kRows / 16][4], 
       }
 }
 
-// kAtomicDq, after dK's product is issued and every thread's store_ds_t: dQ += dS K for this
-// warpgroup's share (see the top), K's tile at k_tile, added to p.dq from row `row0` of the padded
-// [B * Hq * Sq_pad, D] accumulator, times the scale.
+// kAtomicDq or kReduceDq, after dK's product is issued and every thread's store_ds_t (dS^T at sds):
+// this warpgroup's share of dQ = dS K (see the top; unscaled), K's tile at k_tile; waited for, with
+// dV's and dK's products. wg: the consumer warpgroup (0 or 1); named barriers 1 and 2.
 template <typename T, int D, int kKeys>
-__device__ __forceinline__ void add_dq(const BwdParams& p, uint32_t sds, uint32_t k_tile, int wg, int warp, int lane,
-                                       int64_t row0) {
+__device__ __forceinline__ void dq_share(float (&dq)[8][4], uint32_t sds, uint32_t k_tile, int wg) {
   static_assert(D == 64 || D == 128, "m64n64 dQ shares: a 64-column panel of K a warpgroup");
   fence_proxy_async();
   constexpr int kDqKeys = D == 128 ? kKeys : 64;  // keys a warpgroup's dQ share sums over
   if constexpr (D == 128) {
-    tma::named_sync(1, kSm90BwdThreads);  // both warpgroups' dS^T
+    tma::named_sync(1, 256);  // both warpgroups' dS^T
   } else {
     if (wg == 0) {  // this warpgroup's (barrier ids as constants: a runtime id reserves all 16)
       tma::named_sync(1, 128);
@@ -108,7 +107,6 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, uint32_t sds, uint32_
   }
   const uint32_t a = sds + (D == 128 ? 0 : wg * 64 * 128);
   const uint32_t b = k_tile + (D == 128 ? wg * kKeys * 128 : wg * 64 * 128);  // K's panel w, or this warpgroup's keys
-  float dq[8][4] = {};
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kDqKeys / 16; ++kk) {
@@ -118,6 +116,13 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, uint32_t sds, uint32_
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_fence_operands(dq);
+}
+
+// kAtomicDq: a dQ share times the scale added to p.dq from row `row0` of the padded [B * Hq * Sq_pad,
+// D] accumulator by 8-byte atomics.
+template <int D>
+__device__ __forceinline__ void atomic_add_dq(const float (&dq)[8][4], const BwdParams& p, int wg, int warp, int lane,
+                                              int64_t row0) {
   float* dst = p.dq + (row0 + warp * 16 + lane / 4) * D + (D == 128 ? wg * 64 : 0) + (lane % 4) * 2;
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt)
@@ -125,6 +130,23 @@ __device__ __forceinline__ void add_dq(const BwdParams& p, uint32_t sds, uint32_
     for (int r = 0; r < 2; ++r) {
       atomicAdd(reinterpret_cast<float2*>(dst + r * 8 * D + nt * 8),
                 make_float2(dq[nt][2 * r] * p.scale, dq[nt][2 * r + 1] * p.scale));
+    }
+}
+
+// kReduceDq: a dQ share times the scale into the [64, 64] float32 tile at tile as two boxes of 32
+// columns (64 rows of 128 bytes, 8 KiB apart) in the TMA's 128-byte swizzle (16-byte chunk c of row
+// r at chunk c ^ (r % 8)), for the TMA to add to the accumulator: a warp's stores hit every bank.
+__device__ __forceinline__ void store_dq_tile(const float (&dq)[8][4], float scale, uint32_t tile, int warp,
+                                              int lane) {
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = warp * 16 + lane / 4 + r * 8, col = nt * 8 + (lane % 4) * 2;
+      const uint32_t at = tile + (col / 32) * 8192 + row * 128 + ((((col % 32) / 4) ^ (row % 8)) << 4) + (col % 4) * 4;
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at), "f"(dq[nt][2 * r] * scale),
+                   "f"(dq[nt][2 * r + 1] * scale)
+                   : "memory");
     }
 }
 
@@ -235,7 +257,9 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_ke
                                              if constexpr (kAtomicDq) store_ds_t<kKeys, kRows>(da, sds, wg, warp, lane);
                                            });
     if constexpr (kAtomicDq) {
-      add_dq<T, D, kKeys>(p, sds, sk, wg, warp, lane, (b * p.hq + hk * p.group + i / per_head) * p.sq_pad + m0);
+      float dq[8][4];
+      dq_share<T, D, kKeys>(dq, sds, sk, wg);
+      atomic_add_dq<D>(dq, p, wg, warp, lane, (b * p.hq + hk * p.group + i / per_head) * p.sq_pad + m0);
     }
     wgmma_wait<0>();
     wgmma_fence_operands(dv);
@@ -255,18 +279,29 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_ke
 // (bulk copies) into two stages on mbarriers, and two consumer warpgroups of 64 keys that run
 // dkdv_step and release a stage once their products have read it: no block barrier and no loads
 // issued by the computing threads. Registers: producer 24, consumers 240 (setmaxnreg).
+//
+// kReduceDq (CUSTOMOPS_ATTENTION_BWD_DQ=reduce): dQ here too, 5 products and no dQ kernel. Each step
+// a consumer stores dS^T (two buffers by the step's parity: a warpgroup rewrites one only after both
+// have passed the next step's barrier, so after both read it), takes its dQ share as kAtomicDq does
+// (dq_share), writes it times the scale to its own [64, 64] float32 tile and its first thread adds
+// the tile to the zeroed float32 [B, Hq, Sq_pad, D] accumulator through the TMA (tdq: boxes of 64
+// rows of 32 columns), a reduction in L2 the consumers do not wait for: the tile is rewritten a step
+// later, once that thread has seen the copy read it.
 constexpr int kSm90BwdWsThreads = 384;
-template <int D>
+constexpr uint32_t kSm90DsBytes = kSm90BwdKeys * kSm90BwdRows * 2, kSm90DqTileBytes = kSm90BwdRows * 64 * 4;
+template <int D, bool kReduceDq = false>
 constexpr int sm90_dkdv_ws_smem_bytes() {
-  // k, v: [128, D]; two stages of q, dO: [64, D] and lse2, dt: 64 floats; barriers; 1024 to align
-  return (2 * kSm90BwdKeys + 4 * kSm90BwdRows) * D * 2 + 4 * kSm90BwdRows * 4 + 8 * 8 + 1024;
+  // k, v: [128, D]; two stages of q, dO: [64, D] and lse2, dt: 64 floats; barriers; 1024 to align;
+  // kReduceDq: two dS^T buffers and a dQ tile a consumer
+  return (2 * kSm90BwdKeys + 4 * kSm90BwdRows) * D * 2 + 4 * kSm90BwdRows * 4 + 8 * 8 + 1024 +
+         (kReduceDq ? 2 * kSm90DsBytes + 2 * kSm90DqTileBytes : 0);
 }
 
-template <typename T, int D, bool kCausal>
+template <typename T, int D, bool kCausal, bool kReduceDq = false>
 __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
     attention_bwd_dkdv_sm90_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tg,
                                       const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
-                                      BwdParams p) {
+                                      const __grid_constant__ CUtensorMap tdq, BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int kKeys = kSm90BwdKeys, kRows = kSm90BwdRows, kStages = 2, kPanels = D / 64;
   constexpr int kDT = D / 8;
@@ -276,7 +311,9 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
   const uint32_t sk = (smem_addr(smem) + 1023) & ~1023u, sv = sk + kKBytes;
   auto q_base = [&](int st) { return sv + kKBytes + st * 2 * kQBytes; };
   auto g_base = [&](int st) { return q_base(st) + kQBytes; };
-  const uint32_t stats = sv + kKBytes + kStages * 2 * kQBytes;  // [stage][lse2, dt][kRows] floats
+  // kReduceDq: dS^T [kKeys][kRows] of steps of parity i & 1, and consumer c's dQ tile
+  const uint32_t sds = sv + kKBytes + kStages * 2 * kQBytes, sdq = sds + 2 * kSm90DsBytes;
+  const uint32_t stats = sds + (kReduceDq ? 2 * kSm90DsBytes + 2 * kSm90DqTileBytes : 0);  // [stage][lse2, dt][kRows] floats
   auto lse2_base = [&](int st) { return stats + st * 2 * kStatBytes; };
   const uint32_t bars = stats + kStages * 2 * kStatBytes;
   const uint32_t full_kv = bars;
@@ -340,6 +377,7 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
   zero(dv);
   const int key_row = c * 64 + warp * 16;  // this thread's keys: n0 + key_row + lane / 4 (+ 8)
   const uint32_t k_wg = sk + c * 64 * 128, v_wg = sv + c * 64 * 128;  // this warpgroup's 64 rows of each panel
+  [[maybe_unused]] const bool lead = threadIdx.x % 128 == 0;  // kReduceDq: issues this consumer's dQ adds
   if (steps > 0) tma::mbar_wait(full_kv, 0);
   for (int64_t i = 0; i < steps; ++i) {
     const int st = static_cast<int>(i % kStages);
@@ -347,13 +385,40 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
     const int64_t m0 = (m_first + i % per_head) * kRows;
     const float* lse2 = stats_ptr + st * 2 * kRows;
     const bool masked = n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift);
+    const uint32_t ds = sds + static_cast<uint32_t>(i & 1) * kSm90DsBytes;
     dkdv_step<T, D, kKeys, kRows, kCausal>(dk, dv, k_wg, v_wg, q_base(st), g_base(st), lse2, lse2 + kRows,
                                            p.scale_log2, masked, n0 + key_row, m0 + shift, p.sk, lane,
-                                           [](const uint32_t(&)[kRows / 16][4]) {});
+                                           [&](const uint32_t(&da)[kRows / 16][4]) {
+                                             if constexpr (kReduceDq) store_ds_t<kKeys, kRows>(da, ds, c, warp, lane);
+                                           });
+    if constexpr (kReduceDq) {
+      if (lead) tma::bulk_wait_read<0>();  // the last step's tile is read (before dq_share's barrier)
+      float dq[8][4];
+      dq_share<T, D, kKeys>(dq, ds, sk, c);
+      store_dq_tile(dq, p.scale, sdq + c * kSm90DqTileBytes, warp, lane);
+      fence_proxy_async();
+      if (c == 0) {  // this warpgroup's tile is written
+        tma::named_sync(3, 128);
+      } else {
+        tma::named_sync(4, 128);
+      }
+      if (lead) {
+        const int h = static_cast<int>(hk * p.group + i / per_head);
+#pragma unroll
+        for (int box = 0; box < 2; ++box) {
+          tma::tensor_add_4d(&tdq, (D == 128 ? c * 64 : 0) + box * 32, static_cast<int>(m0), h, static_cast<int>(b),
+                             sdq + c * kSm90DqTileBytes + box * 8192);
+        }
+        tma::bulk_commit();
+      }
+    }
     wgmma_wait<0>();
     wgmma_fence_operands(dv);
     wgmma_fence_operands(dk);
     tma::mbar_arrive(empty(st));
+  }
+  if constexpr (kReduceDq) {
+    if (lead) tma::bulk_wait<0>();  // (the adds done before the block's shared memory goes)
   }
   store_accumulator<T>(dk, p.scale, head_rows<T>(p.dk, p.dks, b, hk), p.dks[2], n0 + key_row, p.sk, lane);
   store_accumulator<T>(dv, 1.f, head_rows<T>(p.dv, p.dvs, b, hk), p.dvs[2], n0 + key_row, p.sk, lane);

@@ -56,6 +56,27 @@ __device__ __forceinline__ void tensor_load_4d(uint32_t dst, const CUtensorMap* 
       : "memory");
 }
 
+// The box at src (shared) added element-wise to a 4-d tensor map's box at coordinates (c0
+// innermost), in the bulk group this thread commits next; src may be written again once
+// bulk_wait_read has seen that group read.
+__device__ __forceinline__ void tensor_add_4d(const CUtensorMap* map, int c0, int c1, int c2, int c3, uint32_t src) {
+  asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];" ::
+                   "l"(reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(src)
+               : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// At most N of this thread's committed bulk groups still reading shared memory (bulk_wait_read) or
+// not yet done (bulk_wait).
+template <int N>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // Named barrier `id` (1-15; 0 is __syncthreads') among `threads` threads: sync waits for all of
 // them, arrive counts this warp's threads without waiting.
 __device__ __forceinline__ void named_sync(uint32_t id, uint32_t threads) {

@@ -83,6 +83,7 @@ PATHS = {
     "wgmma": ({"CUSTOMOPS_ATTENTION_WS": "0"}, False),  # the wgmma forward without warp specialization
     "mma-bwd": ({"CUSTOMOPS_ATTENTION_BWD_SM90": "0"}, False),  # the mma.sync backward after the default forward
     "atomic-dq": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "atomic"}, True),  # dQ by atomics in the dK/dV kernel
+    "reduce-dq": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "reduce"}, True),  # by the TMA's adds in the ws dK/dV kernel
     "cp-bwd": ({"CUSTOMOPS_ATTENTION_BWD_WS": "0"}, False),  # the wgmma backward's kernels loading by cp.async
     "cp-dq": ({"CUSTOMOPS_ATTENTION_BWD_WS": "dkdv"}, False),  # its dQ kernel only so
     "ws128": ({"CUSTOMOPS_ATTENTION_WS_ROWS": "128"}, True),  # 128 query rows a block at head dim 64
@@ -148,6 +149,7 @@ KERNELS = [pytest.param(dev, dt, d, fwd, id=f"{dev}-{str(dt).removeprefix('torch
                                (torch.bfloat16, 64, "sm80"), (torch.bfloat16, 128, "wgmma"),
                                (torch.bfloat16, 256, "default"), (torch.bfloat16, 128, "mma-bwd"),
                                (torch.bfloat16, 128, "atomic-dq"), (torch.float16, 64, "atomic-dq"),
+                               (torch.bfloat16, 128, "reduce-dq"), (torch.float16, 64, "reduce-dq"),
                                (torch.bfloat16, 128, "cp-bwd"), (torch.float16, 64, "cp-dq"),
                                (torch.float16, 64, "ws128"),
                                (torch.float32, 64, "default")])]
