@@ -88,9 +88,10 @@ __device__ __forceinline__ void store_ds_t(const uint32_t (&da)[kRows / 16][4], 
       }
 }
 
-// kAtomicDq or kReduceDq, after dK's product is issued and every thread's store_ds_t (dS^T at sds):
-// this warpgroup's share of dQ = dS K (see the top; unscaled), K's tile at k_tile; waited for, with
-// dV's and dK's products. wg: the consumer warpgroup (0 or 1); named barriers 1 and 2.
+// kAtomicDq or kReduceDq, after every thread's store_ds_t (dS^T at sds): issues and commits this
+// warpgroup's share of dQ = dS K (see the top; unscaled), K's tile at k_tile, not waited for (its
+// accumulator: no instruction may touch dq until then). wg: the consumer warpgroup (0 or 1); named
+// barriers 1 and 2.
 template <typename T, int D, int kKeys>
 __device__ __forceinline__ void dq_share(float (&dq)[8][4], uint32_t sds, uint32_t k_tile, int wg) {
   static_assert(D == 64 || D == 128, "m64n64 dQ shares: a 64-column panel of K a warpgroup");
@@ -114,8 +115,6 @@ __device__ __forceinline__ void dq_share(float (&dq)[8][4], uint32_t sds, uint32
                    kk > 0);
   }
   wgmma_commit();
-  wgmma_wait<0>();
-  wgmma_fence_operands(dq);
 }
 
 // kAtomicDq: a dQ share times the scale added to p.dq from row `row0` of the padded [B * Hq * Sq_pad,
@@ -259,6 +258,8 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_ke
     if constexpr (kAtomicDq) {
       float dq[8][4];
       dq_share<T, D, kKeys>(dq, sds, sk, wg);
+      wgmma_wait<0>();
+      wgmma_fence_operands(dq);
       atomic_add_dq<D>(dq, p, wg, warp, lane, (b * p.hq + hk * p.group + i / per_head) * p.sq_pad + m0);
     }
     wgmma_wait<0>();
@@ -386,15 +387,20 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
     const float* lse2 = stats_ptr + st * 2 * kRows;
     const bool masked = n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift);
     const uint32_t ds = sds + static_cast<uint32_t>(i & 1) * kSm90DsBytes;
+    [[maybe_unused]] float dq[8][4];
+    // (kReduceDq: dQ's product issued before dK's, so that dQ's tile is written while dK's runs)
     dkdv_step<T, D, kKeys, kRows, kCausal>(dk, dv, k_wg, v_wg, q_base(st), g_base(st), lse2, lse2 + kRows,
                                            p.scale_log2, masked, n0 + key_row, m0 + shift, p.sk, lane,
                                            [&](const uint32_t(&da)[kRows / 16][4]) {
-                                             if constexpr (kReduceDq) store_ds_t<kKeys, kRows>(da, ds, c, warp, lane);
+                                             if constexpr (kReduceDq) {
+                                               store_ds_t<kKeys, kRows>(da, ds, c, warp, lane);
+                                               if (lead) tma::bulk_wait_read<0>();  // the last step's tile is read
+                                               dq_share<T, D, kKeys>(dq, ds, sk, c);
+                                             }
                                            });
     if constexpr (kReduceDq) {
-      if (lead) tma::bulk_wait_read<0>();  // the last step's tile is read (before dq_share's barrier)
-      float dq[8][4];
-      dq_share<T, D, kKeys>(dq, ds, sk, c);
+      wgmma_wait<1>();  // dQ's product (dK's may still run)
+      wgmma_fence_operands(dq);
       store_dq_tile(dq, p.scale, sdq + c * kSm90DqTileBytes, warp, lane);
       fence_proxy_async();
       if (c == 0) {  // this warpgroup's tile is written
