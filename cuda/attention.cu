@@ -815,6 +815,31 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
   return {out, lse};
 }
 
+// Head dim 256's backward, which no kernel of ours takes yet: ATen's FlashAttention-2 backward (the
+// kernel of SDPA's flash backend; bottom-right causal and grouped-query heads as ours), about 10x
+// the blocked one on an H100, where it takes the inputs: float16 or bfloat16, sm_80 or newer, a
+// positive scale, no gradient of lse (its backward has no term for one), nonempty. lse goes in as
+// its log-sum-exp, a row that saw no key (-inf) as +inf so that its probabilities are 0 there too.
+// Whether it ran (dq, dk and dv written).
+bool attention_bwd_flash2(const at::Tensor& go, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+                          const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                          bool causal, double scale, const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv) {
+  if (q.size(3) != 256 || (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16)) return false;
+  if (!(scale > 0.0) || !std::isfinite(scale) || (grad_lse.has_value() && grad_lse->defined())) return false;
+  if (q.numel() == 0 || k.numel() == 0 || at::cuda::getDeviceProperties(q.get_device())->major < 8) return false;
+  if (env_is("CUSTOMOPS_ATTENTION_FLASH2", "0")) return false;
+  const c10::cuda::CUDAGuard guard(q.device());
+  const at::Tensor lse_in = lse.masked_fill(lse == -std::numeric_limits<float>::infinity(),
+                                            std::numeric_limits<float>::infinity()).contiguous();
+  const at::Tensor none = at::empty({0}, q.options().dtype(at::kLong));
+  const auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_backward(
+      go, q, k, v, out, lse_in, at::Tensor(), at::Tensor(), q.size(2), k.size(2), 0.0, causal, none, none, scale);
+  dq.copy_(gq);
+  dk.copy_(gk);
+  dv.copy_(gv);
+  return true;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal,
@@ -825,7 +850,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   const at::Tensor go = grad_out.has_value() && grad_out->defined() ? *grad_out : at::zeros_like(q);
   if (attention_cuda_fused(q, scale)) {
     attention_bwd_cuda(go, grad_lse, q, k, v, out, lse, causal, scale, dq, dk, dv);
-  } else {
+  } else if (!attention_bwd_flash2(go, grad_lse, q, k, v, out, lse, causal, scale, dq, dk, dv)) {
     attention_blocked::backward(go, q, k, v, attention_dterm(grad_out, grad_lse, out, lse), lse, causal, scale, dq,
                                 dk, dv);
   }

@@ -395,6 +395,7 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
                                              if constexpr (kReduceDq) {
                                                store_ds_t<kKeys, kRows>(da, ds, c, warp, lane);
                                                if (lead) tma::bulk_wait_read<0>();  // the last step's tile is read
+                                               __syncwarp();  // (converged for the aligned barrier and wgmma)
                                                dq_share<T, D, kKeys>(dq, ds, sk, c);
                                              }
                                            });
@@ -417,6 +418,7 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
         }
         tma::bulk_commit();
       }
+      __syncwarp();
     }
     wgmma_wait<0>();
     wgmma_fence_operands(dv);

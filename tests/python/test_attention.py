@@ -123,6 +123,31 @@ def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, 
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("backward", ["flash2", "blocked"])
+def test_head_dim_256_backward_of_out_alone(dtype, causal, backward, monkeypatch):
+    # Head dim 256's backward where lse has no gradient (a training loss): ATen's FlashAttention-2
+    # kernel (CUSTOMOPS_ATTENTION_FLASH2=0: the blocked one), the shapes of the test above.
+    if backward == "blocked":
+        monkeypatch.setenv("CUSTOMOPS_ATTENTION_FLASH2", "0")
+    torch.manual_seed(0)
+    for b, hq, hkv, sq, sk in [(2, 4, 2, 256, 256), (1, 3, 1, 100, 300), (1, 2, 2, 300, 100), (2, 2, 1, 1, 77)]:
+        q = torch.randn(b, sq, hq, 256, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+        k, v = (torch.randn(b, hkv, sk, 256, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+        out = customops.attention(q, k, v, causal=causal)
+        go = torch.randn_like(out)
+        got = torch.autograd.grad(out, (q, k, v), go)
+        q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+        want = torch.autograd.grad(T._attention_ref(q32, k32, v32, causal)[0], (q32, k32, v32), go.float())
+        tol = 3e-2 if dtype == torch.bfloat16 else 5e-3
+        for name, g, w in zip(("dq", "dk", "dv"), got, want):
+            scale = max(1.0, w.abs().max().item())
+            torch.testing.assert_close(g.float(), w, atol=tol * scale, rtol=tol,
+                                       msg=lambda m: f"{name} of {[b, hq, hkv, sq, sk]}: {m}")
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
 def test_cuda_shapes_off_the_fused_kernel_take_the_blocked_one():
     # head dim 32, a misaligned view and float32 go through the blocked ATen kernels or a copy
     torch.manual_seed(0)
