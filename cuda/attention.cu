@@ -478,6 +478,11 @@ bool use_sm90_bwd(const at::Tensor& q) {
 // head dim 128 on an H100, 10% slower at 64, docs/benchmarks.md), =reduce in the warp-specialized
 // one through the TMA's reductions.
 enum class DqMode { pass, atomic, reduce };
+// The warp-specialized dK/dV kernel at head dim 64 with 128 query rows a step
+// (CUSTOMOPS_ATTENTION_BWD_ROWS=128; 64 by default).
+bool sm90_bwd_rows128() {
+  return env_is("CUSTOMOPS_ATTENTION_BWD_ROWS", "128");
+}
 DqMode sm90_dq_mode() {
   if (env_is("CUSTOMOPS_ATTENTION_BWD_DQ", "atomic")) return DqMode::atomic;
   return env_is("CUSTOMOPS_ATTENTION_BWD_DQ", "reduce") ? DqMode::reduce : DqMode::pass;
@@ -681,16 +686,21 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
   const at::Tensor q = readable(q_in), k = readable(k_in), v = readable(v_in);
   const at::Tensor go = readable(go_in), out = readable(out_in);
   const int64_t bsz = q.size(0), hq = q.size(1), sq = q.size(2), d = q.size(3), sk = k.size(2);
-  const int64_t sq_pad = (sq + kBwdRows - 1) / kBwdRows * kBwdRows;
-  const auto f32 = q.options().dtype(at::kFloat);
-  const at::Tensor dt = at::empty({bsz, hq, sq_pad}, f32), lse2 = at::empty({bsz, hq, sq_pad}, f32);
   const bool sm90 = use_sm90_bwd(q);
   const DqMode dq_mode = sm90 ? sm90_dq_mode() : DqMode::pass;
   // The warp-specialized kernels' tensor maps (q, dO, k, v), where asked for and possible.
   std::optional<std::array<CUtensorMap, 4>> ws_maps, dq_maps;
   const WsBwd ws = sm90_ws_bwd();
-  if (sm90 && dq_mode != DqMode::atomic && ws.dkdv) ws_maps = bwd_maps(q, go, k, v, kSm90BwdRows, kSm90BwdKeys);
+  // (128 query rows a dK/dV step: asked for, head dim 64, dQ a pass of its own)
+  const bool rows128 = sm90 && ws.dkdv && d == 64 && dq_mode == DqMode::pass && sm90_bwd_rows128();
+  if (sm90 && dq_mode != DqMode::atomic && ws.dkdv) {
+    ws_maps = bwd_maps(q, go, k, v, rows128 ? 128 : kSm90BwdRows, kSm90BwdKeys);
+  }
   const bool atomic_dq = dq_mode == DqMode::atomic, reduce_dq = dq_mode == DqMode::reduce && ws_maps;
+  // (the prep kernel's rows: whole query blocks of every backward kernel)
+  const int64_t pad = rows128 ? 128 : kBwdRows, sq_pad = (sq + pad - 1) / pad * pad;
+  const auto f32 = q.options().dtype(at::kFloat);
+  const at::Tensor dt = at::empty({bsz, hq, sq_pad}, f32), lse2 = at::empty({bsz, hq, sq_pad}, f32);
   if (sm90 && !atomic_dq && !reduce_dq && ws.dq) dq_maps = bwd_maps(q, go, k, v, kSm90DqRows, kSm90DqKeys);
   // (the wgmma backward's dQ pass writes dq itself: no float32 accumulator; its atomic or TMA dQ adds
   // into whole query blocks, padded rows included)
@@ -769,8 +779,16 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
                sm90_dkdv_ws_smem_bytes<D, true>(), stream, m[0], m[1], m[2], m[3], *dq_acc_map, p);
       } else if (sk > 0 && bsz > 0 && ws_maps) {
         const auto& m = *ws_maps;  // (k's map in the unused dQ accumulator's place)
-        launch(attention_bwd_dkdv_sm90_ws_kernel<T, D, decltype(c)::value>, grid, kSm90BwdWsThreads,
-               sm90_dkdv_ws_smem_bytes<D>(), stream, m[0], m[1], m[2], m[3], m[2], p);
+        if constexpr (D == 64) {
+          if (rows128) {
+            launch(attention_bwd_dkdv_sm90_ws_kernel<T, D, decltype(c)::value, false, 128>, grid, kSm90BwdWsThreads,
+                   sm90_dkdv_ws_smem_bytes<D, false, 128>(), stream, m[0], m[1], m[2], m[3], m[2], p);
+          }
+        }
+        if (D != 64 || !rows128) {
+          launch(attention_bwd_dkdv_sm90_ws_kernel<T, D, decltype(c)::value>, grid, kSm90BwdWsThreads,
+                 sm90_dkdv_ws_smem_bytes<D>(), stream, m[0], m[1], m[2], m[3], m[2], p);
+        }
       } else if (sk > 0 && bsz > 0) {
         launch(attention_bwd_dkdv_sm90_kernel<T, D, decltype(c)::value>, grid, kSm90BwdThreads,
                sm90_dkdv_smem_bytes<D>(), stream, p);

@@ -290,21 +290,24 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_ke
 // later, once that thread has seen the copy read it.
 constexpr int kSm90BwdWsThreads = 384;
 constexpr uint32_t kSm90DsBytes = kSm90BwdKeys * kSm90BwdRows * 2, kSm90DqTileBytes = kSm90BwdRows * 64 * 4;
-template <int D, bool kReduceDq = false>
+template <int D, bool kReduceDq = false, int kRows = kSm90BwdRows>
 constexpr int sm90_dkdv_ws_smem_bytes() {
-  // k, v: [128, D]; two stages of q, dO: [64, D] and lse2, dt: 64 floats; barriers; 1024 to align;
-  // kReduceDq: two dS^T buffers and a dQ tile a consumer
-  return (2 * kSm90BwdKeys + 4 * kSm90BwdRows) * D * 2 + 4 * kSm90BwdRows * 4 + 8 * 8 + 1024 +
+  // k, v: [128, D]; two stages of q, dO: [kRows, D] and lse2, dt: kRows floats; barriers; 1024 to
+  // align; kReduceDq: two dS^T buffers and a dQ tile a consumer
+  return (2 * kSm90BwdKeys + 4 * kRows) * D * 2 + 4 * kRows * 4 + 8 * 8 + 1024 +
          (kReduceDq ? 2 * kSm90DsBytes + 2 * kSm90DqTileBytes : 0);
 }
 
-template <typename T, int D, bool kCausal, bool kReduceDq = false>
+// kRows: query rows a step, 64 (kSm90BwdRows) or, at head dim 64 (CUSTOMOPS_ATTENTION_BWD_ROWS=128,
+// not with kReduceDq), 128: twice the work a step for the same waits.
+template <typename T, int D, bool kCausal, bool kReduceDq = false, int kRows = kSm90BwdRows>
 __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
     attention_bwd_dkdv_sm90_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tg,
                                       const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
                                       const __grid_constant__ CUtensorMap tdq, BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kKeys = kSm90BwdKeys, kRows = kSm90BwdRows, kStages = 2, kPanels = D / 64;
+  static_assert(kRows == kSm90BwdRows || (kRows == 128 && D == 64 && !kReduceDq), "128 query rows a step at head dim 64");
+  constexpr int kKeys = kSm90BwdKeys, kStages = 2, kPanels = D / 64;
   constexpr int kDT = D / 8;
   constexpr uint32_t kKBytes = kKeys * D * 2, kQBytes = kRows * D * 2, kStatBytes = kRows * 4;
   constexpr uint32_t kConsumerThreads = 256;

@@ -87,6 +87,7 @@ PATHS = {
     "cp-bwd": ({"CUSTOMOPS_ATTENTION_BWD_WS": "0"}, False),  # the wgmma backward's kernels loading by cp.async
     "cp-dq": ({"CUSTOMOPS_ATTENTION_BWD_WS": "dkdv"}, False),  # its dQ kernel only so
     "ws128": ({"CUSTOMOPS_ATTENTION_WS_ROWS": "128"}, True),  # 128 query rows a block at head dim 64
+    "bwd128": ({"CUSTOMOPS_ATTENTION_BWD_ROWS": "128"}, True),  # 128 query rows a dK/dV step at head dim 64
 }
 
 
@@ -101,8 +102,8 @@ def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, 
     # Every kernel path of PATHS (head dim 256: the default only, its one fused forward).
     if d == 256 and forward != "default":
         pytest.skip("head dim 256 has one fused forward")
-    if forward == "ws128" and d != 64:
-        pytest.skip("128 or 192 query rows a block is a choice at head dim 64 only")
+    if forward in ("ws128", "bwd128") and d != 64:
+        pytest.skip(f"{forward}: a choice at head dim 64 only")
     _kernel("cuda", forward, monkeypatch)
     torch.manual_seed(0)
     for b, hq, hkv, sq, sk in [(2, 4, 2, 256, 256), (1, 3, 1, 100, 300), (1, 2, 2, 300, 100), (2, 2, 1, 1, 77)]:
@@ -176,7 +177,7 @@ KERNELS = [pytest.param(dev, dt, d, fwd, id=f"{dev}-{str(dt).removeprefix('torch
                                (torch.bfloat16, 128, "atomic-dq"), (torch.float16, 64, "atomic-dq"),
                                (torch.bfloat16, 128, "reduce-dq"), (torch.float16, 64, "reduce-dq"),
                                (torch.bfloat16, 128, "cp-bwd"), (torch.float16, 64, "cp-dq"),
-                               (torch.float16, 64, "ws128"),
+                               (torch.float16, 64, "ws128"), (torch.bfloat16, 64, "bwd128"),
                                (torch.float32, 64, "default")])]
 
 
