@@ -478,10 +478,15 @@ bool use_sm90_bwd(const at::Tensor& q) {
 // head dim 128 on an H100, 10% slower at 64, docs/benchmarks.md), =reduce in the warp-specialized
 // one through the TMA's reductions.
 enum class DqMode { pass, atomic, reduce };
-// The warp-specialized dK/dV kernel at head dim 64 with 128 query rows a step
-// (CUSTOMOPS_ATTENTION_BWD_ROWS=128; 64 by default).
+// At head dim 64 the warp-specialized dK/dV kernel takes 128 query rows a step (1.07-1.20x the
+// forward+backward of 64 on an H100, docs/benchmarks.md); CUSTOMOPS_ATTENTION_BWD_ROWS=64 keeps 64.
 bool sm90_bwd_rows128() {
-  return env_is("CUSTOMOPS_ATTENTION_BWD_ROWS", "128");
+  return !env_is("CUSTOMOPS_ATTENTION_BWD_ROWS", "64");
+}
+// At head dim 64 the warp-specialized dQ kernel with 128 keys a step (CUSTOMOPS_ATTENTION_BWD_DQ_KEYS=128;
+// 64 by default).
+bool sm90_dq_keys128() {
+  return env_is("CUSTOMOPS_ATTENTION_BWD_DQ_KEYS", "128");
 }
 DqMode sm90_dq_mode() {
   if (env_is("CUSTOMOPS_ATTENTION_BWD_DQ", "atomic")) return DqMode::atomic;
@@ -701,7 +706,8 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
   const int64_t pad = rows128 ? 128 : kBwdRows, sq_pad = (sq + pad - 1) / pad * pad;
   const auto f32 = q.options().dtype(at::kFloat);
   const at::Tensor dt = at::empty({bsz, hq, sq_pad}, f32), lse2 = at::empty({bsz, hq, sq_pad}, f32);
-  if (sm90 && !atomic_dq && !reduce_dq && ws.dq) dq_maps = bwd_maps(q, go, k, v, kSm90DqRows, kSm90DqKeys);
+  const bool keys128 = d == 64 && sm90_dq_keys128();
+  if (sm90 && !atomic_dq && !reduce_dq && ws.dq) dq_maps = bwd_maps(q, go, k, v, kSm90DqRows, keys128 ? 128 : kSm90DqKeys);
   // (the wgmma backward's dQ pass writes dq itself: no float32 accumulator; its atomic or TMA dQ adds
   // into whole query blocks, padded rows included)
   const at::Tensor dq_acc = sm90 && !atomic_dq && !reduce_dq
@@ -795,9 +801,17 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
       }
       if (sq > 0 && hq > 0 && bsz > 0 && !atomic_dq && !reduce_dq && dq_maps) {
         const auto& m = *dq_maps;
-        launch(attention_bwd_dq_sm90_ws_kernel<T, D, decltype(c)::value>,
-               dim3((sq + kSm90DqRows - 1) / kSm90DqRows, hq, bsz), kSm90BwdWsThreads, sm90_dq_ws_smem_bytes<D>(),
-               stream, m[0], m[1], m[2], m[3], p);
+        const dim3 dq_grid((sq + kSm90DqRows - 1) / kSm90DqRows, hq, bsz);
+        if constexpr (D == 64) {
+          if (keys128) {
+            launch(attention_bwd_dq_sm90_ws_kernel<T, D, decltype(c)::value, 128>, dq_grid, kSm90BwdWsThreads,
+                   sm90_dq_ws_smem_bytes<D, 128>(), stream, m[0], m[1], m[2], m[3], p);
+          }
+        }
+        if (D != 64 || !keys128) {
+          launch(attention_bwd_dq_sm90_ws_kernel<T, D, decltype(c)::value>, dq_grid, kSm90BwdWsThreads,
+                 sm90_dq_ws_smem_bytes<D>(), stream, m[0], m[1], m[2], m[3], p);
+        }
       } else if (sq > 0 && hq > 0 && bsz > 0 && !atomic_dq && !reduce_dq) {
         launch(attention_bwd_dq_sm90_kernel<T, D, decltype(c)::value>,
                dim3((sq + kSm90DqRows - 1) / kSm90DqRows, hq, bsz), kSm90BwdThreads, sm90_dq_smem_bytes<D>(), stream,

@@ -298,8 +298,8 @@ constexpr int sm90_dkdv_ws_smem_bytes() {
          (kReduceDq ? 2 * kSm90DsBytes + 2 * kSm90DqTileBytes : 0);
 }
 
-// kRows: query rows a step, 64 (kSm90BwdRows) or, at head dim 64 (CUSTOMOPS_ATTENTION_BWD_ROWS=128,
-// not with kReduceDq), 128: twice the work a step for the same waits.
+// kRows: query rows a step, 64 (kSm90BwdRows) or, at head dim 64 (the default there, not with
+// kReduceDq), 128: twice the work a step for the same waits.
 template <typename T, int D, bool kCausal, bool kReduceDq = false, int kRows = kSm90BwdRows>
 __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
     attention_bwd_dkdv_sm90_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tg,
@@ -546,19 +546,21 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dq_sm90_kern
 // and dO once and each key block's k and v (64 keys) through the TMA into two stages on mbarriers;
 // two consumer warpgroups of 64 query rows run dq_step and release a stage once its products have
 // read it.
-template <int D>
+template <int D, int kKeys = kSm90DqKeys>
 constexpr int sm90_dq_ws_smem_bytes() {
-  // q, dO: [128, D]; two stages of k, v: [64, D]; barriers; 1024 to align
-  return (2 * kSm90DqRows + 4 * kSm90DqKeys) * D * 2 + 8 * 8 + 1024;
+  // q, dO: [128, D]; two stages of k, v: [kKeys, D]; barriers; 1024 to align
+  return (2 * kSm90DqRows + 4 * kKeys) * D * 2 + 8 * 8 + 1024;
 }
 
-template <typename T, int D, bool kCausal>
+// kKeys: keys a step, 64 (kSm90DqKeys) or, at head dim 64 (CUSTOMOPS_ATTENTION_BWD_DQ_KEYS=128), 128.
+template <typename T, int D, bool kCausal, int kKeys = kSm90DqKeys>
 __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
     attention_bwd_dq_sm90_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tg,
                                     const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
                                     BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  constexpr int kRows = kSm90DqRows, kKeys = kSm90DqKeys, kStages = 2, kPanels = D / 64, kDT = D / 8;
+  static_assert(kKeys == kSm90DqKeys || (kKeys == 128 && D == 64), "128 keys a dQ step at head dim 64");
+  constexpr int kRows = kSm90DqRows, kStages = 2, kPanels = D / 64, kDT = D / 8;
   constexpr uint32_t kQBytes = kRows * D * 2, kKBytes = kKeys * D * 2, kConsumerThreads = 256;
   extern __shared__ char smem[];
   const uint32_t sq = (smem_addr(smem) + 1023) & ~1023u, sg = sq + kQBytes;

@@ -87,7 +87,8 @@ PATHS = {
     "cp-bwd": ({"CUSTOMOPS_ATTENTION_BWD_WS": "0"}, False),  # the wgmma backward's kernels loading by cp.async
     "cp-dq": ({"CUSTOMOPS_ATTENTION_BWD_WS": "dkdv"}, False),  # its dQ kernel only so
     "ws128": ({"CUSTOMOPS_ATTENTION_WS_ROWS": "128"}, True),  # 128 query rows a block at head dim 64
-    "bwd128": ({"CUSTOMOPS_ATTENTION_BWD_ROWS": "128"}, True),  # 128 query rows a dK/dV step at head dim 64
+    "bwd64": ({"CUSTOMOPS_ATTENTION_BWD_ROWS": "64"}, True),  # 64 query rows a dK/dV step at head dim 64 (128 else)
+    "dq128": ({"CUSTOMOPS_ATTENTION_BWD_DQ_KEYS": "128"}, True),  # 128 keys a dQ step at head dim 64 (64 else)
 }
 
 
@@ -102,7 +103,7 @@ def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, 
     # Every kernel path of PATHS (head dim 256: the default only, its one fused forward).
     if d == 256 and forward != "default":
         pytest.skip("head dim 256 has one fused forward")
-    if forward in ("ws128", "bwd128") and d != 64:
+    if forward in ("ws128", "bwd64", "dq128") and d != 64:
         pytest.skip(f"{forward}: a choice at head dim 64 only")
     _kernel("cuda", forward, monkeypatch)
     torch.manual_seed(0)
@@ -177,7 +178,8 @@ KERNELS = [pytest.param(dev, dt, d, fwd, id=f"{dev}-{str(dt).removeprefix('torch
                                (torch.bfloat16, 128, "atomic-dq"), (torch.float16, 64, "atomic-dq"),
                                (torch.bfloat16, 128, "reduce-dq"), (torch.float16, 64, "reduce-dq"),
                                (torch.bfloat16, 128, "cp-bwd"), (torch.float16, 64, "cp-dq"),
-                               (torch.float16, 64, "ws128"), (torch.bfloat16, 64, "bwd128"),
+                               (torch.float16, 64, "ws128"), (torch.bfloat16, 64, "bwd64"),
+                               (torch.float16, 64, "dq128"),
                                (torch.float32, 64, "default")])]
 
 
