@@ -1,7 +1,8 @@
 // The fused CUDA kernels of attention and _attention_backward (float16 and bfloat16, head dims 64
 // and 128, sm_80 and newer; on compute capability 9.0 the forward is attention_sm90.cuh's
 // warp-specialized wgmma kernel instead, which takes head dim 256 too, see use_sm90 and
-// use_sm90_ws; the backward at head dim 256 is the blocked one): tensor cores through mma.sync m16n8k16 for every matmul, scores and
+// use_sm90_ws; the backward at head dim 256 is ATen's FlashAttention-2 one where lse has no gradient,
+// attention_bwd_flash2, the blocked one else): tensor cores through mma.sync m16n8k16 for every matmul, scores and
 // probabilities in registers, an online softmax across key blocks, k and v read once per group of
 // query heads (grouped-query attention without repeating them). attention's CUDA kernels, registered
 // at the end, run them for the inputs attention_cuda_fused() accepts and the blocked ATen kernels

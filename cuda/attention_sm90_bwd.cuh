@@ -22,6 +22,15 @@
 //   columns [64 w, 64 w + 64) over the block's 128 keys (both warpgroups' dS^T, a block barrier), at
 //   64 every column over its own 64 keys; either way an m64n64 product, 32 registers.
 //
+// - Or dQ in the warp-specialized dK/dV kernel (kReduceDq, CUSTOMOPS_ATTENTION_BWD_DQ=reduce): the
+//   same shares, written to shared memory and added to the accumulator by the TMA (see that kernel).
+//
+// The warp-specialized kernels (attention_bwd_*_ws_kernel, the default where the TMA reads the
+// inputs) take the steps of the cp.async ones (dkdv_step, dq_step) with a producer warpgroup loading.
+// At head dim 64 the dK/dV kernel takes 128 query rows a step (the products are short there, and a
+// step's waits cost as much as its work); CUSTOMOPS_ATTENTION_BWD_DQ_KEYS=128 gives the dQ kernel 128
+// keys a step there too.
+//
 // Compiled only for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL), launched where the forward's wgmma kernels
 // are (use_sm90 in attention.cu).
 #pragma once
