@@ -714,9 +714,9 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
   const at::Tensor dq_acc = sm90 && !atomic_dq && !reduce_dq
                                 ? at::Tensor()
                                 : at::zeros({bsz, hq, atomic_dq || reduce_dq ? sq_pad : sq, d}, f32);
-  // (a fresh contiguous float32 tensor of 16-byte rows: the TMA takes it)
+  // (a fresh contiguous float32 tensor of 16-byte rows: the TMA takes it, as it did q's and k's)
   const std::optional<CUtensorMap> dq_acc_map = reduce_dq ? tensor_map(dq_acc, kSm90BwdRows) : std::nullopt;
-  TORCH_INTERNAL_ASSERT(!reduce_dq || dq_acc_map, "customops::attention: no tensor map of the dQ accumulator");
+  TORCH_CHECK(!reduce_dq || dq_acc_map, "customops::attention: the TMA refused the dQ accumulator's tensor map");
   const at::Tensor lse_c = lse.contiguous();
   const at::Tensor glse = grad_lse.has_value() && grad_lse->defined() ? grad_lse->contiguous() : at::Tensor();
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -849,24 +849,33 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
 }
 
 // Head dim 256's backward, which no kernel of ours takes yet: ATen's FlashAttention-2 backward (the
-// kernel of SDPA's flash backend; bottom-right causal and grouped-query heads as ours), about 10x
-// the blocked one on an H100, where it takes the inputs: float16 or bfloat16, sm_80 or newer, a
-// positive scale, no gradient of lse (its backward has no term for one), nonempty. lse goes in as
-// its log-sum-exp, a row that saw no key (-inf) as +inf so that its probabilities are 0 there too.
-// Whether it ran (dq, dk and dv written).
+// kernel of SDPA's flash backend; bottom-right causal and grouped-query heads as ours), 7x the
+// blocked one on an H100, where it takes the inputs: float16 or bfloat16, sm_80 or newer, a
+// positive scale, no gradient of lse (its backward has no term for one), nonempty, batch and heads
+// within a grid's 65535, and a torch built with it (ATen's errors fall back to the blocked one:
+// nothing is written before it returns). q, k, v, dO and out go in with unit last stride and 16-byte
+// aligned rows (readable()), lse as its log-sum-exp, a row that saw no key (-inf) as +inf so that its
+// probabilities are 0 there too. Like SDPA's, its dQ is added by atomics (not bitwise reproducible
+// unless torch.use_deterministic_algorithms). Whether it ran (dq, dk and dv written).
 bool attention_bwd_flash2(const at::Tensor& go, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
                           const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                           bool causal, double scale, const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv) {
   if (q.size(3) != 256 || (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16)) return false;
   if (!(scale > 0.0) || !std::isfinite(scale) || (grad_lse.has_value() && grad_lse->defined())) return false;
-  if (q.numel() == 0 || k.numel() == 0 || at::cuda::getDeviceProperties(q.get_device())->major < 8) return false;
-  if (env_is("CUSTOMOPS_ATTENTION_FLASH2", "0")) return false;
+  if (q.numel() == 0 || k.numel() == 0 || q.size(0) > 65535 || q.size(1) > 65535) return false;
+  if (at::cuda::getDeviceProperties(q.get_device())->major < 8 || env_is("CUSTOMOPS_ATTENTION_FLASH2", "0")) return false;
   const c10::cuda::CUDAGuard guard(q.device());
   const at::Tensor lse_in = lse.masked_fill(lse == -std::numeric_limits<float>::infinity(),
                                             std::numeric_limits<float>::infinity()).contiguous();
   const at::Tensor none = at::empty({0}, q.options().dtype(at::kLong));
-  const auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_backward(
-      go, q, k, v, out, lse_in, at::Tensor(), at::Tensor(), q.size(2), k.size(2), 0.0, causal, none, none, scale);
+  at::Tensor gq, gk, gv;
+  try {
+    std::tie(gq, gk, gv) = at::_scaled_dot_product_flash_attention_backward(
+        readable(go), readable(q), readable(k), readable(v), readable(out), lse_in, at::Tensor(), at::Tensor(),
+        q.size(2), k.size(2), 0.0, causal, none, none, scale);
+  } catch (const c10::Error&) {  // (a torch without it, a GPU its build has no kernel for)
+    return false;
+  }
   dq.copy_(gq);
   dk.copy_(gk);
   dv.copy_(gv);

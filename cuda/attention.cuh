@@ -155,7 +155,7 @@ struct BwdParams {
   const void* go;
   const float* dt;    // [B, Hq, Sq_pad]
   const float* lse2;  // [B, Hq, Sq_pad]
-  float* dq;          // contiguous float32 [B, Hq, Sq, D] (mma.sync) or [B, Hq, Sq_pad, D] (wgmma, atomic dQ),
+  float* dq;          // contiguous float32 [B, Hq, Sq, D] (mma.sync) or [B, Hq, Sq_pad, D] (wgmma, atomic or reduce dQ),
                       // zeroed; scale * dS K added. Null for the wgmma backward's own dQ pass.
   void* dq_out;       // the wgmma backward's: dq itself (q's sizes, unit last stride)
   void* dk;

@@ -3,7 +3,8 @@
 // log2(e), +inf for a row that saw no key), so that no gradient is accumulated across blocks:
 //
 // - dK, dV: a block of two warpgroups owns 128 keys of one (batch, kv head), 64 a warpgroup, with
-//   k and v in shared memory, and walks the query blocks (64 rows) of every query head of its group
+//   k and v in shared memory, and walks the query blocks (64 rows; 128 at head dim 64 in the
+//   warp-specialized kernel, below) of every query head of its group
 //   that see one of its keys, q, dO, lse2 and dt loading (cp.async, two stages) while the last are
 //   computed. Per query block a warpgroup computes S^T = K Q^T and dP^T = V dO^T (both operands
 //   K-major in shared memory, m64 x 64 queries), then P^T = exp2(S^T scale log2(e) - lse2) and
@@ -77,7 +78,7 @@ __device__ __forceinline__ void store_accumulator(const float (&acc)[kDT][4], fl
   }
 }
 
-// kAtomicDq, before dK's product is issued (which reads da: no other instruction may until it is
+// kAtomicDq or kReduceDq, before dK's product is issued (which reads da: no other instruction may until it is
 // waited for): dS^T (da, this thread's keys' A fragments) into the tile at sds.
 template <int kKeys, int kRows>
 __device__ __forceinline__ void store_ds_t(const uint32_t (&da)[kRows / 16][4], uint32_t sds, int wg, int warp,

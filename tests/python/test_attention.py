@@ -75,8 +75,8 @@ def test_matches_sdpa_and_reads_transposed_views_in_place(device):
 # The CUDA kernel paths the tests pin: name -> (the environment switches that select it, whether it
 # exists on compute capability 9.0 only). On an H100 or H200 the default forward is the
 # warp-specialized wgmma one (192 query rows a block at head dim 64; the only fused one at head dim
-# 256, whose backward is the blocked one) and the default backward the wgmma one, its kernels
-# warp-specialized.
+# 256, whose backward is ATen's FlashAttention-2 one where lse has no gradient, the blocked one else)
+# and the default backward the wgmma one, its kernels warp-specialized.
 PATHS = {
     "default": ({}, False),
     "sm80": ({"CUSTOMOPS_ATTENTION_SM80": "1"}, False),  # mma.sync forward and backward
@@ -131,15 +131,22 @@ def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, 
 def test_head_dim_256_backward_of_out_alone(dtype, causal, backward, monkeypatch):
     # Head dim 256's backward where lse has no gradient (a training loss): ATen's FlashAttention-2
     # kernel (CUSTOMOPS_ATTENTION_FLASH2=0: the blocked one), the shapes of the test above.
+    # Also k and v as views of stride 2 in the head dim (copied for the kernel), and which kernel ran.
     if backward == "blocked":
         monkeypatch.setenv("CUSTOMOPS_ATTENTION_FLASH2", "0")
     torch.manual_seed(0)
-    for b, hq, hkv, sq, sk in [(2, 4, 2, 256, 256), (1, 3, 1, 100, 300), (1, 2, 2, 300, 100), (2, 2, 1, 1, 77)]:
+    for b, hq, hkv, sq, sk in [(2, 4, 2, 256, 256), (1, 3, 1, 100, 300), (1, 2, 2, 300, 100), (2, 2, 1, 1, 77),
+                               (1, 2, 1, 64, 80)]:
         q = torch.randn(b, sq, hq, 256, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
         k, v = (torch.randn(b, hkv, sk, 256, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+        if sk == 80:
+            k, v = (torch.randn(b, hkv, sk, 512, device="cuda", dtype=dtype)[..., ::2].requires_grad_() for _ in range(2))
         out = customops.attention(q, k, v, causal=causal)
         go = torch.randn_like(out)
-        got = torch.autograd.grad(out, (q, k, v), go)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = torch.autograd.grad(out, (q, k, v), go)
+        ran_flash = any("flash_bwd" in e.name for e in prof.events())
+        assert ran_flash == (backward == "flash2"), f"FlashAttention-2's backward ran: {ran_flash}"
         q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
         want = torch.autograd.grad(T._attention_ref(q32, k32, v32, causal)[0], (q32, k32, v32), go.float())
         tol = 3e-2 if dtype == torch.bfloat16 else 5e-3
