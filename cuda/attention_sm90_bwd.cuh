@@ -341,15 +341,7 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
   const int64_t m_first = kCausal ? std::max<int64_t>(0, n0 - shift) / kRows : 0;
   const int64_t per_head = std::max<int64_t>(0, (p.sq + kRows - 1) / kRows - m_first);
   const int64_t steps = per_head * p.group;
-  if (threadIdx.x == 0) {
-    tma::mbar_init(full_kv, 1);
-    for (int st = 0; st < kStages; ++st) {
-      tma::mbar_init(full(st), 1);
-      tma::mbar_init(empty(st), kConsumerThreads);  // every consumer thread, once its products read the stage
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();  // the last block-wide barrier: the warpgroups part here
+  tma::init_ring<kStages>(bars, kConsumerThreads);  // (empty: once a consumer's products read the stage)
 
   if (wg == 0) {  // the producer
     tma::regs_down<24>();
@@ -588,15 +580,7 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
   const int64_t shift = p.sk - p.sq;
   const int64_t key_end = kCausal ? std::min<int64_t>(p.sk, m0 + kRows + shift) : p.sk;
   const int nblocks = key_end > 0 ? static_cast<int>((key_end + kKeys - 1) / kKeys) : 0;
-  if (threadIdx.x == 0) {
-    tma::mbar_init(full_q, 1);
-    for (int st = 0; st < kStages; ++st) {
-      tma::mbar_init(full(st), 1);
-      tma::mbar_init(empty(st), kConsumerThreads);  // every consumer thread, once its products read the stage
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();  // the last block-wide barrier: the warpgroups part here
+  tma::init_ring<kStages>(bars, kConsumerThreads);  // (empty: once a consumer's products read the stage)
 
   if (wg == 0) {  // the producer
     tma::regs_down<24>();

@@ -77,6 +77,23 @@ __device__ __forceinline__ void bulk_wait() {
   asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// A producer/consumer ring's barriers at bars (8 bytes each): first (the loads made once, one
+// arrival), then kStages full barriers (one arrival, the producer's expect_tx) and kStages empty ones
+// (`consumers` arrivals, once each consumer thread's reads of the stage are done); set up by thread 0,
+// then the block meets, for the last time before its warpgroups part.
+template <int kStages>
+__device__ __forceinline__ void init_ring(uint32_t bars, uint32_t consumers) {
+  if (threadIdx.x == 0) {
+    mbar_init(bars, 1);
+    for (int st = 0; st < kStages; ++st) {
+      mbar_init(bars + 8 * (1 + st), 1);
+      mbar_init(bars + 8 * (1 + kStages + st), consumers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+}
+
 // Named barrier `id` (1-15; 0 is __syncthreads') among `threads` threads: sync waits for all of
 // them, arrive counts this warp's threads without waiting.
 __device__ __forceinline__ void named_sync(uint32_t id, uint32_t threads) {
