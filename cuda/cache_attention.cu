@@ -8,9 +8,9 @@
 // rows of that kv head (Hq / Hkv heads x T queries, 16 rows a block, padded with zero rows): k and
 // v are read once for all the heads of a group. Its split is an equal share of the sequence's
 // filled length, read on the device, in whole tiles of kKeys keys, so the work follows each
-// sequence's length while the grid depends only on shapes. The block's 4 warps each take 16 keys
-// of every tile (loaded by cp.async into a ring of kStages tiles, the next ones in flight while
-// this one is computed) with their own online softmax: the tensor cores compute S = Q K^T and
+// sequence's length while the grid depends only on shapes. The block's warps (4 or 8: block_warps)
+// each take 16 keys of every tile (loaded by cp.async into a ring of kStages tiles, the next ones in
+// flight while this one is computed) with their own online softmax: the tensor cores compute S = Q K^T and
 // O += P V (mma.sync m16n8k16, the rows in the M dimension), and the warps' partials merge through
 // shared memory at the end. With one split the block writes out and lse. With more, the splits
 // merge: on sm_90 the splits of a (sequence, kv head, rows) are one thread-block cluster, whose
@@ -39,6 +39,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <string_view>
 #include <tuple>
 
 #include "attention.cuh"
@@ -64,15 +65,17 @@ using cuda::Pack;
 using cuda::smem_addr;
 using cuda::wait_prerequisites;
 
-constexpr int kWarps = 4, kThreads = kWarps * 32;
 constexpr int kRows = 16;               // query rows a block (one mma M tile)
-constexpr int kKeys = 16 * kWarps;      // keys a tile: 16 a warp
 constexpr int kMaxSplits = 64;          // splits merged by the merge kernel
 constexpr int kMaxClusterSplits = 16;   // splits merged in a cluster (16: a non-portable cluster size)
 
+// A block's warps (16 keys of each tile a warp) and its tiles' keys.
+constexpr int tile_keys(int warps) {
+  return 16 * warps;
+}
 // Shared memory of a block: q, then a ring of `stages` tiles of k and v.
-constexpr int ring_bytes(int d, int stages) {
-  return (kRows + 2 * stages * kKeys) * d * 2;
+constexpr int ring_bytes(int d, int stages, int warps) {
+  return (kRows + 2 * stages * tile_keys(warps)) * d * 2;
 }
 // Tiles of k and v in the ring: two in flight while one is computed (D = 64 and 128), one at D = 256
 // (whose 64 KiB a tile already keep the loads of one block per SM in flight), and at D = 128 on
@@ -107,11 +110,13 @@ __device__ __forceinline__ T from_float(float x) {
 }
 
 // kCluster: the splits (gridDim.x of them) are one cluster and merge in it (sm_90 code only).
-// kStages: tiles in the ring (ring_bytes(D, kStages) of shared memory).
-template <typename T, int D, bool kCluster, int kStages>
-__global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p) {
+// kStages: tiles in the ring (ring_bytes(D, kStages, kWarps) of shared memory). kWarps: 4, or 8 (see
+// block_warps).
+template <typename T, int D, bool kCluster, int kStages, int kWarps>
+__global__ void __launch_bounds__(kWarps * 32) cache_attention_kernel(CacheParams p) {
   wait_prerequisites();
   launch_dependents();
+  constexpr int kThreads = kWarps * 32, kKeys = tile_keys(kWarps);
   constexpr int kDT = D / 8;
   constexpr uint32_t kTileBytes = kKeys * D * 2;
   extern __shared__ __align__(128) char smem[];
@@ -128,9 +133,11 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
   // q's rows (gathered from their heads and positions; padding rows zero) start loading before the
   // length is read: the two reads overlap.
   {
+    constexpr int kChunks = kRows * (D / 8);
 #pragma unroll
-    for (int it = 0; it < kRows * (D / 8) / kThreads; ++it) {
+    for (int it = 0; it < (kChunks + kThreads - 1) / kThreads; ++it) {
       const int idx = it * kThreads + threadIdx.x;
+      if (kChunks % kThreads != 0 && idx >= kChunks) break;
       const int i = idx / (D / 8), c = idx % (D / 8);
       const int64_t r = r0 + i;
       const bool valid = r < p.rows;
@@ -271,7 +278,8 @@ __global__ void __launch_bounds__(kThreads) cache_attention_kernel(CacheParams p
   float* fo = ml + kWarps * kRows;
   float* fl = fo + kRows * D;
   const int valid = static_cast<int>(std::min<int64_t>(kRows, p.rows - r0));  // rows past it are padding
-  static_assert((kWarps * kRows * (D + 2) + kRows * (D + 1)) * 4 <= ring_bytes(D, kStages), "the merge fits the ring");
+  static_assert((kWarps * kRows * (D + 2) + kRows * (D + 1)) * 4 <= ring_bytes(D, kStages, kWarps),
+                "the merge fits the ring");
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
@@ -476,8 +484,28 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_masked(const at::Tensor& q, c
 // Splits a sequence's keys go in: as many as give each SM at most one block (all SMs busy where the
 // work allows, none with more keys to stream than another), at least a tile of keys each, at most
 // max_splits.
-int choose_splits(int sms, int64_t work, int64_t s, int max_splits) {
-  return static_cast<int>(std::clamp<int64_t>(sms / work, 1, std::min<int64_t>(max_splits, (s + kKeys - 1) / kKeys)));
+int choose_splits(int sms, int64_t work, int64_t s, int max_splits, int keys) {
+  return static_cast<int>(std::clamp<int64_t>(sms / work, 1, std::min<int64_t>(max_splits, (s + keys - 1) / keys)));
+}
+
+// Warps a block: 8 (tiles of 128 keys) at head dims 64 and 128 where three such tiles fit (the
+// H100: 200 KiB at 128), else 4 (tiles of 64). With one block an SM, 4 warps leave each scheduler one
+// warp, so every latency of a tile's work (the copies' addresses, the products' chains, the
+// softmax's shuffles) is exposed and a tile takes longer than its bytes; two warps a scheduler hide
+// each other's. And 4 warps' 100 KiB blocks sit two to an SM, so a cluster of them streams through
+// half as many SMs. But where a sequence's many splits (work: the (sequence, kv head, rows) blocks
+// before splitting) each stream under 2048 positions of the cache, 4 warps stay: their 64-key tiles
+// pipeline the few tiles such a block has. Measured on the H100 (Hq/Hkv 32/8, head dim 128, bf16,
+// calls in a CUDA graph, us a call, 8 warps / 4 warps): batch 1 with 1k positions 8.4 / 7.8, 4k
+// 13.3 / 12.9, 32k 51.3 / 58.2; batch 8 with 600 13.0 / 13.4, 1k 17.5 / 18.1; batch 16 with 600
+// 18.4 / 18.9. CUSTOMOPS_CACHE_ATTENTION_WARPS=4 or =8 takes that count where it fits (the tests run
+// each).
+int block_warps(int d, int smem_optin, int sms, int64_t work, int64_t s) {
+  if (d > 128 || ring_bytes(d, 3, 8) > smem_optin) return 4;
+  const char* env = std::getenv("CUSTOMOPS_CACHE_ATTENTION_WARPS");
+  if (env != nullptr && (std::string_view(env) == "4" || std::string_view(env) == "8")) return std::atoi(env);
+  const int64_t splits = std::min<int64_t>(sms / work, 8);  // (a cluster's, where the GPU has them)
+  return splits > 2 && s / splits < 2048 ? 4 : 8;
 }
 
 // The largest cluster the kernel's splits merge in on the current device: 8, or 0 where clusters
@@ -486,43 +514,47 @@ int choose_splits(int sms, int64_t work, int64_t s, int max_splits) {
 // takes it) or 0 (the merge kernel, as before sm_90; the tests run every path on one GPU with it).
 // 8 rather than 16: on the H100, batch 1 with 8 kv heads, 600-32k positions, 8 splits of a
 // sequence in clusters were as fast as 16 or faster.
-int cluster_limit(const void* kernel, int smem) {
+// Clusters of `size` blocks of the kernel (smem bytes, threads a block) the current device seats at
+// once; 0 where it takes none.
+int active_clusters(const void* kernel, int smem, int threads, int size) {
   static std::mutex mutex;
-  static std::map<std::pair<const void*, int>, int> cache;
+  static std::map<std::tuple<const void*, int, int>, int> cache;
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto it = cache.find({kernel, device, size});
+  if (it != cache.end()) return it->second;
+  // (cached only once both calls succeeded: a failure is raised, and the next call asks again)
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(size);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = size;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();  // a size the device does not take
+    clusters = 0;
+  }
+  cache.emplace(std::make_tuple(kernel, device, size), clusters);
+  return clusters;
+}
+
+int cluster_limit(const void* kernel, int smem, int threads) {
   int limit = 0;
-  {
-    const std::lock_guard<std::mutex> lock(mutex);
-    const auto it = cache.find({kernel, device});
-    if (it != cache.end()) {
-      limit = it->second;
-    } else if (at::cuda::getCurrentDeviceProperties()->major >= 9 && cuda::compiled_for_sm90(kernel)) {
-      // (cached only once both calls succeeded: a failure is raised, and the next call asks again)
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-      for (const int size : {kMaxClusterSplits, 8}) {
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(size);
-        cfg.blockDim = dim3(kThreads);
-        cfg.dynamicSmemBytes = smem;
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeClusterDimension;
-        attr[0].val.clusterDim.x = size;
-        attr[0].val.clusterDim.y = 1;
-        attr[0].val.clusterDim.z = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        int clusters = 0;
-        if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) == cudaSuccess && clusters > 0) {
-          limit = size;
-          break;
-        }
-        (void)cudaGetLastError();  // a size the device does not take
+  if (at::cuda::getCurrentDeviceProperties()->major >= 9 && cuda::compiled_for_sm90(kernel)) {
+    for (const int size : {kMaxClusterSplits, 8}) {
+      if (active_clusters(kernel, smem, threads, size) > 0) {
+        limit = size;
+        break;
       }
-      cache.emplace(std::make_pair(kernel, device), limit);
-    } else {
-      cache.emplace(std::make_pair(kernel, device), 0);
     }
   }
   const char* cap = std::getenv("CUSTOMOPS_CACHE_ATTENTION_CLUSTER");
@@ -531,18 +563,28 @@ int cluster_limit(const void* kernel, int smem) {
 
 // The kernel (clustered, or with the merge kernel after it) for p, whose fields but the split count
 // and the partials are set.
-template <typename T, int D, int kStages>
+template <typename T, int D, int kStages, int kWarps>
 void launch_cache_attention(CacheParams& p, int64_t b, int64_t groups, int64_t s, int sms, const at::Tensor& out,
                             cudaStream_t stream) {
-  constexpr int kSmem = ring_bytes(D, kStages);
-  auto kernel = cache_attention_kernel<T, D, false, kStages>;
-  auto clustered = cache_attention_kernel<T, D, true, kStages>;
+  constexpr int kSmem = ring_bytes(D, kStages, kWarps), kThreads = kWarps * 32;
+  auto kernel = cache_attention_kernel<T, D, false, kStages, kWarps>;
+  auto clustered = cache_attention_kernel<T, D, true, kStages, kWarps>;
   const int64_t work = b * p.hkv * groups;
-  int limit = cluster_limit(reinterpret_cast<const void*>(clustered), kSmem);
+  int limit = cluster_limit(reinterpret_cast<const void*>(clustered), kSmem, kThreads);
   // A few (sequence, kv head)s (batch 1 of a model with one or two kv heads) want more splits
   // than a cluster holds: the merge kernel takes up to 64.
   if (sms / work > 2 * limit) limit = 0;
-  p.splits = choose_splits(sms, work, s, limit > 0 ? limit : kMaxSplits);
+  // With 8 warps (a block an SM) the GPU may not seat every cluster at once (batch 4 with 8 kv
+  // heads: 32 clusters of 4 blocks); then the merge kernel (H100, 16k positions: 94.4 us against 95.7
+  // in clusters, SDPA 94.8). Blocks of 4 warps are no answer there: two of a cluster share an SM, and
+  // half the SMs stream (96.6 us; batch 1 with 32k positions 58.2 against 51.3).
+  if (kWarps == 8 && limit > 0) {
+    const int splits = choose_splits(sms, work, s, limit, tile_keys(kWarps));
+    if (splits > 1 && work > active_clusters(reinterpret_cast<const void*>(clustered), kSmem, kThreads, splits)) {
+      limit = 0;
+    }
+  }
+  p.splits = choose_splits(sms, work, s, limit > 0 ? limit : kMaxSplits, tile_keys(kWarps));
   const dim3 grid(p.splits, groups, b * p.hkv);
   if (p.splits > 1 && limit > 0) {  // the splits merge in their cluster
     launch_dependent_in_clusters(clustered, grid, p.splits, dim3(kThreads), kSmem, stream, p);
@@ -578,7 +620,8 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_cuda(const at::Tensor& q_in, 
   // (a GPU whose blocks cannot take two tiles, D = 256 below compute capability 9.0 but 8.0's, takes
   // the other paths)
   if (!cache_attention_on_device(q_in.scalar_type(), q_in.size(3), t) || !(scale > 0.0) || !std::isfinite(scale) ||
-      b * hkv > 65535 || groups > 65535 || prop->major < 8 || ring_bytes(static_cast<int>(q_in.size(3)), 2) > smem_optin) {
+      b * hkv > 65535 || groups > 65535 || prop->major < 8 ||
+      ring_bytes(static_cast<int>(q_in.size(3)), 2, 4) > smem_optin) {
     if (at::cuda::currentStreamCaptureStatusMayInitCtx() != at::cuda::CaptureStatus::None) {
       return cache_attention_masked(q_in, k_in, v_in, lengths_in, scale);
     }
@@ -611,10 +654,19 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_cuda(const at::Tensor& q_in, 
   with_types(q, [&](auto tag, auto d) {
     using T = decltype(tag);
     constexpr int D = decltype(d)::value;
-    if constexpr (max_stages<D>() == 3 && D == 128) {
-      if (ring_bytes(D, 3) > smem_optin) return launch_cache_attention<T, D, 2>(p, b, groups, s, sms, out, stream);
+    if constexpr (D <= 128) {
+      if (block_warps(D, smem_optin, sms, b * hkv * groups, s) == 8) {
+        launch_cache_attention<T, D, 3, 8>(p, b, groups, s, sms, out, stream);
+        return;
+      }
     }
-    launch_cache_attention<T, D, max_stages<D>()>(p, b, groups, s, sms, out, stream);
+    if constexpr (max_stages<D>() == 3 && D == 128) {
+      if (ring_bytes(D, 3, 4) > smem_optin) {
+        launch_cache_attention<T, D, 2, 4>(p, b, groups, s, sms, out, stream);
+        return;
+      }
+    }
+    launch_cache_attention<T, D, max_stages<D>(), 4>(p, b, groups, s, sms, out, stream);
   });
   return {out, lse};
 }

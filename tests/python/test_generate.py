@@ -385,16 +385,21 @@ def test_cache_attention_cuda_gives_nan_rows_for_a_length_out_of_range():
 
 
 @pytest.mark.skipif(not any(d == "cuda" for d in DEVICES), reason="the CUDA kernel's paths")
-@pytest.mark.parametrize("cluster", ["", "16", "0"], ids=["clusters", "clusters-of-16", "merge-kernel"])
+@pytest.mark.parametrize("cluster,warps", [("", ""), ("16", ""), ("0", ""), ("", "4"), ("0", "4"), ("", "8"), ("0", "8")],
+                         ids=["clusters", "clusters-of-16", "merge-kernel", "4-warps", "4-warps-merge-kernel", "8-warps",
+                              "8-warps-merge-kernel"])
 @pytest.mark.parametrize("d,t,dtype", [(128, 1, torch.bfloat16), (64, 4, torch.float16), (256, 3, torch.bfloat16)])
-def test_cache_attention_cuda_merges_its_splits(monkeypatch, cluster, d, t, dtype):
+def test_cache_attention_cuda_merges_its_splits(monkeypatch, cluster, warps, d, t, dtype):
     # Long caches at batches 1 and 3 give several splits a sequence, merged in a thread-block cluster on
     # sm_90 (at most 8 blocks, or 16) or by the merge kernel (CUSTOMOPS_CACHE_ATTENTION_CLUSTER=0, as before
     # sm_90); lengths that leave some splits without keys, and one out of range (NaN rows), in one batch.
-    if cluster:
-        monkeypatch.setenv("CUSTOMOPS_CACHE_ATTENTION_CLUSTER", cluster)
-    else:
-        monkeypatch.delenv("CUSTOMOPS_CACHE_ATTENTION_CLUSTER", raising=False)
+    # Blocks of 4 or 8 warps as chosen, or either (CUSTOMOPS_CACHE_ATTENTION_WARPS; 8 where the GPU takes
+    # them: head dims 64 and 128).
+    for name, value in (("CUSTOMOPS_CACHE_ATTENTION_CLUSTER", cluster), ("CUSTOMOPS_CACHE_ATTENTION_WARPS", warps)):
+        if value:
+            monkeypatch.setenv(name, value)
+        else:
+            monkeypatch.delenv(name, raising=False)
     g = torch.Generator().manual_seed(d + t)
     for lengths in ([4096], [3000, 70, 4097]):
         b = len(lengths)
@@ -409,6 +414,29 @@ def test_cache_attention_cuda_merges_its_splits(monkeypatch, cluster, d, t, dtyp
                                        v_cache[i:i + 1, :, :n].float(), causal=True, return_lse=True)
             torch.testing.assert_close(out[i:i + 1].float(), o, atol=1e-2, rtol=1e-2)
             torch.testing.assert_close(lse[i:i + 1], l, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.skipif(not any(d == "cuda" for d in DEVICES), reason="the CUDA kernel's tiles")
+@pytest.mark.parametrize("warps", ["4", "8"], ids=["4-warps", "8-warps"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_cache_attention_cuda_ignores_the_cache_past_each_length(monkeypatch, warps, d):
+    # Enough sequences for one split each, lengths around the tiles' edges (64 and 128 keys), NaN in
+    # the cache past each length: the last tile's rows past it must not reach the output.
+    monkeypatch.setenv("CUSTOMOPS_CACHE_ATTENTION_WARPS", warps)
+    g = torch.Generator().manual_seed(d)
+    lengths = [1, 2, 63, 64, 65, 127, 128, 129, 200, 255, 256, 257, 300, 383, 384, 385, 511]
+    b, s = len(lengths), 512
+    q = torch.randn(b, 32, 1, d, generator=g).to("cuda", torch.bfloat16)
+    k_cache, v_cache = (torch.randn(b, 8, s, d, generator=g).to("cuda", torch.bfloat16) for _ in range(2))
+    for i, n in enumerate(lengths):
+        k_cache[i, :, n:] = float("nan")
+        v_cache[i, :, n:] = float("nan")
+    out, lse = customops.cache_attention(q, k_cache, v_cache, torch.tensor(lengths, device="cuda"))
+    for i, n in enumerate(lengths):
+        o, l = customops.attention(q[i:i + 1].float(), k_cache[i:i + 1, :, :n].float(), v_cache[i:i + 1, :, :n].float(),
+                                   return_lse=True)
+        torch.testing.assert_close(out[i:i + 1].float(), o, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(lse[i:i + 1], l, atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("device", DEVICES)
