@@ -385,9 +385,9 @@ def test_cache_attention_cuda_gives_nan_rows_for_a_length_out_of_range():
 
 
 @pytest.mark.skipif(not any(d == "cuda" for d in DEVICES), reason="the CUDA kernel's paths")
-@pytest.mark.parametrize("cluster,warps", [("", ""), ("16", ""), ("0", ""), ("", "4"), ("0", "4"), ("", "8"), ("0", "8")],
-                         ids=["clusters", "clusters-of-16", "merge-kernel", "4-warps", "4-warps-merge-kernel", "8-warps",
-                              "8-warps-merge-kernel"])
+@pytest.mark.parametrize(
+    "cluster,warps", [("", ""), ("16", ""), ("0", ""), ("", "4"), ("0", "4"), ("", "8"), ("0", "8")],
+    ids=["clusters", "clusters-of-16", "merge-kernel", "4-warps", "4-warps-merge-kernel", "8-warps", "8-warps-merge-kernel"])
 @pytest.mark.parametrize("d,t,dtype", [(128, 1, torch.bfloat16), (64, 4, torch.float16), (256, 3, torch.bfloat16)])
 def test_cache_attention_cuda_merges_its_splits(monkeypatch, cluster, warps, d, t, dtype):
     # Long caches at batches 1 and 3 give several splits a sequence, merged in a thread-block cluster on
