@@ -504,16 +504,13 @@ int block_warps(int d, int smem_optin, int sms, int64_t work, int64_t s) {
   if (d > 128 || ring_bytes(d, 3, 8) > smem_optin) return 4;
   const char* env = std::getenv("CUSTOMOPS_CACHE_ATTENTION_WARPS");
   if (env != nullptr && (std::string_view(env) == "4" || std::string_view(env) == "8")) return std::atoi(env);
-  const int64_t splits = std::min<int64_t>(sms / work, 8);  // (a cluster's, where the GPU has them)
+  // The splits launch_cache_attention will take, about: a cluster's 8 at most, unless a sequence wants
+  // more than twice that (then the merge kernel's, as before sm_90, where this undercounts them)
+  int64_t splits = sms / work;
+  if (splits <= 16) splits = std::min<int64_t>(splits, 8);
   return splits > 2 && s / splits < 2048 ? 4 : 8;
 }
 
-// The largest cluster the kernel's splits merge in on the current device: 8, or 0 where clusters
-// are not there (before sm_90, or code compiled for an older architecture).
-// CUSTOMOPS_CACHE_ATTENTION_CLUSTER sets it instead, up to 16 (a non-portable size, where the GPU
-// takes it) or 0 (the merge kernel, as before sm_90; the tests run every path on one GPU with it).
-// 8 rather than 16: on the H100, batch 1 with 8 kv heads, 600-32k positions, 8 splits of a
-// sequence in clusters were as fast as 16 or faster.
 // Clusters of `size` blocks of the kernel (smem bytes, threads a block) the current device seats at
 // once; 0 where it takes none.
 int active_clusters(const void* kernel, int smem, int threads, int size) {
@@ -547,6 +544,12 @@ int active_clusters(const void* kernel, int smem, int threads, int size) {
   return clusters;
 }
 
+// The largest cluster the kernel's splits merge in on the current device: 8, or 0 where clusters
+// are not there (before sm_90, or code compiled for an older architecture).
+// CUSTOMOPS_CACHE_ATTENTION_CLUSTER sets it instead, up to 16 (a non-portable size, where the GPU
+// takes it) or 0 (the merge kernel, as before sm_90; the tests run every path on one GPU with it).
+// 8 rather than 16: on the H100, batch 1 with 8 kv heads, 600-32k positions, 8 splits of a
+// sequence in clusters were as fast as 16 or faster.
 int cluster_limit(const void* kernel, int smem, int threads) {
   int limit = 0;
   if (at::cuda::getCurrentDeviceProperties()->major >= 9 && cuda::compiled_for_sm90(kernel)) {
@@ -574,11 +577,12 @@ void launch_cache_attention(CacheParams& p, int64_t b, int64_t groups, int64_t s
   // A few (sequence, kv head)s (batch 1 of a model with one or two kv heads) want more splits
   // than a cluster holds: the merge kernel takes up to 64.
   if (sms / work > 2 * limit) limit = 0;
-  // With 8 warps (a block an SM) the GPU may not seat every cluster at once (batch 4 with 8 kv
-  // heads: 32 clusters of 4 blocks); then the merge kernel (H100, 16k positions: 94.4 us against 95.7
-  // in clusters, SDPA 94.8). Blocks of 4 warps are no answer there: two of a cluster share an SM, and
-  // half the SMs stream (96.6 us; batch 1 with 32k positions 58.2 against 51.3).
-  if (kWarps == 8 && limit > 0) {
+  // Where the GPU cannot seat every cluster at once, the rest would wait for a second wave: the
+  // merge kernel instead (with a block an SM, as 8 warps at head dim 128 are: batch 4 with 8 kv
+  // heads, 32 clusters of 4 blocks; H100, 16k positions: 94.4 us against 95.7 in clusters, SDPA
+  // 94.8). Blocks of 4 warps were no answer there: two of a cluster share an SM, so half the SMs
+  // stream (96.6 us; batch 1 with 32k positions 58.2 against 51.3).
+  if (limit > 0) {
     const int splits = choose_splits(sms, work, s, limit, tile_keys(kWarps));
     if (splits > 1 && work > active_clusters(reinterpret_cast<const void*>(clustered), kSmem, kThreads, splits)) {
       limit = 0;

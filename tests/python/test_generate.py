@@ -391,23 +391,28 @@ def test_cache_attention_cuda_gives_nan_rows_for_a_length_out_of_range():
 @pytest.mark.parametrize("d,t,dtype", [(128, 1, torch.bfloat16), (64, 4, torch.float16), (256, 3, torch.bfloat16)])
 def test_cache_attention_cuda_merges_its_splits(monkeypatch, cluster, warps, d, t, dtype):
     # Long caches at batches 1 and 3 give several splits a sequence, merged in a thread-block cluster on
-    # sm_90 (at most 8 blocks, or 16) or by the merge kernel (CUSTOMOPS_CACHE_ATTENTION_CLUSTER=0, as before
-    # sm_90); lengths that leave some splits without keys, and one out of range (NaN rows), in one batch.
-    # Blocks of 4 or 8 warps as chosen, or either (CUSTOMOPS_CACHE_ATTENTION_WARPS; 8 where the GPU takes
-    # them: head dims 64 and 128).
+    # sm_90 (at most 8 blocks, or 16; where the GPU cannot seat them all, as 8-warp blocks at head dim
+    # 128 and batch 3, by the merge kernel) or by the merge kernel (CUSTOMOPS_CACHE_ATTENTION_CLUSTER=0, as
+    # before sm_90); lengths that leave some splits without keys, and one out of range (NaN rows), alone
+    # and in one batch. Blocks of 4 or 8 warps as chosen, or either (CUSTOMOPS_CACHE_ATTENTION_WARPS; 8
+    # where the GPU takes them: head dims 64 and 128); the chosen count is 8 for batch 1 with 16k
+    # positions (2048 a split), 4 for the 4096-position caches.
     for name, value in (("CUSTOMOPS_CACHE_ATTENTION_CLUSTER", cluster), ("CUSTOMOPS_CACHE_ATTENTION_WARPS", warps)):
         if value:
             monkeypatch.setenv(name, value)
         else:
             monkeypatch.delenv(name, raising=False)
     g = torch.Generator().manual_seed(d + t)
-    for lengths in ([4096], [3000, 70, 4097]):
+    cases = [(4096, [4096]), (4096, [3000, 70, 4097]), (4096, [70]), (4096, [4097])]
+    if d == 128:
+        cases.append((16384, [12000]))
+    for size, lengths in cases:
         b = len(lengths)
         q = torch.randn(b, 32, t, d, generator=g).to("cuda", dtype)
-        k_cache, v_cache = (torch.randn(b, 8, 4096, d, generator=g).to("cuda", dtype) for _ in range(2))
+        k_cache, v_cache = (torch.randn(b, 8, size, d, generator=g).to("cuda", dtype) for _ in range(2))
         out, lse = customops.cache_attention(q, k_cache, v_cache, torch.tensor(lengths, device="cuda"))
         for i, n in enumerate(lengths):
-            if n > 4096:
+            if n > size:
                 assert out[i].isnan().all() and lse[i].isnan().all()
                 continue
             o, l = customops.attention(q[i:i + 1].float(), k_cache[i:i + 1, :, :n].float(),
