@@ -440,6 +440,19 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
 #endif
 }
 
+// The dQ kernels: lse2 and dt of this thread's two rows (row0 + lane / 4, and 8 below) of head bh
+// (b * Hq + h); rows past sq, +inf and 0.
+__device__ __forceinline__ void load_row_stats(const BwdParams& p, int64_t bh, int64_t row0, int lane, float (&lse2)[2],
+                                               float (&dt)[2]) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int64_t row = row0 + lane / 4 + r * 8;
+    const int64_t at = bh * p.sq_pad + row;
+    lse2[r] = row < p.sq ? p.lse2[at] : kInfF;
+    dt[r] = row < p.sq ? p.dt[at] : 0.f;
+  }
+}
+
 // A step of the dQ walk for a warpgroup's 64 query rows (q_wg, g_wg: its rows of the q and dO tiles;
 // rows row0 + lane / 4 (+ 8), their lse2 and dt in registers) over a key block (k_tile, v_tile; keys
 // from n0): S = Q K^T, dP = dO V^T (P computed while dP's product runs), dS = P (dP - dt),
@@ -510,13 +523,7 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dq_sm90_kern
 
   const int warp_row = wg * 64 + warp * 16;  // this thread's rows: m0 + warp_row + lane / 4 (+ 8)
   float lse2[2], dt[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t row = m0 + warp_row + lane / 4 + r * 8;
-    const int64_t at = (b * p.hq + h) * p.sq_pad + row;
-    lse2[r] = row < p.sq ? p.lse2[at] : kInfF;
-    dt[r] = row < p.sq ? p.dt[at] : 0.f;
-  }
+  load_row_stats(p, b * p.hq + h, m0 + warp_row, lane, lse2, dt);
   float dq[kDT][4];
   zero(dq);
   const uint32_t q_wg = sq + wg * 64 * 128, g_wg = sg + wg * 64 * 128;
@@ -609,13 +616,7 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
   const int c = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int warp_row = c * 64 + warp * 16;  // this thread's rows: m0 + warp_row + lane / 4 (+ 8)
   float lse2[2], dt[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int64_t row = m0 + warp_row + lane / 4 + r * 8;
-    const int64_t at = (b * p.hq + h) * p.sq_pad + row;
-    lse2[r] = row < p.sq ? p.lse2[at] : kInfF;
-    dt[r] = row < p.sq ? p.dt[at] : 0.f;
-  }
+  load_row_stats(p, b * p.hq + h, m0 + warp_row, lane, lse2, dt);
   float dq[kDT][4];
   zero(dq);
   const uint32_t q_wg = sq + c * 64 * 128, g_wg = sg + c * 64 * 128;
