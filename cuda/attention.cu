@@ -270,7 +270,8 @@ __global__ void __launch_bounds__(kWarps * 32) attention_bwd_kernel(BwdParams p)
   float* const slse = sdt + 2 * kRows;                 // [2][kRows]
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t n0 = int64_t(blockIdx.x) * kKeys, hk = blockIdx.y, b = blockIdx.z;
+  const GridTile g = grid_tile<kCausal>(p.dkdv_chunk);
+  const int64_t n0 = g.rank * kKeys, hk = g.head % gridDim.y, b = g.head / gridDim.y;
   const int64_t shift = p.sk - p.sq;
   // Causal: query row i sees key n0 from i = n0 - shift on.
   const int64_t mb_first = kCausal ? std::max<int64_t>(0, n0 - shift) / kRows : 0;
@@ -445,6 +446,16 @@ bool env_is(const char* name, std::string_view value) {
   return env != nullptr && value == env;
 }
 
+// Heads a chunk of a causal grid's block order (order_tile in attention.cuh): as many as keep the
+// `bytes` each head's blocks stream (k and v, or q and dO) within half the L2.
+// CUSTOMOPS_ATTENTION_LPT=0 keeps launch order (0). Measured on an H100 (bf16, forward+backward, TFLOP/s
+// against launch order): see docs/benchmarks.md.
+int64_t causal_chunk(const at::Tensor& q, int64_t bytes) {
+  if (env_is("CUSTOMOPS_ATTENTION_LPT", "0")) return 0;
+  const int64_t l2 = at::cuda::getDeviceProperties(q.get_device())->l2CacheSize;
+  return std::max<int64_t>(1, l2 / 2 / std::max<int64_t>(1, bytes));
+}
+
 // The wgmma forward (attention_sm90.cuh) on compute capability 9.0 when the build has sm_90a code;
 // CUSTOMOPS_ATTENTION_SM80=1 keeps the mma.sync kernel there (the tests run both).
 constexpr int kSm90Keys = 128;
@@ -596,15 +607,33 @@ bool attention_cuda_fused(const at::Tensor& q, double scale, bool forward = fals
   return at::cuda::getDeviceProperties(q.get_device())->major >= 8;
 }
 
+// The warp-specialized forward's blocks for `tiles` query blocks: one an SM, each taking tiles until
+// none is left, so that its producer loads the next tile's q, k and v while the consumers finish the
+// last one. CUSTOMOPS_ATTENTION_WS_PERSISTENT=0 launches a block a tile instead (measured side by side
+// in docs/benchmarks.md), =N at most N blocks (the tests pass every tile through one).
+int64_t ws_blocks(int64_t tiles, int sms) {
+  const char* env = std::getenv("CUSTOMOPS_ATTENTION_WS_PERSISTENT");
+  const int64_t n = env != nullptr && *env != '\0' ? std::atoll(env) : sms;
+  return n > 0 ? std::min(tiles, n) : tiles;
+}
+
 // The warp-specialized forward of p at head dim D, where the TMA can read q, k and v: whether it ran.
 // kConsumers warpgroups of 64 query rows a block.
 template <int D, int kConsumers = 2>
 bool attention_fwd_ws(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                      const FwdParams& p, cudaStream_t stream) {
+                      const FwdParams& params, cudaStream_t stream) {
   constexpr int kRows = ws_rows(kConsumers), kSmem = sm90_ws_smem_bytes<D, kConsumers>();
   const auto mq = tensor_map(q, kRows), mk = tensor_map(k, ws_keys<D>()), mv = tensor_map(v, ws_keys<D>());
   if (!mq || !mk || !mv) return false;
-  const dim3 grid((p.sq + kRows - 1) / kRows, p.hq, q.size(0));
+  FwdParams p = params;
+  p.mblocks = (p.sq + kRows - 1) / kRows;
+  p.tiles = p.mblocks * p.hq * q.size(0);
+  // (the counter: tiles handed out after each block's first)
+  const at::Tensor next_tile = at::empty({1}, q.options().dtype(at::kLong));
+  C10_CUDA_CHECK(cudaMemsetAsync(next_tile.data_ptr(), 0, sizeof(int64_t), stream));
+  p.next_tile = reinterpret_cast<unsigned long long*>(next_tile.data_ptr());
+  const int sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+  const dim3 grid(static_cast<unsigned>(ws_blocks(p.tiles, sms)));
   auto run = [&](auto t, auto c) {
     launch(attention_fwd_sm90_ws_kernel<decltype(t), D, decltype(c)::value, kConsumers>, grid, ws_threads(kConsumers),
            kSmem, stream, *mq, *mk, *mv, p);
@@ -651,6 +680,8 @@ bool attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at
   p.group = q.size(1) / k.size(1);
   p.sq = q.size(2);
   p.sk = k.size(2);
+  // (a query head's share of its kv head's k and v)
+  p.chunk = causal_chunk(q, 2 * p.sk * q.size(3) * q.element_size() / std::max<int64_t>(1, p.group));
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   if (q.numel() == 0) return true;
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -758,6 +789,10 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
   p.sq = sq;
   p.sk = sk;
   p.sq_pad = sq_pad;
+  // (the dK/dV kernels' blocks stream q and dO of each query head of their group; the dQ kernel's, a
+  // query head's share of k and v)
+  p.dkdv_chunk = causal_chunk(q, 2 * p.group * sq * q.size(3) * q.element_size());
+  p.dq_chunk = causal_chunk(q, 2 * sk * q.size(3) * q.element_size() / std::max<int64_t>(1, p.group));
   p.scale = static_cast<float>(scale);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
 

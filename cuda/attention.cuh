@@ -144,6 +144,9 @@ struct FwdParams {
   float* lse;                       // contiguous [B, Hq, Sq]
   int64_t qs[3], ks[3], vs[3], os[3];  // strides of B, H, S (D's is 1)
   int64_t hq, group, sq, sk;
+  int64_t chunk;                    // causal: heads a chunk of the block order (order_tile)
+  int64_t tiles, mblocks;           // the warp-specialized forward's: B * Hq * mblocks query blocks
+  unsigned long long* next_tile;    // its tile counter (zeroed): tiles handed out past the grid's first
   float scale_log2;                 // scale * log2(e)
 };
 
@@ -162,28 +165,65 @@ struct BwdParams {
   void* dv;
   int64_t qs[3], ks[3], vs[3], gs[3], dqs[3], dks[3], dvs[3];
   int64_t hq, group, sq, sk, sq_pad;
+  int64_t dkdv_chunk, dq_chunk;  // causal: kv heads, query heads a chunk of the block order (order_tile)
   float scale, scale_log2;
 };
+
+// ---- the order of a causal grid's blocks --------------------------------------------------------
+// Under a causal mask a head's blocks do unequal work: the forward's and the dQ kernel's query block m
+// sees m + 1 key blocks, the dK/dV kernels' key block n the query blocks from n on. The GPU starts
+// blocks in launch order as SMs free up, so in head order the long blocks of the last heads start
+// late and run on a GPU that is emptying. With the longest blocks of every head first (the
+// longest-processing-time rule) the last blocks to start are the shortest. Heads go in chunks of
+// `chunk` (whose operand that each block of a head streams, k and v or q and dO, fits in half the L2
+// together, so that blocks running at once read it from there), in a chunk by rank (0: the longest)
+// and then head. A grid's heads are numbered blockIdx.y + gridDim.y * blockIdx.z and its ranks run
+// along x; chunk 0 keeps launch order (rank blockIdx.x).
+struct GridTile {
+  int64_t head, rank;
+};
+// Tile t of `heads` x `ranks` in that order (chunk 0: head by head, rank 0 first).
+__device__ __forceinline__ GridTile order_tile(int64_t t, int64_t heads, int64_t ranks, int64_t chunk) {
+  if (chunk <= 0) return {t / ranks, t % ranks};
+  const int64_t span = chunk * ranks, c = t / span, r = t - c * span;
+  const int64_t size = std::min<int64_t>(chunk, heads - c * chunk);
+  return {c * chunk + r % size, r / size};
+}
+// A block's (head, rank): order_tile's order of the launch, by chunk causal, head by head without the mask
+// (blocks of equal work).
+template <bool kCausal>
+__device__ __forceinline__ GridTile grid_tile(int64_t chunk) {
+  const int64_t ranks = gridDim.x, heads = int64_t(gridDim.y) * gridDim.z;
+  return order_tile(blockIdx.x + ranks * (blockIdx.y + int64_t(gridDim.y) * blockIdx.z), heads, ranks,
+                    kCausal ? chunk : 0);
+}
 
 // ---- the forward's row work (both forwards) -----------------------------------------------------
 // The (batch, head, query block) a forward block of kRows rows owns, and how many key blocks of
 // kKeys it walks (causal: only those its rows see; the last query blocks, which see the most keys,
-// start first).
+// start first: order_tile).
 struct FwdBlock {
   int64_t b, h, hk, m0, shift;
   int nblocks;
 };
+// Query block `rank` of head h of batch b (causal: rank 0 is the last query block, of ranks).
 template <int kRows, int kKeys, bool kCausal>
-__device__ __forceinline__ FwdBlock fwd_block(const FwdParams& p) {
+__device__ __forceinline__ FwdBlock fwd_tile(const FwdParams& p, int64_t b, int64_t h, int64_t rank, int64_t ranks) {
   FwdBlock f;
-  f.b = blockIdx.z;
-  f.h = blockIdx.y;
+  f.b = b;
+  f.h = h;
   f.hk = f.h / p.group;
-  f.m0 = (kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * int64_t(kRows);
+  f.m0 = (kCausal ? ranks - 1 - rank : rank) * int64_t(kRows);
   f.shift = p.sk - p.sq;
   const int64_t key_end = kCausal ? std::min<int64_t>(p.sk, f.m0 + kRows + f.shift) : p.sk;
   f.nblocks = key_end > 0 ? static_cast<int>((key_end + kKeys - 1) / kKeys) : 0;
   return f;
+}
+// A block of a [query blocks, Hq, B] grid.
+template <int kRows, int kKeys, bool kCausal>
+__device__ __forceinline__ FwdBlock fwd_block(const FwdParams& p) {
+  const GridTile g = grid_tile<kCausal>(p.chunk);
+  return fwd_tile<kRows, kKeys, kCausal>(p, g.head / gridDim.y, g.head % gridDim.y, g.rank, gridDim.x);
 }
 
 // Row 0 of (batch b, head h) of a [B, H, S, D] tensor with strides s (of B, H, S).

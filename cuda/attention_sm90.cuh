@@ -282,7 +282,8 @@ constexpr int ws_threads(int consumers) { return 128 * (consumers + 1); }
 
 template <int D, int kConsumers = 2>
 constexpr int sm90_ws_smem_bytes() {
-  return (ws_rows(kConsumers) + 2 * kWsStages * ws_keys<D>()) * D * 2 + 8 * (1 + 4 * kWsStages) + 1024;  // tiles, barriers, align
+  // tiles; barriers (q's two, the ring's, the tile slots' four) and the two slots; align
+  return (ws_rows(kConsumers) + 2 * kWsStages * ws_keys<D>()) * D * 2 + 8 * (6 + 4 * kWsStages) + 16 + 1024;
 }
 
 // Columns [128 h, 128 h + 128) of an m64 x D accumulator, as the m64n128 wgmma takes them.
@@ -308,146 +309,197 @@ __global__ void __launch_bounds__(ws_threads(kConsumers), 1)
   auto k_base = [&](int st) { return sq + kQBytes + st * 2 * kKVBytes; };
   auto v_base = [&](int st) { return sq + kQBytes + st * 2 * kKVBytes + kKVBytes; };
   const uint32_t bars = sq + kQBytes + kStages * 2 * kKVBytes;
-  const uint32_t full_q = bars;
-  auto full_k = [&](int st) { return bars + 8 * (1 + st); };
-  auto full_v = [&](int st) { return bars + 8 * (1 + kStages + st); };
+  // q is loaded once a tile (full_q) and reloaded once every consumer's last Q K^T read it (empty_q)
+  const uint32_t full_q = bars, empty_q = bars + 8;
+  auto full_k = [&](int st) { return bars + 8 * (2 + st); };
+  auto full_v = [&](int st) { return bars + 8 * (2 + kStages + st); };
   // a stage's k and v are released apart: k once S = Q K^T is in, v once P V is
-  auto empty_k = [&](int st) { return bars + 8 * (1 + 2 * kStages + st); };
-  auto empty_v = [&](int st) { return bars + 8 * (1 + 3 * kStages + st); };
+  auto empty_k = [&](int st) { return bars + 8 * (2 + 2 * kStages + st); };
+  auto empty_v = [&](int st) { return bars + 8 * (2 + 3 * kStages + st); };
+  // the producer hands each tile's index to the consumers in one of two slots
+  auto full_tile = [&](int slot) { return bars + 8 * (2 + 4 * kStages + slot); };
+  auto empty_tile = [&](int slot) { return bars + 8 * (4 + 4 * kStages + slot); };
+  const uint32_t tile_slots = bars + 8 * (6 + 4 * kStages);
 
   const int wg = threadIdx.x / 128;
-  const FwdBlock blk = fwd_block<kRows, kKeys, kCausal>(p);
-  const int nblocks = blk.nblocks;
   if (threadIdx.x == 0) {
     tma::mbar_init(full_q, 1);
+    tma::mbar_init(empty_q, kConsumerThreads);
     for (int st = 0; st < kStages; ++st) {
       tma::mbar_init(full_k(st), 1);
       tma::mbar_init(full_v(st), 1);
       tma::mbar_init(empty_k(st), kConsumerThreads);  // every consumer thread, once its reads of the tile are done
       tma::mbar_init(empty_v(st), kConsumerThreads);
     }
+    for (int slot = 0; slot < 2; ++slot) {
+      tma::mbar_init(full_tile(slot), 1);
+      tma::mbar_init(empty_tile(slot), kConsumerThreads);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();  // the last block-wide barrier: the warpgroups part here
 
+  // The block's tiles: blockIdx.x first, then each one the counter hands out, until the tiles run
+  // out (the index past the last, handed to the consumers too, ends their loop).
+  auto tile_of = [&](int64_t t) {
+    const GridTile g = order_tile(t, p.tiles / p.mblocks, p.mblocks, kCausal ? p.chunk : 0);
+    return fwd_tile<kRows, kKeys, kCausal>(p, g.head / p.hq, g.head % p.hq, g.rank, p.mblocks);
+  };
   if (wg == 0) {  // the producer
     tma::regs_down<kConsumers == 2 ? 40 : 32>();
-    if (threadIdx.x != 0 || nblocks == 0) return;  // (no copy in flight when the block exits)
-    const int b = static_cast<int>(blk.b), h = static_cast<int>(blk.h), hk = static_cast<int>(blk.hk);
-    tma::mbar_arrive_expect_tx(full_q, kQBytes);
+    if (threadIdx.x != 0) return;
+    int64_t tile = blockIdx.x;
+    uint32_t handed = 0, qs = 0;  // tiles handed to the consumers, q loads
+    int g = 0;                    // key blocks loaded (the ring's position)
+    for (;; ++handed) {
+      const int slot = handed & 1;
+      if (handed >= 2) tma::mbar_wait(empty_tile(slot), ((handed >> 1) - 1) & 1);
+      asm volatile("st.shared.b64 [%0], %1;" ::"r"(tile_slots + 8 * slot), "l"(std::min(tile, p.tiles)) : "memory");
+      tma::mbar_arrive(full_tile(slot));  // (release: the consumers' wait sees the index)
+      if (tile >= p.tiles) break;  // (no copy in flight when the block exits: the consumers waited for each)
+      const FwdBlock blk = tile_of(tile);
+      if (blk.nblocks > 0) {
+        const int b = static_cast<int>(blk.b), h = static_cast<int>(blk.h), hk = static_cast<int>(blk.hk);
+        if (qs > 0) tma::mbar_wait(empty_q, (qs - 1) & 1);
+        ++qs;
+        tma::mbar_arrive_expect_tx(full_q, kQBytes);
 #pragma unroll
-    for (int pc = 0; pc < kPanels; ++pc) {
-      tma::tensor_load_4d(sq + pc * kRows * 128, &tq, pc * 64, static_cast<int>(blk.m0), h, b, full_q);
-    }
-    for (int j = 0; j < nblocks; ++j) {
-      const int st = j % kStages;
-      const auto phase = static_cast<uint32_t>((j / kStages - 1) & 1);
-      if (j >= kStages) tma::mbar_wait(empty_k(st), phase);
-      tma::mbar_arrive_expect_tx(full_k(st), kKVBytes);
+        for (int pc = 0; pc < kPanels; ++pc) {
+          tma::tensor_load_4d(sq + pc * kRows * 128, &tq, pc * 64, static_cast<int>(blk.m0), h, b, full_q);
+        }
+        for (int j = 0; j < blk.nblocks; ++j, ++g) {
+          const int st = g % kStages;
+          const auto phase = static_cast<uint32_t>((g / kStages - 1) & 1);
+          if (g >= kStages) tma::mbar_wait(empty_k(st), phase);
+          tma::mbar_arrive_expect_tx(full_k(st), kKVBytes);
 #pragma unroll
-      for (int pc = 0; pc < kPanels; ++pc) {
-        tma::tensor_load_4d(k_base(st) + pc * kKeys * 128, &tk, pc * 64, j * kKeys, hk, b, full_k(st));
+          for (int pc = 0; pc < kPanels; ++pc) {
+            tma::tensor_load_4d(k_base(st) + pc * kKeys * 128, &tk, pc * 64, j * kKeys, hk, b, full_k(st));
+          }
+          if (g >= kStages) tma::mbar_wait(empty_v(st), phase);
+          tma::mbar_arrive_expect_tx(full_v(st), kKVBytes);
+#pragma unroll
+          for (int pc = 0; pc < kPanels; ++pc) {
+            tma::tensor_load_4d(v_base(st) + pc * kKeys * 128, &tv, pc * 64, j * kKeys, hk, b, full_v(st));
+          }
+        }
       }
-      if (j >= kStages) tma::mbar_wait(empty_v(st), phase);
-      tma::mbar_arrive_expect_tx(full_v(st), kKVBytes);
-#pragma unroll
-      for (int pc = 0; pc < kPanels; ++pc) {
-        tma::tensor_load_4d(v_base(st) + pc * kKeys * 128, &tv, pc * 64, j * kKeys, hk, b, full_v(st));
-      }
+      tile = gridDim.x + static_cast<int64_t>(atomicAdd(p.next_tile, 1ull));
     }
     return;
   }
 
   tma::regs_up<kConsumers == 2 ? 232 : 160>();
   const int c = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const int64_t m0 = blk.m0, shift = blk.shift;
   const int warp_row = c * 64 + warp * 16;  // this thread's rows: warp_row + lane / 4 (+ 8)
   const uint32_t q_wg = sq + c * 64 * 128;  // this warpgroup's 64 rows of each q panel
   // Turns on the tensor cores, round robin: named barrier 1 + c is this warpgroup's; the first
-  // consumer goes first (the last one's arrive stands for a turn before it). Each turn ends with an
-  // arrive on the next one's barrier, but for the last one's last turn (no turn of the first's
-  // follows it): all take nblocks turns, so every barrier's arrivals are matched.
+  // consumer goes first (the last one's arrive before the first tile stands for a turn before it).
+  // Each turn ends with an arrive on the next one's barrier, the last one's last turn too (of a tile,
+  // or of the block: the first consumer takes one more wait at the end), so that every barrier's
+  // arrivals are matched.
   constexpr uint32_t kPair = 256;  // a barrier's waiting warpgroup and the one that arrives
   const uint32_t next = 1 + (c + 1) % kConsumers;
-  const bool last = c == kConsumers - 1;
-  if (last && nblocks > 0) tma::named_arrive(1, kPair);
+  if (c == kConsumers - 1) tma::named_arrive(1, kPair);
 
-  float o[kDT][4];
-  zero(o);
-  float row_max[2] = {-kInfF, -kInfF}, row_sum[2] = {0.f, 0.f};
-  uint32_t a[kKeys / 16][4];  // P of the last key block, 16-bit A fragments
-  float s[kNT][4];
-  if (nblocks > 0) tma::mbar_wait(full_q, 0);
+  uint32_t taken = 0, qs = 0;  // tiles taken from the producer, q loads waited for
+  int g = 0;                   // key blocks consumed (the ring's position)
+  for (;; ++taken) {
+    const int slot = taken & 1;
+    tma::mbar_wait(full_tile(slot), (taken >> 1) & 1);
+    int64_t tile;
+    asm volatile("ld.shared.b64 %0, [%1];" : "=l"(tile) : "r"(tile_slots + 8 * slot) : "memory");
+    tma::mbar_arrive(empty_tile(slot));
+    if (tile >= p.tiles) break;
+    const FwdBlock blk = tile_of(tile);
+    const int64_t m0 = blk.m0, shift = blk.shift;
+    const int nblocks = blk.nblocks;
 
-  auto issue_qk = [&](int st) { wgmma_over_d<T, D, kRows, kKeys>(s, q_wg, k_base(st)); };
-  auto issue_pv = [&](int st) {
-    if constexpr (D <= 128) {
-      wgmma_rs_n_major<T, kKeys>(o, a, v_base(st));
-    } else {  // two m64n128 halves of O: v's panels 0-1 and 2-3
-      wgmma_rs_n_major<T, kKeys>(o_half<0>(o), a, v_base(st));
-      wgmma_rs_n_major<T, kKeys>(o_half<1>(o), a, v_base(st) + 2 * kKeys * 128);
-    }
-  };
-  // Block 0 (S_0 only) before the loop, and no condition inside it: ptxas serializes every wgmma of
-  // a loop whose branches it cannot pair (an issue in one, its wait in another).
-  if (nblocks > 0) {
-    tma::mbar_wait(full_k(0), 0);
-    tma::named_sync(1 + c, kPair);
-    wgmma_fence();
-    issue_qk(0);
-    wgmma_commit();
-    if (!(last && nblocks == 1)) tma::named_arrive(next, kPair);
-    wgmma_wait<0>();
-    wgmma_fence_operands(s);
-    tma::mbar_arrive(empty_k(0));
-    if (kKeys > p.sk || (kCausal && kKeys - 1 > m0 + shift)) {
-      mask_scores<kNT, kCausal>(s, m0 + warp_row, 0, p.sk, shift, lane);
-    }
-    float corr[2];
-    softmax_step(s, row_max, row_sum, corr, p.scale_log2);
+    float o[kDT][4];
+    zero(o);
+    float row_max[2] = {-kInfF, -kInfF}, row_sum[2] = {0.f, 0.f};
+    uint32_t a[kKeys / 16][4];  // P of the last key block, 16-bit A fragments
+    float s[kNT][4];
+
+    auto issue_qk = [&](int st) { wgmma_over_d<T, D, kRows, kKeys>(s, q_wg, k_base(st)); };
+    auto issue_pv = [&](int st) {
+      if constexpr (D <= 128) {
+        wgmma_rs_n_major<T, kKeys>(o, a, v_base(st));
+      } else {  // two m64n128 halves of O: v's panels 0-1 and 2-3
+        wgmma_rs_n_major<T, kKeys>(o_half<0>(o), a, v_base(st));
+        wgmma_rs_n_major<T, kKeys>(o_half<1>(o), a, v_base(st) + 2 * kKeys * 128);
+      }
+    };
+    // Block 0 (S_0 only) before the loop, and no condition around a product inside it: ptxas
+    // serializes every wgmma of a loop whose branches it cannot pair (an issue in one, its wait in
+    // another).
+    if (nblocks > 0) {
+      tma::mbar_wait(full_q, qs & 1);
+      ++qs;
+      const int st = g % kStages;
+      tma::mbar_wait(full_k(st), static_cast<uint32_t>((g / kStages) & 1));
+      tma::named_sync(1 + c, kPair);
+      wgmma_fence();
+      issue_qk(st);
+      wgmma_commit();
+      tma::named_arrive(next, kPair);
+      wgmma_wait<0>();
+      wgmma_fence_operands(s);
+      tma::mbar_arrive(empty_k(st));
+      if (nblocks == 1) tma::mbar_arrive(empty_q);  // (q's last read)
+      if (kKeys > p.sk || (kCausal && kKeys - 1 > m0 + shift)) {
+        mask_scores<kNT, kCausal>(s, m0 + warp_row, 0, p.sk, shift, lane);
+      }
+      float corr[2];
+      softmax_step(s, row_max, row_sum, corr, p.scale_log2);
 #pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) accumulators_to_a<T>(a[kk], s[2 * kk], s[2 * kk + 1]);
-  }
-  for (int j = 1; j < nblocks; ++j) {
-    const int st = j % kStages, prev = (j + kStages - 1) % kStages;
-    tma::mbar_wait(full_k(st), static_cast<uint32_t>((j / kStages) & 1));
-    tma::named_sync(1 + c, kPair);
-    wgmma_fence();
-    issue_qk(st);
-    wgmma_commit();
-    tma::mbar_wait(full_v(prev), static_cast<uint32_t>(((j - 1) / kStages) & 1));
-    wgmma_fence();
-    issue_pv(prev);
-    wgmma_commit();
-    if (!(last && j == nblocks - 1)) tma::named_arrive(next, kPair);
-    wgmma_wait<1>();  // S_j is in (k_j is free); P_{j-1} V_{j-1} may still run
-    wgmma_fence_operands(s);
-    tma::mbar_arrive(empty_k(st));
-    // Masked keys to -inf, the online softmax (probabilities in place).
-    const int64_t n0 = int64_t(j) * kKeys;
-    if (n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift)) {
-      mask_scores<kNT, kCausal>(s, m0 + warp_row, n0, p.sk, shift, lane);
+      for (int kk = 0; kk < kKeys / 16; ++kk) accumulators_to_a<T>(a[kk], s[2 * kk], s[2 * kk + 1]);
     }
-    float corr[2];
-    softmax_step(s, row_max, row_sum, corr, p.scale_log2);
-    wgmma_wait<0>();  // O has P_{j-1} V_{j-1}: v_{j-1} is free, and a and O may change
-    wgmma_fence_operands(o);
-    tma::mbar_arrive(empty_v(prev));
-    scale_rows(o, corr);
+    for (int j = 1; j < nblocks; ++j) {
+      const int gj = g + j, st = gj % kStages, prev = (gj - 1) % kStages;
+      tma::mbar_wait(full_k(st), static_cast<uint32_t>((gj / kStages) & 1));
+      tma::named_sync(1 + c, kPair);
+      wgmma_fence();
+      issue_qk(st);
+      wgmma_commit();
+      tma::mbar_wait(full_v(prev), static_cast<uint32_t>(((gj - 1) / kStages) & 1));
+      wgmma_fence();
+      issue_pv(prev);
+      wgmma_commit();
+      tma::named_arrive(next, kPair);
+      wgmma_wait<1>();  // S_j is in (k_j is free); P_{j-1} V_{j-1} may still run
+      wgmma_fence_operands(s);
+      tma::mbar_arrive(empty_k(st));
+      if (j == nblocks - 1) tma::mbar_arrive(empty_q);  // (q's last read: the next tile's may load)
+      // Masked keys to -inf, the online softmax (probabilities in place).
+      const int64_t n0 = int64_t(j) * kKeys;
+      if (n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift)) {
+        mask_scores<kNT, kCausal>(s, m0 + warp_row, n0, p.sk, shift, lane);
+      }
+      float corr[2];
+      softmax_step(s, row_max, row_sum, corr, p.scale_log2);
+      wgmma_wait<0>();  // O has P_{j-1} V_{j-1}: v_{j-1} is free, and a and O may change
+      wgmma_fence_operands(o);
+      tma::mbar_arrive(empty_v(prev));
+      scale_rows(o, corr);
 #pragma unroll
-    for (int kk = 0; kk < kKeys / 16; ++kk) accumulators_to_a<T>(a[kk], s[2 * kk], s[2 * kk + 1]);
+      for (int kk = 0; kk < kKeys / 16; ++kk) accumulators_to_a<T>(a[kk], s[2 * kk], s[2 * kk + 1]);
+    }
+    if (nblocks > 0) {  // the last block's P V, outside the turns
+      const int gl = g + nblocks - 1, final_stage = gl % kStages;
+      tma::mbar_wait(full_v(final_stage), static_cast<uint32_t>((gl / kStages) & 1));
+      wgmma_fence();
+      issue_pv(final_stage);
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_operands(o);
+      tma::mbar_arrive(empty_v(final_stage));
+    }
+    g += nblocks;
+    store_rows<T>(o, row_max, row_sum, head_rows<T>(p.out, p.os, blk.b, blk.h), p.os[2],
+                  p.lse + (blk.b * p.hq + blk.h) * p.sq, m0 + warp_row, p.sq, lane);
   }
-  if (nblocks > 0) {  // the last block's P V, outside the turns
-    const int final_stage = (nblocks - 1) % kStages;
-    tma::mbar_wait(full_v(final_stage), static_cast<uint32_t>(((nblocks - 1) / kStages) & 1));
-    wgmma_fence();
-    issue_pv(final_stage);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_operands(o);
-  }
-  store_rows<T>(o, row_max, row_sum, head_rows<T>(p.out, p.os, blk.b, blk.h), p.os[2],
-                p.lse + (blk.b * p.hq + blk.h) * p.sq, m0 + warp_row, p.sq, lane);
+  if (c == 0) tma::named_sync(1, kPair);  // (the last consumer's last arrive)
 #else
   __trap();  // launched only on sm_90a builds for compute capability 9.0 (see the host side)
 #endif

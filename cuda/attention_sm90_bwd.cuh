@@ -214,7 +214,8 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_ke
   [[maybe_unused]] const uint32_t sds = sv + kKBytes + 4 * kQBytes + 4 * kRows * 4;  // dS^T [kKeys][kRows] (kAtomicDq), 1024-aligned
 
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const int64_t b = blockIdx.z, hk = blockIdx.y, n0 = int64_t(blockIdx.x) * kKeys;
+  const GridTile g = grid_tile<kCausal>(p.dkdv_chunk);  // (causal: key block 0, the longest walk, first)
+  const int64_t b = g.head / gridDim.y, hk = g.head % gridDim.y, n0 = g.rank * kKeys;
   const int64_t shift = p.sk - p.sq;
   // The query blocks that see a key of this block (causal: rows from n0 - shift on), per head of
   // the group; the walk goes head by head.
@@ -336,7 +337,8 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
   const float* const stats_ptr = reinterpret_cast<const float*>(smem + (stats - smem_addr(smem)));
 
   const int wg = threadIdx.x / 128;
-  const int64_t b = blockIdx.z, hk = blockIdx.y, n0 = int64_t(blockIdx.x) * kKeys;
+  const GridTile g = grid_tile<kCausal>(p.dkdv_chunk);  // (causal: key block 0, the longest walk, first)
+  const int64_t b = g.head / gridDim.y, hk = g.head % gridDim.y, n0 = g.rank * kKeys;
   const int64_t shift = p.sk - p.sq;
   const int64_t m_first = kCausal ? std::max<int64_t>(0, n0 - shift) / kRows : 0;
   const int64_t per_head = std::max<int64_t>(0, (p.sq + kRows - 1) / kRows - m_first);
@@ -504,9 +506,10 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dq_sm90_kern
   auto v_base = [&](int st) { return sg + kQBytes + st * 2 * kKBytes + kKBytes; };
 
   const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / p.group;
-  // (causal: the last query blocks, which see the most keys, start first)
-  const int64_t m0 = (kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * int64_t(kRows);
+  // (causal: the last query blocks, which see the most keys, first)
+  const GridTile g = grid_tile<kCausal>(p.dq_chunk);
+  const int64_t b = g.head / gridDim.y, h = g.head % gridDim.y, hk = h / p.group;
+  const int64_t m0 = (kCausal ? gridDim.x - 1 - g.rank : g.rank) * int64_t(kRows);
   const int64_t shift = p.sk - p.sq;
   const int64_t key_end = kCausal ? std::min<int64_t>(p.sk, m0 + kRows + shift) : p.sk;
   const int nblocks = key_end > 0 ? static_cast<int>((key_end + kKeys - 1) / kKeys) : 0;
@@ -581,9 +584,10 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
   auto empty = [&](int st) { return bars + 8 * (1 + kStages + st); };
 
   const int wg = threadIdx.x / 128;
-  const int64_t b = blockIdx.z, h = blockIdx.y, hk = h / p.group;
-  // (causal: the last query blocks, which see the most keys, start first)
-  const int64_t m0 = (kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * int64_t(kRows);
+  // (causal: the last query blocks, which see the most keys, first)
+  const GridTile g = grid_tile<kCausal>(p.dq_chunk);
+  const int64_t b = g.head / gridDim.y, h = g.head % gridDim.y, hk = h / p.group;
+  const int64_t m0 = (kCausal ? gridDim.x - 1 - g.rank : g.rank) * int64_t(kRows);
   const int64_t shift = p.sk - p.sq;
   const int64_t key_end = kCausal ? std::min<int64_t>(p.sk, m0 + kRows + shift) : p.sk;
   const int nblocks = key_end > 0 ? static_cast<int>((key_end + kKeys - 1) / kKeys) : 0;

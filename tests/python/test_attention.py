@@ -89,6 +89,9 @@ PATHS = {
     "ws128": ({"CUSTOMOPS_ATTENTION_WS_ROWS": "128"}, True),  # 128 query rows a block at head dim 64
     "bwd64": ({"CUSTOMOPS_ATTENTION_BWD_ROWS": "64"}, True),  # 64 query rows a dK/dV step at head dim 64 (128 else)
     "dq128": ({"CUSTOMOPS_ATTENTION_BWD_DQ_KEYS": "128"}, True),  # 128 keys a dQ step at head dim 64 (64 else)
+    "ws-one-block": ({"CUSTOMOPS_ATTENTION_WS_PERSISTENT": "1"}, True),  # every forward tile through one block
+    "ws-grid": ({"CUSTOMOPS_ATTENTION_WS_PERSISTENT": "0"}, True),  # a block a forward tile
+    "launch-order": ({"CUSTOMOPS_ATTENTION_LPT": "0"}, False),  # causal blocks in launch order, not longest first
 }
 
 
@@ -101,7 +104,7 @@ def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, 
     # The tensor-core kernel's shapes: grouped heads, lengths off the block sizes, Sq < Sk and
     # Sq > Sk (causal: rows that see no key), one query; q as a [B, S, H, D] view; lse's gradient.
     # Every kernel path of PATHS (head dim 256: the default only, its one fused forward).
-    if d == 256 and forward != "default":
+    if d == 256 and forward not in ("default", "ws-one-block", "ws-grid"):
         pytest.skip("head dim 256 has one fused forward")
     if forward in ("ws128", "bwd64", "dq128") and d != 64:
         pytest.skip(f"{forward}: a choice at head dim 64 only")
@@ -122,6 +125,21 @@ def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, 
             scale = max(1.0, w.abs().masked_fill(w.isinf(), 0).max().item())
             torch.testing.assert_close(g.float(), w, atol=tol * scale, rtol=tol,
                                        msg=lambda m: f"{name} of {[b, hq, hkv, sq, sk]}: {m}")
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_of_more_tiles_than_blocks(d, causal):
+    # More query blocks than the GPU has SMs (the warp-specialized forward's blocks then take several
+    # each, from a counter; causal, longest first), Sq > Sk so that some rows see no key.
+    torch.manual_seed(0)
+    q = torch.randn(2, 72, 300, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 8, 290, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out, lse = customops.attention(q, k, v, causal=causal, return_lse=True)
+    want_out, want_lse = T._attention_ref(q.float(), k.float(), v.float(), causal)
+    torch.testing.assert_close(out.float(), want_out, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(lse, want_lse, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
@@ -186,7 +204,8 @@ KERNELS = [pytest.param(dev, dt, d, fwd, id=f"{dev}-{str(dt).removeprefix('torch
                                (torch.bfloat16, 128, "reduce-dq"), (torch.float16, 64, "reduce-dq"),
                                (torch.bfloat16, 128, "cp-bwd"), (torch.float16, 64, "cp-dq"),
                                (torch.float16, 64, "ws128"), (torch.bfloat16, 64, "bwd64"),
-                               (torch.float16, 64, "dq128"),
+                               (torch.float16, 64, "dq128"), (torch.bfloat16, 128, "ws-one-block"),
+                               (torch.float16, 64, "ws-one-block"),
                                (torch.float32, 64, "default")])]
 
 
