@@ -272,6 +272,10 @@ __global__ void __launch_bounds__(kSm90Threads, 1) attention_fwd_sm90_kernel(Fwd
 // O, 128 registers a thread, leaves room for S of 64 keys), its P V as two m64n128 halves of O.
 // kConsumers 3 (192 query rows a block, FlashAttention-3's tile at head dim 64, where a key block's
 // products are short beside its softmax) gives each consumer fewer registers (setmaxnreg 160).
+// Blocks are persistent (one an SM by default, attention.cu's ws_blocks): each takes tiles (query
+// blocks of a head, order_tile's order) from a counter until none is left, the producer handing
+// each tile's index to the consumers and loading the next tile's q as soon as the last Q K^T of the
+// current one has read it, k and v through the same ring from tile to tile.
 constexpr int kWsStages = 2;
 template <int D>
 constexpr int ws_keys() {
