@@ -619,11 +619,11 @@ int64_t ws_blocks(int64_t tiles, int sms) {
 
 // The warp-specialized forward of p at head dim D, where the TMA can read q, k and v: whether it ran.
 // kConsumers warpgroups of 64 query rows a block.
-template <int D, int kConsumers = 2>
+template <int D, int kConsumers = 2, int kKeys = ws_keys<D>()>
 bool attention_fwd_ws(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
                       const FwdParams& params, cudaStream_t stream) {
-  constexpr int kRows = ws_rows(kConsumers), kSmem = sm90_ws_smem_bytes<D, kConsumers>();
-  const auto mq = tensor_map(q, kRows), mk = tensor_map(k, ws_keys<D>()), mv = tensor_map(v, ws_keys<D>());
+  constexpr int kRows = ws_rows(kConsumers), kSmem = sm90_ws_smem_bytes<D, kConsumers, kKeys>();
+  const auto mq = tensor_map(q, kRows), mk = tensor_map(k, kKeys), mv = tensor_map(v, kKeys);
   if (!mq || !mk || !mv) return false;
   FwdParams p = params;
   p.mblocks = (p.sq + kRows - 1) / kRows;
@@ -635,7 +635,7 @@ bool attention_fwd_ws(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
   const dim3 grid(static_cast<unsigned>(ws_blocks(p.tiles, sms)));
   auto run = [&](auto t, auto c) {
-    launch(attention_fwd_sm90_ws_kernel<decltype(t), D, decltype(c)::value, kConsumers>, grid, ws_threads(kConsumers),
+    launch(attention_fwd_sm90_ws_kernel<decltype(t), D, decltype(c)::value, kConsumers, kKeys>, grid, ws_threads(kConsumers),
            kSmem, stream, *mq, *mk, *mv, p);
   };
   auto with_causal = [&](auto t) {
@@ -685,7 +685,10 @@ bool attention_fwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in, const at
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   if (q.numel() == 0) return true;
   const auto stream = at::cuda::getCurrentCUDAStream();
-  if (q.size(3) == 256) return attention_fwd_ws<256>(q, k, v, causal, p, stream);
+  if (q.size(3) == 256) {
+    return env_is("CUSTOMOPS_ATTENTION_WS_KEYS256", "64") ? attention_fwd_ws<256, 2, 64>(q, k, v, causal, p, stream)
+                                                          : attention_fwd_ws<256>(q, k, v, causal, p, stream);
+  }
   if (use_sm90(q) && use_sm90_ws()) {
     const bool ran = q.size(3) == 128 ? attention_fwd_ws<128>(q, k, v, causal, p, stream)
                      : ws_rows_192()   ? attention_fwd_ws<64, 3>(q, k, v, causal, p, stream)

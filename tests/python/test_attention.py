@@ -92,6 +92,7 @@ PATHS = {
     "ws-one-block": ({"CUSTOMOPS_ATTENTION_WS_PERSISTENT": "1"}, True),  # every forward tile through one block
     "ws-grid": ({"CUSTOMOPS_ATTENTION_WS_PERSISTENT": "0"}, True),  # a block a forward tile
     "launch-order": ({"CUSTOMOPS_ATTENTION_LPT": "0"}, False),  # causal blocks in launch order, not longest first
+    "keys64": ({"CUSTOMOPS_ATTENTION_WS_KEYS256": "64"}, True),  # 64-key blocks at head dim 256 (80 else)
 }
 
 
@@ -104,8 +105,10 @@ def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, 
     # The tensor-core kernel's shapes: grouped heads, lengths off the block sizes, Sq < Sk and
     # Sq > Sk (causal: rows that see no key), one query; q as a [B, S, H, D] view; lse's gradient.
     # Every kernel path of PATHS (head dim 256: the default only, its one fused forward).
-    if d == 256 and forward not in ("default", "ws-one-block", "ws-grid"):
+    if d == 256 and forward not in ("default", "ws-one-block", "ws-grid", "keys64"):
         pytest.skip("head dim 256 has one fused forward")
+    if forward == "keys64" and d != 256:
+        pytest.skip("keys64: a choice at head dim 256 only")
     if forward in ("ws128", "bwd64", "dq128") and d != 64:
         pytest.skip(f"{forward}: a choice at head dim 64 only")
     _kernel("cuda", forward, monkeypatch)
