@@ -607,14 +607,27 @@ bool attention_cuda_fused(const at::Tensor& q, double scale, bool forward = fals
   return at::cuda::getDeviceProperties(q.get_device())->major >= 8;
 }
 
-// The warp-specialized forward's blocks for `tiles` query blocks: one an SM, each taking tiles until
-// none is left, so that its producer loads the next tile's q, k and v while the consumers finish the
-// last one. CUSTOMOPS_ATTENTION_WS_PERSISTENT=0 launches a block a tile instead (measured side by side
-// in docs/benchmarks.md), =N at most N blocks (the tests pass every tile through one).
-int64_t ws_blocks(int64_t tiles, int sms) {
+// The blocks of a persistent warp-specialized kernel (the forward, the dQ kernel) for w's tiles: one an
+// SM, each taking tiles until none is left, so that its producer loads the next tile while the
+// consumers finish the last one. CUSTOMOPS_ATTENTION_WS_PERSISTENT=0 launches a block a tile instead
+// (measured side by side in docs/benchmarks.md), =N at most N blocks (the tests pass every tile
+// through one).
+dim3 ws_grid(const TileCounter& w, const at::Tensor& q) {
   const char* env = std::getenv("CUSTOMOPS_ATTENTION_WS_PERSISTENT");
-  const int64_t n = env != nullptr && *env != '\0' ? std::atoll(env) : sms;
-  return n > 0 ? std::min(tiles, n) : tiles;
+  const int64_t n = env != nullptr && *env != '\0' ? std::atoll(env)
+                                                   : at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+  return dim3(static_cast<unsigned>(n > 0 ? std::min(w.tiles, n) : w.tiles));
+}
+
+// w for q's query blocks of `rows` ([B, H, S, D]), its counter zeroed on `stream`: the tensor that
+// holds it, to keep until the launch.
+at::Tensor tile_counter(TileCounter& w, const at::Tensor& q, int64_t rows, cudaStream_t stream) {
+  w.mblocks = (q.size(2) + rows - 1) / rows;
+  w.tiles = w.mblocks * q.size(1) * q.size(0);
+  at::Tensor counter = at::empty({1}, q.options().dtype(at::kLong));
+  C10_CUDA_CHECK(cudaMemsetAsync(counter.data_ptr(), 0, sizeof(int64_t), stream));
+  w.next = reinterpret_cast<unsigned long long*>(counter.data_ptr());
+  return counter;
 }
 
 // The warp-specialized forward of p at head dim D, where the TMA can read q, k and v: whether it ran.
@@ -626,14 +639,8 @@ bool attention_fwd_ws(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const auto mq = tensor_map(q, kRows), mk = tensor_map(k, kKeys), mv = tensor_map(v, kKeys);
   if (!mq || !mk || !mv) return false;
   FwdParams p = params;
-  p.mblocks = (p.sq + kRows - 1) / kRows;
-  p.tiles = p.mblocks * p.hq * q.size(0);
-  // (the counter: tiles handed out after each block's first)
-  const at::Tensor next_tile = at::empty({1}, q.options().dtype(at::kLong));
-  C10_CUDA_CHECK(cudaMemsetAsync(next_tile.data_ptr(), 0, sizeof(int64_t), stream));
-  p.next_tile = reinterpret_cast<unsigned long long*>(next_tile.data_ptr());
-  const int sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
-  const dim3 grid(static_cast<unsigned>(ws_blocks(p.tiles, sms)));
+  const at::Tensor counter = tile_counter(p.work, q, kRows, stream);
+  const dim3 grid = ws_grid(p.work, q);
   auto run = [&](auto t, auto c) {
     launch(attention_fwd_sm90_ws_kernel<decltype(t), D, decltype(c)::value, kConsumers, kKeys>, grid, ws_threads(kConsumers),
            kSmem, stream, *mq, *mk, *mv, p);
@@ -840,7 +847,8 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
       }
       if (sq > 0 && hq > 0 && bsz > 0 && !atomic_dq && !reduce_dq && dq_maps) {
         const auto& m = *dq_maps;
-        const dim3 dq_grid((sq + kSm90DqRows - 1) / kSm90DqRows, hq, bsz);
+        const at::Tensor counter = tile_counter(p.dq_work, q, kSm90DqRows, stream);
+        const dim3 dq_grid = ws_grid(p.dq_work, q);
         if constexpr (D == 64) {
           if (keys128) {
             launch(attention_bwd_dq_sm90_ws_kernel<T, D, decltype(c)::value, 128>, dq_grid, kSm90BwdWsThreads,

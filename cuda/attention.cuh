@@ -136,6 +136,14 @@ constexpr float kLn2 = 0.6931471805599453f;
 constexpr float kInfF = std::numeric_limits<float>::infinity();
 
 // ---- the forward's arguments --------------------------------------------------------------------
+// A persistent kernel's tiles (query blocks: mblocks a head, of B * H heads): each block takes
+// blockIdx.x, then one from the counter (zeroed before the launch) after another (next_tile) until
+// they run out.
+struct TileCounter {
+  int64_t tiles, mblocks;
+  unsigned long long* next;
+};
+
 struct FwdParams {
   const void* q;
   const void* k;
@@ -145,8 +153,7 @@ struct FwdParams {
   int64_t qs[3], ks[3], vs[3], os[3];  // strides of B, H, S (D's is 1)
   int64_t hq, group, sq, sk;
   int64_t chunk;                    // causal: heads a chunk of the block order (order_tile)
-  int64_t tiles, mblocks;           // the warp-specialized forward's: B * Hq * mblocks query blocks
-  unsigned long long* next_tile;    // its tile counter (zeroed): tiles handed out past the grid's first
+  TileCounter work;                 // the warp-specialized forward's tiles
   float scale_log2;                 // scale * log2(e)
 };
 
@@ -166,6 +173,7 @@ struct BwdParams {
   int64_t qs[3], ks[3], vs[3], gs[3], dqs[3], dks[3], dvs[3];
   int64_t hq, group, sq, sk, sq_pad;
   int64_t dkdv_chunk, dq_chunk;  // causal: kv heads, query heads a chunk of the block order (order_tile)
+  TileCounter dq_work;           // the warp-specialized dQ kernel's tiles
   float scale, scale_log2;
 };
 
@@ -188,6 +196,10 @@ __device__ __forceinline__ GridTile order_tile(int64_t t, int64_t heads, int64_t
   const int64_t span = chunk * ranks, c = t / span, r = t - c * span;
   const int64_t size = std::min<int64_t>(chunk, heads - c * chunk);
   return {c * chunk + r % size, r / size};
+}
+// The next tile of a persistent block (past the last one: none left).
+__device__ __forceinline__ int64_t next_tile(const TileCounter& w) {
+  return gridDim.x + static_cast<int64_t>(atomicAdd(w.next, 1ull));
 }
 // A block's (head, rank): order_tile's order of the launch, by chunk causal, head by head without the mask
 // (blocks of equal work).

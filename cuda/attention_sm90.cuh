@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) attention_fwd_sm90_kernel(Fwd
 // blocks on an H100, CUSTOMOPS_ATTENTION_WS_KEYS256=64 keeps those), its P V as two m64n128 halves of O.
 // kConsumers 3 (192 query rows a block, FlashAttention-3's tile at head dim 64, where a key block's
 // products are short beside its softmax) gives each consumer fewer registers (setmaxnreg 160).
-// Blocks are persistent (one an SM by default, attention.cu's ws_blocks): each takes tiles (query
+// Blocks are persistent (one an SM by default, attention.cu's ws_grid): each takes tiles (query
 // blocks of a head, order_tile's order) from a counter until none is left, the producer handing
 // each tile's index to the consumers and loading the next tile's q as soon as the last Q K^T of the
 // current one has read it, k and v through the same ring from tile to tile.
@@ -306,8 +306,8 @@ constexpr int ws_threads(int consumers) { return 128 * (consumers + 1); }
 
 template <int D, int kConsumers = 2, int kKeys = ws_keys<D>()>
 constexpr int sm90_ws_smem_bytes() {
-  // tiles; barriers (q's two, the ring's, the tile slots' four) and the two slots; align
-  return (ws_rows(kConsumers) + 2 * kWsStages * kKeys) * D * 2 + 8 * (6 + 4 * kWsStages) + 16 + 1024;
+  // tiles; barriers (q's two, the ring's) and the tile slots; align
+  return (ws_rows(kConsumers) + 2 * kWsStages * kKeys) * D * 2 + 8 * (2 + 4 * kWsStages) + tma::TileSlots::kBytes + 1024;
 }
 
 // Columns [128 h, 128 h + 128) of an m64 x D accumulator, as the m64n128 wgmma takes them.
@@ -341,10 +341,7 @@ __global__ void __launch_bounds__(ws_threads(kConsumers), 1)
   // a stage's k and v are released apart: k once S = Q K^T is in, v once P V is
   auto empty_k = [&](int st) { return bars + 8 * (2 + 2 * kStages + st); };
   auto empty_v = [&](int st) { return bars + 8 * (2 + 3 * kStages + st); };
-  // the producer hands each tile's index to the consumers in one of two slots
-  auto full_tile = [&](int slot) { return bars + 8 * (2 + 4 * kStages + slot); };
-  auto empty_tile = [&](int slot) { return bars + 8 * (4 + 4 * kStages + slot); };
-  const uint32_t tile_slots = bars + 8 * (6 + 4 * kStages);
+  const tma::TileSlots tiles{bars + 8 * (2 + 4 * kStages)};  // each tile's index, producer to consumers
 
   const int wg = threadIdx.x / 128;
   if (threadIdx.x == 0) {
@@ -356,10 +353,7 @@ __global__ void __launch_bounds__(ws_threads(kConsumers), 1)
       tma::mbar_init(empty_k(st), kConsumerThreads);  // every consumer thread, once its reads of the tile are done
       tma::mbar_init(empty_v(st), kConsumerThreads);
     }
-    for (int slot = 0; slot < 2; ++slot) {
-      tma::mbar_init(full_tile(slot), 1);
-      tma::mbar_init(empty_tile(slot), kConsumerThreads);
-    }
+    tiles.init(kConsumerThreads);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();  // the last block-wide barrier: the warpgroups part here
@@ -367,8 +361,8 @@ __global__ void __launch_bounds__(ws_threads(kConsumers), 1)
   // The block's tiles: blockIdx.x first, then each one the counter hands out, until the tiles run
   // out (the index past the last, handed to the consumers too, ends their loop).
   auto tile_of = [&](int64_t t) {
-    const GridTile g = order_tile(t, p.tiles / p.mblocks, p.mblocks, kCausal ? p.chunk : 0);
-    return fwd_tile<kRows, kKeys, kCausal>(p, g.head / p.hq, g.head % p.hq, g.rank, p.mblocks);
+    const GridTile g = order_tile(t, p.work.tiles / p.work.mblocks, p.work.mblocks, kCausal ? p.chunk : 0);
+    return fwd_tile<kRows, kKeys, kCausal>(p, g.head / p.hq, g.head % p.hq, g.rank, p.work.mblocks);
   };
   if (wg == 0) {  // the producer
     tma::regs_down<kConsumers == 2 ? 40 : 32>();
@@ -377,11 +371,8 @@ __global__ void __launch_bounds__(ws_threads(kConsumers), 1)
     uint32_t handed = 0, qs = 0;  // tiles handed to the consumers, q loads
     int g = 0;                    // key blocks loaded (the ring's position)
     for (;; ++handed) {
-      const int slot = handed & 1;
-      if (handed >= 2) tma::mbar_wait(empty_tile(slot), ((handed >> 1) - 1) & 1);
-      asm volatile("st.shared.b64 [%0], %1;" ::"r"(tile_slots + 8 * slot), "l"(std::min(tile, p.tiles)) : "memory");
-      tma::mbar_arrive(full_tile(slot));  // (release: the consumers' wait sees the index)
-      if (tile >= p.tiles) break;  // (no copy in flight when the block exits: the consumers waited for each)
+      tiles.put(handed, std::min(tile, p.work.tiles));
+      if (tile >= p.work.tiles) break;  // (no copy in flight when the block exits: the consumers waited for each)
       const FwdBlock blk = tile_of(tile);
       if (blk.nblocks > 0) {
         const int b = static_cast<int>(blk.b), h = static_cast<int>(blk.h), hk = static_cast<int>(blk.hk);
@@ -409,7 +400,7 @@ __global__ void __launch_bounds__(ws_threads(kConsumers), 1)
           }
         }
       }
-      tile = gridDim.x + static_cast<int64_t>(atomicAdd(p.next_tile, 1ull));
+      tile = next_tile(p.work);
     }
     return;
   }
@@ -430,12 +421,8 @@ __global__ void __launch_bounds__(ws_threads(kConsumers), 1)
   uint32_t taken = 0, qs = 0;  // tiles taken from the producer, q loads waited for
   int g = 0;                   // key blocks consumed (the ring's position)
   for (;; ++taken) {
-    const int slot = taken & 1;
-    tma::mbar_wait(full_tile(slot), (taken >> 1) & 1);
-    int64_t tile;
-    asm volatile("ld.shared.b64 %0, [%1];" : "=l"(tile) : "r"(tile_slots + 8 * slot) : "memory");
-    tma::mbar_arrive(empty_tile(slot));
-    if (tile >= p.tiles) break;
+    const int64_t tile = tiles.take(taken);
+    if (tile >= p.work.tiles) break;
     const FwdBlock blk = tile_of(tile);
     const int64_t m0 = blk.m0, shift = blk.shift;
     const int nblocks = blk.nblocks;

@@ -560,11 +560,14 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dq_sm90_kern
 // read it.
 template <int D, int kKeys = kSm90DqKeys>
 constexpr int sm90_dq_ws_smem_bytes() {
-  // q, dO: [128, D]; two stages of k, v: [kKeys, D]; barriers; 1024 to align
-  return (2 * kSm90DqRows + 4 * kKeys) * D * 2 + 8 * 8 + 1024;
+  // q, dO: [128, D]; two stages of k, v: [kKeys, D]; barriers (the ring's, empty_q) and tile slots; 1024 to align
+  return (2 * kSm90DqRows + 4 * kKeys) * D * 2 + 8 * 6 + tma::TileSlots::kBytes + 1024;
 }
 
 // kKeys: keys a step, 64 (kSm90DqKeys) or, at head dim 64 (CUSTOMOPS_ATTENTION_BWD_DQ_KEYS=128), 128.
+// Persistent as the forward is (p.dq_work: blocks take query blocks from a counter, the producer
+// handing each one's index to the consumers and loading the next one's q and dO once both consumers'
+// last step has read them).
 template <typename T, int D, bool kCausal, int kKeys = kSm90DqKeys>
 __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
     attention_bwd_dq_sm90_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tg,
@@ -579,62 +582,104 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
   auto k_base = [&](int st) { return sg + kQBytes + st * 2 * kKBytes; };
   auto v_base = [&](int st) { return k_base(st) + kKBytes; };
   const uint32_t bars = sg + kQBytes + kStages * 2 * kKBytes;
-  const uint32_t full_q = bars;
+  const uint32_t full_q = bars;  // (empty_q: once both consumers' last step of a tile read q and dO)
+  const uint32_t empty_q = bars + 8 * (1 + 2 * kStages);
   auto full = [&](int st) { return bars + 8 * (1 + st); };
   auto empty = [&](int st) { return bars + 8 * (1 + kStages + st); };
+  const tma::TileSlots tiles{empty_q + 8};  // each tile's index, producer to consumers
 
   const int wg = threadIdx.x / 128;
-  // (causal: the last query blocks, which see the most keys, first)
-  const GridTile g = grid_tile<kCausal>(p.dq_chunk);
-  const int64_t b = g.head / gridDim.y, h = g.head % gridDim.y, hk = h / p.group;
-  const int64_t m0 = (kCausal ? gridDim.x - 1 - g.rank : g.rank) * int64_t(kRows);
-  const int64_t shift = p.sk - p.sq;
-  const int64_t key_end = kCausal ? std::min<int64_t>(p.sk, m0 + kRows + shift) : p.sk;
-  const int nblocks = key_end > 0 ? static_cast<int>((key_end + kKeys - 1) / kKeys) : 0;
+  if (threadIdx.x == 0) {
+    tma::mbar_init(empty_q, kConsumerThreads);
+    tiles.init(kConsumerThreads);
+  }
   tma::init_ring<kStages>(bars, kConsumerThreads);  // (empty: once a consumer's products read the stage)
+  const int64_t shift = p.sk - p.sq;
+  // Tile t: (batch, head, first row, key blocks); causal: the last query blocks, which see the most
+  // keys, first (order_tile).
+  struct Tile {
+    int64_t b, h, m0;
+    int nblocks;
+  };
+  auto tile_of = [&](int64_t t) {
+    const GridTile g = order_tile(t, p.dq_work.tiles / p.dq_work.mblocks, p.dq_work.mblocks, kCausal ? p.dq_chunk : 0);
+    Tile f;
+    f.b = g.head / p.hq;
+    f.h = g.head % p.hq;
+    f.m0 = (kCausal ? p.dq_work.mblocks - 1 - g.rank : g.rank) * int64_t(kRows);
+    const int64_t key_end = kCausal ? std::min<int64_t>(p.sk, f.m0 + kRows + shift) : p.sk;
+    f.nblocks = key_end > 0 ? static_cast<int>((key_end + kKeys - 1) / kKeys) : 0;
+    return f;
+  };
 
   if (wg == 0) {  // the producer
-    tma::regs_down<24>();
-    if (threadIdx.x != 0 || nblocks == 0) return;  // (no copy in flight when the block exits)
-    const int bi = static_cast<int>(b), hi = static_cast<int>(h), hki = static_cast<int>(hk);
-    tma::mbar_arrive_expect_tx(full_q, 2 * kQBytes);
+    tma::regs_down<40>();
+    if (threadIdx.x != 0) return;
+    int64_t tile = blockIdx.x;
+    uint32_t handed = 0, qs = 0;  // tiles handed to the consumers, q and dO loads
+    int g = 0;                    // key blocks loaded (the ring's position)
+    for (;; ++handed) {
+      tiles.put(handed, std::min(tile, p.dq_work.tiles));
+      if (tile >= p.dq_work.tiles) break;  // (no copy in flight when the block exits: the consumers waited for each)
+      const Tile f = tile_of(tile);
+      if (f.nblocks > 0) {
+        const int bi = static_cast<int>(f.b), hi = static_cast<int>(f.h), hki = static_cast<int>(f.h / p.group);
+        if (qs > 0) tma::mbar_wait(empty_q, (qs - 1) & 1);
+        ++qs;
+        tma::mbar_arrive_expect_tx(full_q, 2 * kQBytes);
 #pragma unroll
-    for (int pc = 0; pc < kPanels; ++pc) {  // (rows past sq: zeros, the TMA's fill)
-      tma::tensor_load_4d(sq + pc * kRows * 128, &tq, pc * 64, static_cast<int>(m0), hi, bi, full_q);
-      tma::tensor_load_4d(sg + pc * kRows * 128, &tg, pc * 64, static_cast<int>(m0), hi, bi, full_q);
-    }
-    for (int j = 0; j < nblocks; ++j) {
-      const int st = j % kStages;
-      if (j >= kStages) tma::mbar_wait(empty(st), static_cast<uint32_t>((j / kStages - 1) & 1));
-      tma::mbar_arrive_expect_tx(full(st), 2 * kKBytes);
+        for (int pc = 0; pc < kPanels; ++pc) {  // (rows past sq: zeros, the TMA's fill)
+          tma::tensor_load_4d(sq + pc * kRows * 128, &tq, pc * 64, static_cast<int>(f.m0), hi, bi, full_q);
+          tma::tensor_load_4d(sg + pc * kRows * 128, &tg, pc * 64, static_cast<int>(f.m0), hi, bi, full_q);
+        }
+        for (int j = 0; j < f.nblocks; ++j, ++g) {
+          const int st = g % kStages;
+          if (g >= kStages) tma::mbar_wait(empty(st), static_cast<uint32_t>((g / kStages - 1) & 1));
+          tma::mbar_arrive_expect_tx(full(st), 2 * kKBytes);
 #pragma unroll
-      for (int pc = 0; pc < kPanels; ++pc) {  // (keys past sk: zeros, masked)
-        tma::tensor_load_4d(k_base(st) + pc * kKeys * 128, &tk, pc * 64, j * kKeys, hki, bi, full(st));
-        tma::tensor_load_4d(v_base(st) + pc * kKeys * 128, &tv, pc * 64, j * kKeys, hki, bi, full(st));
+          for (int pc = 0; pc < kPanels; ++pc) {  // (keys past sk: zeros, masked)
+            tma::tensor_load_4d(k_base(st) + pc * kKeys * 128, &tk, pc * 64, j * kKeys, hki, bi, full(st));
+            tma::tensor_load_4d(v_base(st) + pc * kKeys * 128, &tv, pc * 64, j * kKeys, hki, bi, full(st));
+          }
+        }
       }
+      tile = next_tile(p.dq_work);
     }
     return;
   }
 
-  tma::regs_up<240>();
+  tma::regs_up<232>();
   const int c = wg - 1, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   const int warp_row = c * 64 + warp * 16;  // this thread's rows: m0 + warp_row + lane / 4 (+ 8)
-  float lse2[2], dt[2];
-  load_row_stats(p, b * p.hq + h, m0 + warp_row, lane, lse2, dt);
-  float dq[kDT][4];
-  zero(dq);
   const uint32_t q_wg = sq + c * 64 * 128, g_wg = sg + c * 64 * 128;
-  if (nblocks > 0) tma::mbar_wait(full_q, 0);
-  for (int j = 0; j < nblocks; ++j) {
-    const int st = j % kStages;
-    tma::mbar_wait(full(st), static_cast<uint32_t>((j / kStages) & 1));
-    const int64_t n0 = int64_t(j) * kKeys;
-    dq_step<T, D, kRows, kKeys, kCausal>(dq, q_wg, g_wg, k_base(st), v_base(st), lse2, dt, p.scale_log2,
-                                         m0 + warp_row, n0, p.sk, shift,
-                                         n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift), lane);
-    tma::mbar_arrive(empty(st));
+  uint32_t taken = 0, qs = 0;  // tiles taken from the producer, q and dO loads waited for
+  int g = 0;                   // key blocks consumed (the ring's position)
+  for (;; ++taken) {
+    const int64_t tile = tiles.take(taken);
+    if (tile >= p.dq_work.tiles) break;
+    const Tile f = tile_of(tile);
+    float lse2[2], dt[2];
+    load_row_stats(p, f.b * p.hq + f.h, f.m0 + warp_row, lane, lse2, dt);
+    float dq[kDT][4];
+    zero(dq);
+    if (f.nblocks > 0) {
+      tma::mbar_wait(full_q, qs & 1);
+      ++qs;
+    }
+    for (int j = 0; j < f.nblocks; ++j) {
+      const int gj = g + j, st = gj % kStages;
+      tma::mbar_wait(full(st), static_cast<uint32_t>((gj / kStages) & 1));
+      const int64_t n0 = int64_t(j) * kKeys;
+      dq_step<T, D, kRows, kKeys, kCausal>(dq, q_wg, g_wg, k_base(st), v_base(st), lse2, dt, p.scale_log2,
+                                           f.m0 + warp_row, n0, p.sk, shift,
+                                           n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > f.m0 + shift), lane);
+      tma::mbar_arrive(empty(st));
+    }
+    if (f.nblocks > 0) tma::mbar_arrive(empty_q);  // (the last step, waited for, read q and dO)
+    g += f.nblocks;
+    store_accumulator<T>(dq, p.scale, head_rows<T>(p.dq_out, p.dqs, f.b, f.h), p.dqs[2], f.m0 + warp_row, p.sq,
+                         lane);
   }
-  store_accumulator<T>(dq, p.scale, head_rows<T>(p.dq_out, p.dqs, b, h), p.dqs[2], m0 + warp_row, p.sq, lane);
 #else
   __trap();
 #endif

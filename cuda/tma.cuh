@@ -94,6 +94,39 @@ __device__ __forceinline__ void init_ring(uint32_t bars, uint32_t consumers) {
   __syncthreads();
 }
 
+// A persistent block's tiles, from its producer thread to its consumers: two slots of a tile index
+// (int64) at `at`, each with a full barrier (the producer's arrival) and an empty one (`consumers`
+// arrivals): kBytes of shared memory, 8-byte aligned. Thread 0 inits them before the block's last
+// __syncthreads.
+struct TileSlots {
+  static constexpr uint32_t kBytes = 48;  // four barriers, two slots
+  uint32_t at;
+  __device__ __forceinline__ uint32_t full(int slot) const { return at + 8 * slot; }
+  __device__ __forceinline__ uint32_t empty(int slot) const { return at + 16 + 8 * slot; }
+  __device__ __forceinline__ void init(uint32_t consumers) const {
+    for (int slot = 0; slot < 2; ++slot) {
+      mbar_init(full(slot), 1);
+      mbar_init(empty(slot), consumers);
+    }
+  }
+  // Hands out the n-th tile (0, 1, ...), once every consumer has taken the one before in its slot.
+  __device__ __forceinline__ void put(uint32_t n, int64_t tile) const {
+    const int slot = n & 1;
+    if (n >= 2) mbar_wait(empty(slot), ((n >> 1) - 1) & 1);
+    asm volatile("st.shared.b64 [%0], %1;" ::"r"(at + 32 + 8 * slot), "l"(tile) : "memory");
+    mbar_arrive(full(slot));  // (release: the consumers' wait sees the index)
+  }
+  // The n-th tile handed out; each consumer thread takes every one.
+  __device__ __forceinline__ int64_t take(uint32_t n) const {
+    const int slot = n & 1;
+    mbar_wait(full(slot), (n >> 1) & 1);
+    int64_t tile;
+    asm volatile("ld.shared.b64 %0, [%1];" : "=l"(tile) : "r"(at + 32 + 8 * slot) : "memory");
+    mbar_arrive(empty(slot));
+    return tile;
+  }
+};
+
 // Named barrier `id` (1-15; 0 is __syncthreads') among `threads` threads: sync waits for all of
 // them, arrive counts this warp's threads without waiting.
 __device__ __forceinline__ void named_sync(uint32_t id, uint32_t threads) {

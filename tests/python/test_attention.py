@@ -133,16 +133,23 @@ def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_forward_of_more_tiles_than_blocks(d, causal):
-    # More query blocks than the GPU has SMs (the warp-specialized forward's blocks then take several
-    # each, from a counter; causal, longest first), Sq > Sk so that some rows see no key.
+def test_more_tiles_than_blocks(d, causal):
+    # More query blocks than the GPU has SMs: the persistent kernels' blocks (the warp-specialized
+    # forward and dQ kernel) take several each, from a counter (causal: longest first), Sq > Sk so
+    # that some rows see no key; out, lse and the gradients against the float32 reference.
     torch.manual_seed(0)
-    q = torch.randn(2, 72, 300, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(2, 8, 290, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(2, 72, 300, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 8, 290, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     out, lse = customops.attention(q, k, v, causal=causal, return_lse=True)
-    want_out, want_lse = T._attention_ref(q.float(), k.float(), v.float(), causal)
-    torch.testing.assert_close(out.float(), want_out, atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(lse, want_lse, atol=3e-2, rtol=3e-2)
+    go, gl = torch.randn_like(out), torch.randn_like(lse).masked_fill(lse.isinf(), 0)
+    got = (out, lse, *torch.autograd.grad((out, lse), (q, k, v), (go, gl)))
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    want_out, want_lse = T._attention_ref(q32, k32, v32, causal)
+    want = (want_out, want_lse,
+            *torch.autograd.grad((want_out, want_lse.masked_fill(want_lse.isinf(), 0)), (q32, k32, v32), (go.float(), gl)))
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        scale = max(1.0, w.abs().masked_fill(w.isinf(), 0).max().item())
+        torch.testing.assert_close(g.float(), w, atol=3e-2 * scale, rtol=3e-2, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
