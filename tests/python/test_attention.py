@@ -72,6 +72,21 @@ def test_matches_sdpa_and_reads_transposed_views_in_place(device):
         assert got.transpose(1, 2).is_contiguous()  # o_proj's [B, S, H * D] input is a view
 
 
+def _assert_matches_reference(q, k, v, causal, tol, label):
+    """customops.attention's out, lse and the gradients of both (q, k and v leaves) against the float32
+    reference's, within tol times each tensor's largest magnitude (at least 1)."""
+    out, lse = customops.attention(q, k, v, causal=causal, return_lse=True)
+    go, gl = torch.randn_like(out), torch.randn_like(lse).masked_fill(lse.isinf(), 0)
+    got = (out, lse, *torch.autograd.grad((out, lse), (q, k, v), (go, gl)))
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    want_out, want_lse = T._attention_ref(q32, k32, v32, causal)
+    want = (want_out, want_lse,
+            *torch.autograd.grad((want_out, want_lse.masked_fill(want_lse.isinf(), 0)), (q32, k32, v32), (go.float(), gl)))
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        scale = max(1.0, w.abs().masked_fill(w.isinf(), 0).max().item())
+        torch.testing.assert_close(g.float(), w, atol=tol * scale, rtol=tol, msg=lambda m: f"{name} of {label}: {m}")
+
+
 # The CUDA kernel paths the tests pin: name -> (the environment switches that select it, whether it
 # exists on compute capability 9.0 only). On an H100 or H200 the default forward is the
 # warp-specialized wgmma one (192 query rows a block at head dim 64; the only fused one at head dim
@@ -116,18 +131,7 @@ def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, 
     for b, hq, hkv, sq, sk in [(2, 4, 2, 256, 256), (1, 3, 1, 100, 300), (1, 2, 2, 300, 100), (2, 2, 1, 1, 77)]:
         q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
         k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
-        out, lse = customops.attention(q, k, v, causal=causal, return_lse=True)
-        go, gl = torch.randn_like(out), torch.randn_like(lse).masked_fill(lse.isinf(), 0)
-        got = (out, lse, *torch.autograd.grad((out, lse), (q, k, v), (go, gl)))
-        q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-        want_out, want_lse = T._attention_ref(q32, k32, v32, causal)
-        want = (want_out, want_lse,
-                *torch.autograd.grad((want_out, want_lse.masked_fill(want_lse.isinf(), 0)), (q32, k32, v32), (go.float(), gl)))
-        tol = 3e-2 if dtype == torch.bfloat16 else 5e-3
-        for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
-            scale = max(1.0, w.abs().masked_fill(w.isinf(), 0).max().item())
-            torch.testing.assert_close(g.float(), w, atol=tol * scale, rtol=tol,
-                                       msg=lambda m: f"{name} of {[b, hq, hkv, sq, sk]}: {m}")
+        _assert_matches_reference(q, k, v, causal, 3e-2 if dtype == torch.bfloat16 else 5e-3, [b, hq, hkv, sq, sk])
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
@@ -140,16 +144,7 @@ def test_more_tiles_than_blocks(d, causal):
     torch.manual_seed(0)
     q = torch.randn(2, 72, 300, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(2, 8, 290, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-    out, lse = customops.attention(q, k, v, causal=causal, return_lse=True)
-    go, gl = torch.randn_like(out), torch.randn_like(lse).masked_fill(lse.isinf(), 0)
-    got = (out, lse, *torch.autograd.grad((out, lse), (q, k, v), (go, gl)))
-    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-    want_out, want_lse = T._attention_ref(q32, k32, v32, causal)
-    want = (want_out, want_lse,
-            *torch.autograd.grad((want_out, want_lse.masked_fill(want_lse.isinf(), 0)), (q32, k32, v32), (go.float(), gl)))
-    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
-        scale = max(1.0, w.abs().masked_fill(w.isinf(), 0).max().item())
-        torch.testing.assert_close(g.float(), w, atol=3e-2 * scale, rtol=3e-2, msg=lambda m: f"{name}: {m}")
+    _assert_matches_reference(q, k, v, causal, 3e-2, "2 x 72 x 300 against 8 x 290")
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
