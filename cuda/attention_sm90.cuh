@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(kSm90Threads, 1) attention_fwd_sm90_kernel(Fwd
 
 
 // ---- forward, warp-specialized (FlashAttention-3's structure) ------------------------------------
-// 1 + kConsumers warpgroups. The first produces: one thread loads the block's 64 kConsumers query
+// 1 + kConsumers warpgroups. The first produces: one thread loads a tile's 64 kConsumers query
 // rows once and then each key block's k and v through the tensor memory accelerator (TMA: tensor
 // maps of q, k and v, the 128-byte swizzle done by the copy, zeros past the edges) into a ring of
 // kWsStages stages, on mbarriers (full: the copy landed; empty: every consumer is done with the
@@ -350,7 +350,7 @@ __global__ void __launch_bounds__(ws_threads(kConsumers), 1)
     for (int st = 0; st < kStages; ++st) {
       tma::mbar_init(full_k(st), 1);
       tma::mbar_init(full_v(st), 1);
-      tma::mbar_init(empty_k(st), kConsumerThreads);  // every consumer thread, once its reads of the tile are done
+      tma::mbar_init(empty_k(st), kConsumerThreads);  // every consumer thread, once its reads of the stage are done
       tma::mbar_init(empty_v(st), kConsumerThreads);
     }
     tiles.init(kConsumerThreads);

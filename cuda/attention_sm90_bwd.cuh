@@ -554,8 +554,8 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dq_sm90_kern
 #endif
 }
 
-// The dQ kernel warp-specialized as the dK/dV one: the producer's one thread loads the block's q
-// and dO once and each key block's k and v (64 keys) through the TMA into two stages on mbarriers;
+// The dQ kernel warp-specialized as the dK/dV one: the producer's one thread loads a tile's q and dO
+// once and each key block's k and v (64 keys) through the TMA into two stages on mbarriers;
 // two consumer warpgroups of 64 query rows run dq_step and release a stage once its products have
 // read it.
 template <int D, int kKeys = kSm90DqKeys>
