@@ -614,8 +614,13 @@ bool attention_cuda_fused(const at::Tensor& q, double scale, bool forward = fals
 // through one).
 dim3 ws_grid(const TileCounter& w, const at::Tensor& q) {
   const char* env = std::getenv("CUSTOMOPS_ATTENTION_WS_PERSISTENT");
-  const int64_t n = env != nullptr && *env != '\0' ? std::atoll(env)
-                                                   : at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+  int64_t n = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+  if (env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    n = std::strtoll(env, &end, 10);
+    TORCH_CHECK(*end == '\0' && n >= 0, "customops.attention: CUSTOMOPS_ATTENTION_WS_PERSISTENT must be a count of ",
+                "blocks (0: a block a tile), not '", env, "'");
+  }
   return dim3(static_cast<unsigned>(n > 0 ? std::min(w.tiles, n) : w.tiles));
 }
 
@@ -623,7 +628,8 @@ dim3 ws_grid(const TileCounter& w, const at::Tensor& q) {
 // holds it, to keep until the launch.
 at::Tensor tile_counter(TileCounter& w, const at::Tensor& q, int64_t rows, cudaStream_t stream) {
   w.mblocks = (q.size(2) + rows - 1) / rows;
-  w.tiles = w.mblocks * q.size(1) * q.size(0);
+  w.heads = q.size(1) * q.size(0);
+  w.tiles = w.mblocks * w.heads;
   at::Tensor counter = at::empty({1}, q.options().dtype(at::kLong));
   C10_CUDA_CHECK(cudaMemsetAsync(counter.data_ptr(), 0, sizeof(int64_t), stream));
   w.next = reinterpret_cast<unsigned long long*>(counter.data_ptr());

@@ -140,7 +140,7 @@ constexpr float kInfF = std::numeric_limits<float>::infinity();
 // blockIdx.x, then one from the counter (zeroed before the launch) after another (next_tile) until
 // they run out.
 struct TileCounter {
-  int64_t tiles, mblocks;
+  int64_t tiles, heads, mblocks;  // tiles = heads * mblocks
   unsigned long long* next;
 };
 

@@ -361,7 +361,7 @@ __global__ void __launch_bounds__(ws_threads(kConsumers), 1)
   // The block's tiles: blockIdx.x first, then each one the counter hands out, until the tiles run
   // out (the index past the last, handed to the consumers too, ends their loop).
   auto tile_of = [&](int64_t t) {
-    const GridTile g = order_tile(t, p.work.tiles / p.work.mblocks, p.work.mblocks, kCausal ? p.chunk : 0);
+    const GridTile g = order_tile(t, p.work.heads, p.work.mblocks, kCausal ? p.chunk : 0);
     return fwd_tile<kRows, kKeys, kCausal>(p, g.head / p.hq, g.head % p.hq, g.rank, p.work.mblocks);
   };
   if (wg == 0) {  // the producer

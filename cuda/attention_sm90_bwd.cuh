@@ -602,7 +602,7 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
     int nblocks;
   };
   auto tile_of = [&](int64_t t) {
-    const GridTile g = order_tile(t, p.dq_work.tiles / p.dq_work.mblocks, p.dq_work.mblocks, kCausal ? p.dq_chunk : 0);
+    const GridTile g = order_tile(t, p.dq_work.heads, p.dq_work.mblocks, kCausal ? p.dq_chunk : 0);
     Tile f;
     f.b = g.head / p.hq;
     f.h = g.head % p.hq;

@@ -148,6 +148,25 @@ def test_more_tiles_than_blocks(d, causal):
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("order", ["longest-first", "launch"])
+def test_tiles_without_keys_between_tiles_with_keys(d, order, monkeypatch):
+    # Causal with Sq >> Sk: most query blocks see no key. Every tile through one block of the persistent
+    # kernels, in launch order (head by head: each head's keyless tiles before the next head's keyed
+    # ones) or longest first; a bad block count is a named error.
+    _kernel("cuda", "ws-one-block", monkeypatch)
+    if order == "launch":
+        monkeypatch.setenv("CUSTOMOPS_ATTENTION_LPT", "0")
+    torch.manual_seed(0)
+    q = torch.randn(2, 3, 700, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 3, 100, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    _assert_matches_reference(q, k, v, True, 3e-2, "700 queries against 100 keys")
+    monkeypatch.setenv("CUSTOMOPS_ATTENTION_WS_PERSISTENT", "many")
+    with pytest.raises(RuntimeError, match="CUSTOMOPS_ATTENTION_WS_PERSISTENT"):
+        customops.attention(q, k, v, causal=True)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("backward", ["flash2", "blocked"])
