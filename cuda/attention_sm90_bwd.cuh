@@ -295,10 +295,10 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_ke
 // kReduceDq (CUSTOMOPS_ATTENTION_BWD_DQ=reduce): dQ here too, 5 products and no dQ kernel. Each step
 // a consumer stores dS^T (two buffers by the step's parity: a warpgroup rewrites one only after both
 // have passed the next step's barrier, so after both read it), takes its dQ share as kAtomicDq does
-// (dq_share), writes it times the scale to its own [64, 64] float32 tile and its first thread adds
-// the tile to the zeroed float32 [B, Hq, Sq_pad, D] accumulator through the TMA (tdq: boxes of 64
-// rows of 32 columns), a reduction in L2 the consumers do not wait for: the tile is rewritten a step
-// later, once that thread has seen the copy read it.
+// (dq_share), writes it times the scale to its own [64, 64] float32 tile and hands it to the dQ
+// writer warp (the producer warpgroup's second), which adds the tile to the zeroed float32 [B, Hq,
+// Sq_pad, D] accumulator through the TMA (tdq: boxes of 64 rows of 32 columns), a reduction in L2
+// nobody waits for, and hands the tile back once the copy has read it (named barriers, kHandoff).
 constexpr int kSm90BwdWsThreads = 384;
 constexpr uint32_t kSm90DsBytes = kSm90BwdKeys * kSm90BwdRows * 2, kSm90DqTileBytes = kSm90BwdRows * 64 * 4;
 template <int D, bool kReduceDq = false, int kRows = kSm90BwdRows>
@@ -345,8 +345,51 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
   const int64_t steps = per_head * p.group;
   tma::init_ring<kStages>(bars, kConsumerThreads);  // (empty: once a consumer's products read the stage)
 
+  // kReduceDq: consumer c's dQ tile is handed to the writer warp at named barrier 3 + c (written:
+  // the consumer's 128 threads arrive, the writer's 32 wait) and back at 5 + c (the TMA has read it:
+  // the writer arrives, the consumer waits before writing the next one).
+  [[maybe_unused]] constexpr uint32_t kHandoff = 128 + 32;
   if (wg == 0) {  // the producer
     tma::regs_down<24>();
+    if constexpr (kReduceDq) {
+      if (threadIdx.x / 32 == 1) {  // the dQ writer warp: adds each consumer's tile to the accumulator
+        if (steps == 0) return;
+        const int lane = threadIdx.x % 32;
+        tma::named_arrive(5, kHandoff);  // both tiles free at first (constant ids: a runtime id reserves all 16)
+        tma::named_arrive(6, kHandoff);
+        int h = static_cast<int>(hk * p.group), mb = 0;  // step i's head and query block (of per_head)
+        for (int64_t i = 0; i < steps; ++i, mb = mb + 1 == per_head ? 0 : mb + 1, h += mb == 0) {
+          const int m0 = static_cast<int>((m_first + mb) * kRows);
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            if (c == 0) {
+              tma::named_sync(3, kHandoff);
+            } else {
+              tma::named_sync(4, kHandoff);
+            }
+            if (lane == 0) {
+#pragma unroll
+              for (int box = 0; box < 2; ++box) {
+                tma::tensor_add_4d(&tdq, (D == 128 ? c * 64 : 0) + box * 32, m0, h, static_cast<int>(b),
+                                   sdq + c * kSm90DqTileBytes + box * 8192);
+              }
+              tma::bulk_commit();
+              tma::bulk_wait_read<0>();
+            }
+            __syncwarp();
+            if (i + 1 < steps) {  // (the last tiles: no consumer waits for them to be free)
+              if (c == 0) {
+                tma::named_arrive(5, kHandoff);
+              } else {
+                tma::named_arrive(6, kHandoff);
+              }
+            }
+          }
+        }
+        if (lane == 0) tma::bulk_wait<0>();  // (the adds done before the block's shared memory goes)
+        return;
+      }
+    }
     if (threadIdx.x != 0 || steps == 0) return;  // (no copy in flight when the block exits)
     uint64_t policy;  // lse2 and dt: read again by every key block of the head
     asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
@@ -385,7 +428,6 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
   zero(dv);
   const int key_row = c * 64 + warp * 16;  // this thread's keys: n0 + key_row + lane / 4 (+ 8)
   const uint32_t k_wg = sk + c * 64 * 128, v_wg = sv + c * 64 * 128;  // this warpgroup's 64 rows of each panel
-  [[maybe_unused]] const bool lead = threadIdx.x % 128 == 0;  // kReduceDq: issues this consumer's dQ adds
   if (steps > 0) tma::mbar_wait(full_kv, 0);
   for (int64_t i = 0; i < steps; ++i) {
     const int st = static_cast<int>(i % kStages);
@@ -401,7 +443,6 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
                                            [&](const uint32_t(&da)[kRows / 16][4]) {
                                              if constexpr (kReduceDq) {
                                                store_ds_t<kKeys, kRows>(da, ds, c, warp, lane);
-                                               if (lead) tma::bulk_wait_read<0>();  // the last step's tile is read
                                                __syncwarp();  // (converged for the aligned barrier and wgmma)
                                                dq_share<T, D, kKeys>(dq, ds, sk, c);
                                              }
@@ -409,31 +450,24 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
     if constexpr (kReduceDq) {
       wgmma_wait<1>();  // dQ's product (dK's may still run)
       wgmma_fence_operands(dq);
+      if (c == 0) {  // the tile is free (the writer warp saw the TMA read the last one)
+        tma::named_sync(5, kHandoff);
+      } else {
+        tma::named_sync(6, kHandoff);
+      }
       store_dq_tile(dq, p.scale, sdq + c * kSm90DqTileBytes, warp, lane);
       fence_proxy_async();
-      if (c == 0) {  // this warpgroup's tile is written
-        tma::named_sync(3, 128);
-      } else {
-        tma::named_sync(4, 128);
-      }
-      if (lead) {
-        const int h = static_cast<int>(hk * p.group + i / per_head);
-#pragma unroll
-        for (int box = 0; box < 2; ++box) {
-          tma::tensor_add_4d(&tdq, (D == 128 ? c * 64 : 0) + box * 32, static_cast<int>(m0), h, static_cast<int>(b),
-                             sdq + c * kSm90DqTileBytes + box * 8192);
-        }
-        tma::bulk_commit();
-      }
       __syncwarp();
+      if (c == 0) {  // written: the writer warp adds it
+        tma::named_arrive(3, kHandoff);
+      } else {
+        tma::named_arrive(4, kHandoff);
+      }
     }
     wgmma_wait<0>();
     wgmma_fence_operands(dv);
     wgmma_fence_operands(dk);
     tma::mbar_arrive(empty(st));
-  }
-  if constexpr (kReduceDq) {
-    if (lead) tma::bulk_wait<0>();  // (the adds done before the block's shared memory goes)
   }
   store_accumulator<T>(dk, p.scale, head_rows<T>(p.dk, p.dks, b, hk), p.dks[2], n0 + key_row, p.sk, lane);
   store_accumulator<T>(dv, 1.f, head_rows<T>(p.dv, p.dvs, b, hk), p.dvs[2], n0 + key_row, p.sk, lane);
