@@ -485,10 +485,12 @@ bool use_sm90_bwd(const at::Tensor& q) {
   return use_sm90(q) && !env_is("CUSTOMOPS_ATTENTION_BWD_SM90", "0");
 }
 
-// The wgmma backward's dQ: a pass of its own (default); CUSTOMOPS_ATTENTION_BWD_DQ=atomic adds it in
-// the cp.async dK/dV kernel with float32 atomics (attention_sm90_bwd.cuh: +0-3% forward+backward at
-// head dim 128 on an H100, 10% slower at 64, docs/benchmarks.md), =reduce in the warp-specialized
-// one through the TMA's reductions.
+// The wgmma backward's dQ. At head dim 128 by default (CUSTOMOPS_ATTENTION_BWD_DQ=reduce) added
+// through the TMA's reductions in the warp-specialized dK/dV kernel, issued by its dQ writer warp:
+// 1.04-1.11x the forward+backward of a pass of its own on an H100 (docs/benchmarks.md). Elsewhere a
+// pass of its own (=pass; at head dim 64 the reductions measured 0.90-0.95x of it). =atomic adds it
+// in the cp.async dK/dV kernel with float32 atomics (+0-3% at head dim 128 before the writer warp,
+// 10% slower at 64).
 enum class DqMode { pass, atomic, reduce };
 // At head dim 64 the warp-specialized dK/dV kernel takes 128 query rows a step (1.07-1.20x the
 // forward+backward of 64 on an H100, docs/benchmarks.md); CUSTOMOPS_ATTENTION_BWD_ROWS=64 keeps 64.
@@ -500,9 +502,11 @@ bool sm90_bwd_rows128() {
 bool sm90_dq_keys128() {
   return env_is("CUSTOMOPS_ATTENTION_BWD_DQ_KEYS", "128");
 }
-DqMode sm90_dq_mode() {
+DqMode sm90_dq_mode(int64_t d) {
   if (env_is("CUSTOMOPS_ATTENTION_BWD_DQ", "atomic")) return DqMode::atomic;
-  return env_is("CUSTOMOPS_ATTENTION_BWD_DQ", "reduce") ? DqMode::reduce : DqMode::pass;
+  if (env_is("CUSTOMOPS_ATTENTION_BWD_DQ", "reduce")) return DqMode::reduce;
+  if (env_is("CUSTOMOPS_ATTENTION_BWD_DQ", "pass")) return DqMode::pass;
+  return d == 128 ? DqMode::reduce : DqMode::pass;
 }
 
 // The wgmma backward's kernels warp-specialized (attention_bwd_dkdv_sm90_ws_kernel, measured
@@ -740,7 +744,7 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
   const at::Tensor go = readable(go_in), out = readable(out_in);
   const int64_t bsz = q.size(0), hq = q.size(1), sq = q.size(2), d = q.size(3), sk = k.size(2);
   const bool sm90 = use_sm90_bwd(q);
-  const DqMode dq_mode = sm90 ? sm90_dq_mode() : DqMode::pass;
+  const DqMode dq_mode = sm90 ? sm90_dq_mode(d) : DqMode::pass;
   // The warp-specialized kernels' tensor maps (q, dO, k, v), where asked for and possible.
   std::optional<std::array<CUtensorMap, 4>> ws_maps, dq_maps;
   const WsBwd ws = sm90_ws_bwd();

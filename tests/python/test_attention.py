@@ -98,9 +98,10 @@ PATHS = {
     "wgmma": ({"CUSTOMOPS_ATTENTION_WS": "0"}, False),  # the wgmma forward without warp specialization
     "mma-bwd": ({"CUSTOMOPS_ATTENTION_BWD_SM90": "0"}, False),  # the mma.sync backward after the default forward
     "atomic-dq": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "atomic"}, True),  # dQ by atomics in the dK/dV kernel
-    "reduce-dq": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "reduce"}, True),  # by the TMA's adds in the ws dK/dV kernel
+    "reduce-dq": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "reduce"}, True),  # by the TMA's adds in the ws dK/dV kernel (d 128's default)
+    "dq-pass": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "pass"}, True),  # by a pass of its own (the default but at d 128)
     "cp-bwd": ({"CUSTOMOPS_ATTENTION_BWD_WS": "0"}, False),  # the wgmma backward's kernels loading by cp.async
-    "cp-dq": ({"CUSTOMOPS_ATTENTION_BWD_WS": "dkdv"}, False),  # its dQ kernel only so
+    "cp-dq": ({"CUSTOMOPS_ATTENTION_BWD_WS": "dkdv", "CUSTOMOPS_ATTENTION_BWD_DQ": "pass"}, False),  # its dQ pass only so
     "ws128": ({"CUSTOMOPS_ATTENTION_WS_ROWS": "128"}, True),  # 128 query rows a block at head dim 64
     "bwd64": ({"CUSTOMOPS_ATTENTION_BWD_ROWS": "64"}, True),  # 64 query rows a dK/dV step at head dim 64 (128 else)
     "dq128": ({"CUSTOMOPS_ATTENTION_BWD_DQ_KEYS": "128"}, True),  # 128 keys a dQ step at head dim 64 (64 else)
@@ -134,13 +135,24 @@ def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, 
         _assert_matches_reference(q, k, v, causal, 3e-2 if dtype == torch.bfloat16 else 5e-3, [b, hq, hkv, sq, sk])
 
 
+def _dq_pass(d, dq, monkeypatch):
+    # dq "pass": the dQ kernel where it is not the default (head dim 128); a duplicate elsewhere.
+    if dq == "pass":
+        if d != 128:
+            pytest.skip("the dQ pass is the default but at head dim 128")
+        monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_DQ", "pass")
+
+
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_more_tiles_than_blocks(d, causal):
+@pytest.mark.parametrize("dq", ["default", "pass"])
+def test_more_tiles_than_blocks(d, causal, dq, monkeypatch):
     # More query blocks than the GPU has SMs: the persistent kernels' blocks (the warp-specialized
     # forward and dQ kernel) take several each, from a counter (causal: longest first), Sq > Sk so
-    # that some rows see no key; out, lse and the gradients against the float32 reference.
+    # that some rows see no key; out, lse and the gradients against the float32 reference. At head
+    # dim 128 dQ is added in the dK/dV kernel by default: "pass" runs the dQ kernel there.
+    _dq_pass(d, dq, monkeypatch)
     torch.manual_seed(0)
     q = torch.randn(2, 72, 300, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(2, 8, 290, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
@@ -150,11 +162,13 @@ def test_more_tiles_than_blocks(d, causal):
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("order", ["longest-first", "launch"])
-def test_tiles_without_keys_between_tiles_with_keys(d, order, monkeypatch):
+@pytest.mark.parametrize("dq", ["default", "pass"])
+def test_tiles_without_keys_between_tiles_with_keys(d, order, dq, monkeypatch):
     # Causal with Sq >> Sk: most query blocks see no key. Every tile through one block of the persistent
     # kernels, in launch order (head by head: each head's keyless tiles before the next head's keyed
     # ones) or longest first; a bad block count is a named error.
     _kernel("cuda", "ws-one-block", monkeypatch)
+    _dq_pass(d, dq, monkeypatch)
     if order == "launch":
         monkeypatch.setenv("CUSTOMOPS_ATTENTION_LPT", "0")
     torch.manual_seed(0)
@@ -230,6 +244,7 @@ KERNELS = [pytest.param(dev, dt, d, fwd, id=f"{dev}-{str(dt).removeprefix('torch
                                (torch.float16, 64, "ws128"), (torch.bfloat16, 64, "bwd64"),
                                (torch.float16, 64, "dq128"), (torch.bfloat16, 128, "ws-one-block"),
                                (torch.float16, 64, "ws-one-block"),
+                               (torch.bfloat16, 128, "dq-pass"),
                                (torch.float32, 64, "default")])]
 
 
