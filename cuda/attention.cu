@@ -28,6 +28,7 @@
 // computes dt and lse * log2(e) per query row, padded to whole query blocks.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -533,6 +534,15 @@ std::optional<CUtensorMap> tensor_map(const at::Tensor& t, int rows) {
     C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
     return found == cudaDriverEntryPointSuccess ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn) : nullptr;
   }();
+  // The driver's encode needs a context current on this thread, which a thread of the autograd
+  // engine may not have yet when device 0 is the runtime's current one (c10's guards then leave it
+  // unset): the encode failed there and the first backward of each such thread fell back to the
+  // kernels without the TMA. A forced set binds the device's primary context, once per thread.
+  thread_local bool bound = false;
+  if (!bound) {
+    C10_CUDA_CHECK(c10::cuda::SetDevice(t.get_device(), /*force=*/true));
+    bound = true;
+  }
   const auto es = static_cast<cuuint64_t>(t.element_size());
   if (encode == nullptr || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0 || t.stride(3) != 1) return std::nullopt;
   for (int i = 0; i < 3; ++i) {
