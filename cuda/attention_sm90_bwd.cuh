@@ -98,23 +98,45 @@ __device__ __forceinline__ void store_ds_t(const uint32_t (&da)[kRows / 16][4], 
       }
 }
 
+// The backward kernels' named barriers (0 is __syncthreads'). Each id is a constant where a barrier
+// is used: ptxas reserves all 16 for an id known only at run time.
+enum BwdBarrier : uint32_t {
+  kBarDs = 1,         // dS^T written (dq_share): both consumer warpgroups at head dim 128, kBarDs + wg at 64
+  kBarDqWritten = 3,  // + c: consumer c's dQ tile written, for the writer warp (kReduceDq)
+  kBarDqFree = 5,     // + c: that tile free again (the TMA has read it)
+};
+constexpr uint32_t kHandoffThreads = 128 + 32;  // a consumer warpgroup and the dQ writer warp
+static_assert(kBarDqFree + 1 < 16, "16 named barriers a block");
+
+// bar.sync / bar.arrive on barrier base + c (c: 0 or 1), the id a constant on either branch.
+__device__ __forceinline__ void sync_of(uint32_t base, int c, uint32_t threads) {
+  if (c == 0) {
+    tma::named_sync(base, threads);
+  } else {
+    tma::named_sync(base + 1, threads);
+  }
+}
+__device__ __forceinline__ void arrive_of(uint32_t base, int c, uint32_t threads) {
+  if (c == 0) {
+    tma::named_arrive(base, threads);
+  } else {
+    tma::named_arrive(base + 1, threads);
+  }
+}
+
 // kAtomicDq or kReduceDq, after every thread's store_ds_t (dS^T at sds): issues and commits this
 // warpgroup's share of dQ = dS K (see the top; unscaled), K's tile at k_tile, not waited for (its
 // accumulator: no instruction may touch dq until then). wg: the consumer warpgroup (0 or 1); named
-// barriers 1 and 2.
+// barriers kBarDs and kBarDs + 1.
 template <typename T, int D, int kKeys>
 __device__ __forceinline__ void dq_share(float (&dq)[8][4], uint32_t sds, uint32_t k_tile, int wg) {
   static_assert(D == 64 || D == 128, "m64n64 dQ shares: a 64-column panel of K a warpgroup");
   fence_proxy_async();
   constexpr int kDqKeys = D == 128 ? kKeys : 64;  // keys a warpgroup's dQ share sums over
   if constexpr (D == 128) {
-    tma::named_sync(1, 256);  // both warpgroups' dS^T
+    tma::named_sync(kBarDs, 256);  // both warpgroups' dS^T
   } else {
-    if (wg == 0) {  // this warpgroup's (barrier ids as constants: a runtime id reserves all 16)
-      tma::named_sync(1, 128);
-    } else {
-      tma::named_sync(2, 128);
-    }
+    sync_of(kBarDs, wg, 128);  // this warpgroup's
   }
   const uint32_t a = sds + (D == 128 ? 0 : wg * 64 * 128);
   const uint32_t b = k_tile + (D == 128 ? wg * kKeys * 128 : wg * 64 * 128);  // K's panel w, or this warpgroup's keys
@@ -298,7 +320,7 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_ke
 // (dq_share), writes it times the scale to its own [64, 64] float32 tile and hands it to the dQ
 // writer warp (the producer warpgroup's second), which adds the tile to the zeroed float32 [B, Hq,
 // Sq_pad, D] accumulator through the TMA (tdq: boxes of 64 rows of 32 columns), a reduction in L2
-// nobody waits for, and hands the tile back once the copy has read it (named barriers, kHandoff).
+// nobody waits for, and hands the tile back once the copy has read it (named barriers kBarDqWritten and kBarDqFree).
 constexpr int kSm90BwdWsThreads = 384;
 constexpr uint32_t kSm90DsBytes = kSm90BwdKeys * kSm90BwdRows * 2, kSm90DqTileBytes = kSm90BwdRows * 64 * 4;
 template <int D, bool kReduceDq = false, int kRows = kSm90BwdRows>
@@ -345,28 +367,23 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
   const int64_t steps = per_head * p.group;
   tma::init_ring<kStages>(bars, kConsumerThreads);  // (empty: once a consumer's products read the stage)
 
-  // kReduceDq: consumer c's dQ tile is handed to the writer warp at named barrier 3 + c (written:
-  // the consumer's 128 threads arrive, the writer's 32 wait) and back at 5 + c (the TMA has read it:
-  // the writer arrives, the consumer waits before writing the next one).
-  [[maybe_unused]] constexpr uint32_t kHandoff = 128 + 32;
+  // kReduceDq: consumer c's dQ tile is handed to the writer warp at kBarDqWritten + c (the consumer's
+  // 128 threads arrive, the writer's 32 wait) and back at kBarDqFree + c (the TMA has read it: the
+  // writer arrives, the consumer waits before writing the next one).
   if (wg == 0) {  // the producer
     tma::regs_down<24>();
     if constexpr (kReduceDq) {
       if (threadIdx.x / 32 == 1) {  // the dQ writer warp: adds each consumer's tile to the accumulator
         if (steps == 0) return;
         const int lane = threadIdx.x % 32;
-        tma::named_arrive(5, kHandoff);  // both tiles free at first (constant ids: a runtime id reserves all 16)
-        tma::named_arrive(6, kHandoff);
+        arrive_of(kBarDqFree, 0, kHandoffThreads);  // both tiles free at first
+        arrive_of(kBarDqFree, 1, kHandoffThreads);
         int h = static_cast<int>(hk * p.group), mb = 0;  // step i's head and query block (of per_head)
         for (int64_t i = 0; i < steps; ++i, mb = mb + 1 == per_head ? 0 : mb + 1, h += mb == 0) {
           const int m0 = static_cast<int>((m_first + mb) * kRows);
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            if (c == 0) {
-              tma::named_sync(3, kHandoff);
-            } else {
-              tma::named_sync(4, kHandoff);
-            }
+            sync_of(kBarDqWritten, c, kHandoffThreads);
             if (lane == 0) {
 #pragma unroll
               for (int box = 0; box < 2; ++box) {
@@ -377,13 +394,7 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
               tma::bulk_wait_read<0>();
             }
             __syncwarp();
-            if (i + 1 < steps) {  // (the last tiles: no consumer waits for them to be free)
-              if (c == 0) {
-                tma::named_arrive(5, kHandoff);
-              } else {
-                tma::named_arrive(6, kHandoff);
-              }
-            }
+            if (i + 1 < steps) arrive_of(kBarDqFree, c, kHandoffThreads);  // (the last tiles: no consumer waits for them)
           }
         }
         if (lane == 0) tma::bulk_wait<0>();  // (the adds done before the block's shared memory goes)
@@ -450,19 +461,11 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
     if constexpr (kReduceDq) {
       wgmma_wait<1>();  // dQ's product (dK's may still run)
       wgmma_fence_operands(dq);
-      if (c == 0) {  // the tile is free (the writer warp saw the TMA read the last one)
-        tma::named_sync(5, kHandoff);
-      } else {
-        tma::named_sync(6, kHandoff);
-      }
+      sync_of(kBarDqFree, c, kHandoffThreads);  // the tile is free (the writer warp saw the TMA read the last one)
       store_dq_tile(dq, p.scale, sdq + c * kSm90DqTileBytes, warp, lane);
       fence_proxy_async();
       __syncwarp();
-      if (c == 0) {  // written: the writer warp adds it
-        tma::named_arrive(3, kHandoff);
-      } else {
-        tma::named_arrive(4, kHandoff);
-      }
+      arrive_of(kBarDqWritten, c, kHandoffThreads);  // written: the writer warp adds it
     }
     wgmma_wait<0>();
     wgmma_fence_operands(dv);
