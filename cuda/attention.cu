@@ -504,6 +504,9 @@ bool sm90_dq_keys128() {
   return env_is("CUSTOMOPS_ATTENTION_BWD_DQ_KEYS", "128");
 }
 DqMode sm90_dq_mode(int64_t d) {
+  // (torch.use_deterministic_algorithms: the pass, whose sums run in one order; the reductions' and
+  // the atomics' adds land in the order the blocks reach them)
+  if (at::globalContext().deterministicAlgorithms()) return DqMode::pass;
   if (env_is("CUSTOMOPS_ATTENTION_BWD_DQ", "atomic")) return DqMode::atomic;
   if (env_is("CUSTOMOPS_ATTENTION_BWD_DQ", "reduce")) return DqMode::reduce;
   if (env_is("CUSTOMOPS_ATTENTION_BWD_DQ", "pass")) return DqMode::pass;
@@ -922,11 +925,15 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
 // nothing is written before it returns). q, k, v, dO and out go in with unit last stride and 16-byte
 // aligned rows (readable()), lse as its log-sum-exp, a row that saw no key (-inf) as +inf so that its
 // probabilities are 0 there too. Like SDPA's, its dQ is added by atomics (not bitwise reproducible
-// unless torch.use_deterministic_algorithms). Whether it ran (dq, dk and dv written).
+// unless torch.use_deterministic_algorithms, under which it takes its deterministic variant). Also
+// every head dim up to 256 where asked (any_head_dim: the deterministic stand-in for the mma.sync
+// backward, below). Whether it ran (dq, dk and dv written).
 bool attention_bwd_flash2(const at::Tensor& go, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
                           const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                          bool causal, double scale, const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv) {
-  if (q.size(3) != 256 || (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16)) return false;
+                          bool causal, double scale, const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
+                          bool any_head_dim = false) {
+  if (any_head_dim ? q.size(3) > 256 || q.size(3) % 8 != 0 : q.size(3) != 256) return false;
+  if (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16) return false;
   if (!(scale > 0.0) || !std::isfinite(scale) || (grad_lse.has_value() && grad_lse->defined())) return false;
   if (q.numel() == 0 || k.numel() == 0 || q.size(0) > 65535 || q.size(1) > 65535) return false;
   if (at::cuda::getDeviceProperties(q.get_device())->major < 8 || env_is("CUSTOMOPS_ATTENTION_FLASH2", "0")) return false;
@@ -956,9 +963,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   const double scale = attention_scale(scale_opt, q.size(3));
   at::Tensor dq = heads_layout_like(q), dk = heads_layout_like(k), dv = heads_layout_like(v);
   const at::Tensor go = grad_out.has_value() && grad_out->defined() ? *grad_out : at::zeros_like(q);
-  if (attention_cuda_fused(q, scale)) {
+  // The mma.sync backward (GPUs other than the H100/H200, or CUSTOMOPS_ATTENTION_BWD_SM90=0) adds dQ
+  // by float32 atomics: under torch.use_deterministic_algorithms its inputs take ATen's
+  // FlashAttention-2 backward in its deterministic variant, else the blocked one (sums in one order).
+  const bool deterministic = at::globalContext().deterministicAlgorithms();
+  if (attention_cuda_fused(q, scale) && (!deterministic || use_sm90_bwd(q))) {
     attention_bwd_cuda(go, grad_lse, q, k, v, out, lse, causal, scale, dq, dk, dv);
-  } else if (!attention_bwd_flash2(go, grad_lse, q, k, v, out, lse, causal, scale, dq, dk, dv)) {
+  } else if (!attention_bwd_flash2(go, grad_lse, q, k, v, out, lse, causal, scale, dq, dk, dv, deterministic)) {
     attention_blocked::backward(go, q, k, v, attention_dterm(grad_out, grad_lse, out, lse), lse, causal, scale, dq,
                                 dk, dv);
   }
