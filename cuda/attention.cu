@@ -548,6 +548,10 @@ std::optional<CUtensorMap> tensor_map(const at::Tensor& t, int rows) {
   }
   const auto es = static_cast<cuuint64_t>(t.element_size());
   if (encode == nullptr || reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0 || t.stride(3) != 1) return std::nullopt;
+  // (the kernels pass the TMA 32-bit coordinates, padded rows included)
+  for (int i = 0; i < 4; ++i) {
+    if (t.size(i) > std::numeric_limits<int32_t>::max() / 2) return std::nullopt;
+  }
   for (int i = 0; i < 3; ++i) {
     if (t.stride(i) < 0 || (t.stride(i) * es) % 16 != 0) return std::nullopt;
   }
@@ -766,21 +770,31 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
   if (sm90 && dq_mode != DqMode::atomic && ws.dkdv) {
     ws_maps = bwd_maps(q, go, k, v, rows128 ? 128 : kSm90BwdRows, kSm90BwdKeys);
   }
-  const bool atomic_dq = dq_mode == DqMode::atomic, reduce_dq = dq_mode == DqMode::reduce && ws_maps;
+  const bool atomic_dq = dq_mode == DqMode::atomic;
   // (the prep kernel's rows: whole query blocks of every backward kernel)
   const int64_t pad = rows128 ? 128 : kBwdRows, sq_pad = (sq + pad - 1) / pad * pad;
   const auto f32 = q.options().dtype(at::kFloat);
+  // dQ through the TMA's reductions adds into a float32 accumulator of whole query blocks (padded rows
+  // included; twice q's bytes at 16 bits), where memory and the TMA allow it: else the dQ pass, which
+  // writes dq itself (an out-of-memory here falls back, as a long-context backward that fits without
+  // the accumulator should run).
+  bool reduce_dq = dq_mode == DqMode::reduce && ws_maps;
+  at::Tensor dq_acc;
+  std::optional<CUtensorMap> dq_acc_map;
+  if (reduce_dq) {
+    try {
+      dq_acc = at::zeros({bsz, hq, sq_pad, d}, f32);
+      dq_acc_map = tensor_map(dq_acc, kSm90BwdRows);
+    } catch (const c10::OutOfMemoryError&) {
+    }
+    reduce_dq = dq_acc_map.has_value();
+    if (!reduce_dq) dq_acc = at::Tensor();
+  }
+  // (the mma.sync backward's and the atomic dQ's accumulator)
+  if (!sm90 || atomic_dq) dq_acc = at::zeros({bsz, hq, atomic_dq ? sq_pad : sq, d}, f32);
   const at::Tensor dt = at::empty({bsz, hq, sq_pad}, f32), lse2 = at::empty({bsz, hq, sq_pad}, f32);
   const bool keys128 = d == 64 && sm90_dq_keys128();
   if (sm90 && !atomic_dq && !reduce_dq && ws.dq) dq_maps = bwd_maps(q, go, k, v, kSm90DqRows, keys128 ? 128 : kSm90DqKeys);
-  // (the wgmma backward's dQ pass writes dq itself: no float32 accumulator; its atomic or TMA dQ adds
-  // into whole query blocks, padded rows included)
-  const at::Tensor dq_acc = sm90 && !atomic_dq && !reduce_dq
-                                ? at::Tensor()
-                                : at::zeros({bsz, hq, atomic_dq || reduce_dq ? sq_pad : sq, d}, f32);
-  // (a fresh contiguous float32 tensor of 16-byte rows: the TMA takes it, as it did q's and k's)
-  const std::optional<CUtensorMap> dq_acc_map = reduce_dq ? tensor_map(dq_acc, kSm90BwdRows) : std::nullopt;
-  TORCH_CHECK(!reduce_dq || dq_acc_map, "customops::attention: the TMA refused the dQ accumulator's tensor map");
   const at::Tensor lse_c = lse.contiguous();
   const at::Tensor glse = grad_lse.has_value() && grad_lse->defined() ? grad_lse->contiguous() : at::Tensor();
   const auto stream = at::cuda::getCurrentCUDAStream();

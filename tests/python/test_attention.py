@@ -119,8 +119,9 @@ PATHS = {
 @pytest.mark.parametrize("forward", list(PATHS))
 def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, monkeypatch):
     # The tensor-core kernel's shapes: grouped heads, lengths off the block sizes, Sq < Sk and
-    # Sq > Sk (causal: rows that see no key), one query; q as a [B, S, H, D] view; lse's gradient.
-    # Every kernel path of PATHS (head dim 256: the default only, its one fused forward).
+    # Sq > Sk (causal: rows that see no key), one query, one query block a head (a dK/dV block of one
+    # step); q as a [B, S, H, D] view; lse's gradient. Every kernel path of PATHS (head dim 256: the
+    # default only, its one fused forward).
     if d == 256 and forward not in ("default", "ws-one-block", "ws-grid", "keys64"):
         pytest.skip("head dim 256 has one fused forward")
     if forward == "keys64" and d != 256:
@@ -129,7 +130,8 @@ def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, 
         pytest.skip(f"{forward}: a choice at head dim 64 only")
     _kernel("cuda", forward, monkeypatch)
     torch.manual_seed(0)
-    for b, hq, hkv, sq, sk in [(2, 4, 2, 256, 256), (1, 3, 1, 100, 300), (1, 2, 2, 300, 100), (2, 2, 1, 1, 77)]:
+    for b, hq, hkv, sq, sk in [(2, 4, 2, 256, 256), (1, 3, 1, 100, 300), (1, 2, 2, 300, 100), (2, 2, 1, 1, 77),
+                               (1, 2, 2, 50, 200)]:
         q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
         k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
         _assert_matches_reference(q, k, v, causal, 3e-2 if dtype == torch.bfloat16 else 5e-3, [b, hq, hkv, sq, sk])
@@ -178,6 +180,25 @@ def test_tiles_without_keys_between_tiles_with_keys(d, order, dq, monkeypatch):
     monkeypatch.setenv("CUSTOMOPS_ATTENTION_WS_PERSISTENT", "many")
     with pytest.raises(RuntimeError, match="CUSTOMOPS_ATTENTION_WS_PERSISTENT"):
         customops.attention(q, k, v, causal=True)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq, sk", [(2085, 1500), (1500, 2085)])
+def test_reduced_dq_matches_the_dq_pass_over_long_walks(causal, sq, sk, monkeypatch):
+    # dQ through the TMA's reductions (head dim 128's default) over dK/dV blocks of many steps (8 query
+    # heads a kv head, 24-33 query blocks each) against the dQ pass on the same inputs.
+    _kernel("cuda", "reduce-dq", monkeypatch)
+    torch.manual_seed(0)
+    q = torch.randn(1, 16, sq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 2, sk, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    go = torch.randn_like(q)
+    reduced = torch.autograd.grad(customops.attention(q, k, v, causal=causal), (q, k, v), go)
+    monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_DQ", "pass")
+    passed = torch.autograd.grad(customops.attention(q, k, v, causal=causal), (q, k, v), go)
+    for name, a, b in zip(("dq", "dk", "dv"), reduced, passed):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2 * max(1.0, b.abs().max().item()), rtol=1e-2,
+                                   msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
