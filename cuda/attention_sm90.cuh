@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(ws_threads(kConsumers), 1)
   auto empty_v = [&](int st) { return bars + 8 * (2 + 3 * kStages + st); };
   const tma::TileSlots tiles{bars + 8 * (2 + 4 * kStages)};  // each tile's index, producer to consumers
 
-  const int wg = threadIdx.x / 128;
+  const int wg = tma::warpgroup();
   if (threadIdx.x == 0) {
     tma::mbar_init(full_q, 1);
     tma::mbar_init(empty_q, kConsumerThreads);

@@ -360,7 +360,7 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
   auto empty = [&](int st) { return bars + 8 * (1 + kStages + st); };
   const float* const stats_ptr = reinterpret_cast<const float*>(smem + (stats - smem_addr(smem)));
 
-  const int wg = threadIdx.x / 128;
+  const int wg = tma::warpgroup();
   const GridTile g = grid_tile<kCausal>(p.dkdv_chunk);  // (causal: key block 0, the longest walk, first)
   const int64_t b = g.head / gridDim.y, hk = g.head % gridDim.y, n0 = g.rank * kKeys;
   const int64_t shift = p.sk - p.sq;
@@ -544,7 +544,7 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dq_sm90_kern
   auto k_base = [&](int st) { return sg + kQBytes + st * 2 * kKBytes; };
   auto v_base = [&](int st) { return sg + kQBytes + st * 2 * kKBytes + kKBytes; };
 
-  const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const int wg = tma::warpgroup(), warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
   // (causal: the last query blocks, which see the most keys, first)
   const GridTile g = grid_tile<kCausal>(p.dq_chunk);
   const int64_t b = g.head / gridDim.y, h = g.head % gridDim.y, hk = h / p.group;
@@ -627,7 +627,7 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
   auto empty = [&](int st) { return bars + 8 * (1 + kStages + st); };
   const tma::TileSlots tiles{empty_q + 8};  // each tile's index, producer to consumers
 
-  const int wg = threadIdx.x / 128;
+  const int wg = tma::warpgroup();
   if (threadIdx.x == 0) {
     tma::mbar_init(empty_q, kConsumerThreads);
     tiles.init(kConsumerThreads);

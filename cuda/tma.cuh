@@ -146,4 +146,11 @@ __device__ __forceinline__ void regs_up() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
+// This thread's warpgroup (threadIdx.x / 128), broadcast from lane 0 so that the compiler knows it
+// is the same across the warp: values derived from it (shared-memory addresses, wgmma descriptors,
+// barrier ids and the branches on it) can then live in the uniform datapath (CUTLASS does the same).
+__device__ __forceinline__ int warpgroup() {
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+}
+
 }  // namespace customops::cuda::tma
