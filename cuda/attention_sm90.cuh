@@ -426,6 +426,30 @@ __global__ void __launch_bounds__(ws_threads(kConsumers), 1)
     const FwdBlock blk = tile_of(tile);
     const int64_t m0 = blk.m0, shift = blk.shift;
     const int nblocks = blk.nblocks;
+    // A warpgroup whose 64 rows all lie past sq (in a head's last query block where sq is not a
+    // multiple of kRows: head dim 64's 192-row blocks pad 1024 rows to 1152) computes nothing. It
+    // still takes its turns, so that the others keep theirs, and releases q and each stage once they
+    // have landed (so that its arrivals never run ahead of a barrier's phase), but issues no product
+    // and stores nothing; the others' turns then find the tensor cores free.
+    if (m0 + c * 64 >= p.sq) {
+      if (nblocks > 0) {
+        tma::mbar_wait(full_q, qs & 1);
+        ++qs;
+      }
+      for (int j = 0; j < nblocks; ++j) {
+        const int gj = g + j, st = gj % kStages;
+        const auto phase = static_cast<uint32_t>((gj / kStages) & 1);
+        tma::mbar_wait(full_k(st), phase);
+        tma::named_sync(1 + c, kPair);
+        tma::named_arrive(next, kPair);
+        tma::mbar_arrive(empty_k(st));
+        if (j == nblocks - 1) tma::mbar_arrive(empty_q);
+        tma::mbar_wait(full_v(st), phase);
+        tma::mbar_arrive(empty_v(st));
+      }
+      g += nblocks;
+      continue;  // (the next tile: a return would leave the turns and the slots short of this warpgroup)
+    }
 
     float o[kDT][4];
     zero(o);
