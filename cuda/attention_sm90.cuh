@@ -32,6 +32,15 @@ namespace customops::cuda::attention {
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
   return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(sbo >> 4) << 32) | (1ull << 62);
 }
+// desc (sw128_desc of an address a) moved on by `bytes` (a multiple of 16): sw128_desc(a + bytes)
+// bit for bit, as shared addresses stay below 2^18 (the start address field, bits 0-13, never carries
+// out). A 32-bit add on the low word, which ptxas keeps to one uniform add a wgmma, where a descriptor
+// built from each address took five (add, mask, shift, or and a move; CUTLASS's DescriptorIterator
+// adds the same way).
+__device__ __forceinline__ uint64_t desc_plus(uint64_t desc, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4), hi = static_cast<uint32_t>(desc >> 32);
+  return (uint64_t(hi) << 32) | lo;
+}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -172,11 +181,11 @@ __device__ __forceinline__ void load_sw128(uint32_t base, const T* src, int64_t 
 // at a (panels kARows * 128 bytes apart), B 8 kNT rows at b (panels kBRows * 128 bytes apart).
 template <typename T, int D, int kARows, int kBRows, int kNT>
 __device__ __forceinline__ void wgmma_over_d(float (&d)[kNT][4], uint32_t a, uint32_t b) {
+  const uint64_t da = sw128_desc(a, 16, 1024), db = sw128_desc(b, 16, 1024);
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const uint32_t off = (kk % 4) * 32;  // 16 columns into the panel
-    wgmma<T, 0>(d, sw128_desc(a + (kk / 4) * (kARows * 128) + off, 16, 1024),
-                sw128_desc(b + (kk / 4) * (kBRows * 128) + off, 16, 1024), kk > 0);
+    wgmma<T, 0>(d, desc_plus(da, (kk / 4) * (kARows * 128) + off), desc_plus(db, (kk / 4) * (kBRows * 128) + off), kk > 0);
   }
 }
 
@@ -184,8 +193,9 @@ __device__ __forceinline__ void wgmma_over_d(float (&d)[kNT][4], uint32_t a, uin
 // columns from b of a [kK, D] tile, N-major.
 template <typename T, int kK, int kNT>
 __device__ __forceinline__ void wgmma_rs_n_major(float (&d)[kNT][4], const uint32_t (&a)[kK / 16][4], uint32_t b) {
+  const uint64_t db = sw128_desc(b, kK * 128, 1024);
 #pragma unroll
-  for (int kk = 0; kk < kK / 16; ++kk) wgmma<T, 1>(d, a[kk], sw128_desc(b + kk * 16 * 128, kK * 128, 1024), 1);
+  for (int kk = 0; kk < kK / 16; ++kk) wgmma<T, 1>(d, a[kk], desc_plus(db, kk * 16 * 128), 1);
 }
 
 // ---- forward ------------------------------------------------------------------------------------
