@@ -310,14 +310,17 @@ __device__ __forceinline__ void softmax_step(float (&s)[kNT][4], float (&row_max
   // fmaf(s, scale, -m) takes the exact product, which can miss the rounded max by half its ulp:
   // at |m| > 2^31 the max's own term overflows or underflows (a row summing to 0 would pass for
   // one with no key). Where a row passes 2^24 (rare: scores beyond float32's integers), the
-  // products are rounded first, so the max's term is exactly 1; otherwise one FMA a score.
+  // products are rounded first, so the max's term is exactly 1; otherwise one FMA a score. (The
+  // warp votes first: a branch that the whole warp takes or skips needs no convergence barrier on
+  // the common path, where each thread's own branch took eleven instructions a key block.)
   float sl = scale_log2;
-  if (!(fabsf(m_use[0]) < 0x1p24f && fabsf(m_use[1]) < 0x1p24f)) {
+  const bool rounded = !(fabsf(m_use[0]) < 0x1p24f && fabsf(m_use[1]) < 0x1p24f);
+  if (__any_sync(0xffffffffu, rounded)) {
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = __fmul_rn(s[nt][e], scale_log2);
-    sl = 1.f;
+      for (int e = 0; e < 4; ++e) s[nt][e] = rounded ? __fmul_rn(s[nt][e], scale_log2) : s[nt][e];
+    sl = rounded ? 1.f : scale_log2;
   }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
