@@ -466,6 +466,11 @@ __global__ void __launch_bounds__(ws_threads(kConsumers), 1)
     float row_max[2] = {-kInfF, -kInfF}, row_sum[2] = {0.f, 0.f};
     uint32_t a[kKeys / 16][4];  // P of the last key block, 16-bit A fragments
     float s[kNT][4];
+    // Key blocks j >= mask_from have keys to mask: past sk, or (causal) past a row's limit m0 + shift
+    // + row. (j + 1) kKeys > min(sk, m0 + shift + 1) is the test on n0 = j kKeys it replaces, once a
+    // tile instead of in 64 bits a block.
+    const int64_t key_lim = kCausal ? std::min<int64_t>(p.sk, m0 + shift + 1) : p.sk;
+    const int mask_from = key_lim > 0 ? static_cast<int>(std::min<int64_t>(key_lim / kKeys, nblocks)) : 0;
 
     auto issue_qk = [&](int st) { wgmma_over_d<T, D, kRows, kKeys>(s, q_wg, k_base(st)); };
     auto issue_pv = [&](int st) {
@@ -493,7 +498,7 @@ __global__ void __launch_bounds__(ws_threads(kConsumers), 1)
       wgmma_fence_operands(s);
       tma::mbar_arrive(empty_k(st));
       if (nblocks == 1) tma::mbar_arrive(empty_q);  // (q's last read)
-      if (kKeys > p.sk || (kCausal && kKeys - 1 > m0 + shift)) {
+      if (mask_from == 0) {
         mask_scores<kNT, kCausal>(s, m0 + warp_row, 0, p.sk, shift, lane);
       }
       float corr[2];
@@ -518,9 +523,8 @@ __global__ void __launch_bounds__(ws_threads(kConsumers), 1)
       tma::mbar_arrive(empty_k(st));
       if (j == nblocks - 1) tma::mbar_arrive(empty_q);  // (q's last read: the next tile's may load)
       // Masked keys to -inf, the online softmax (probabilities in place).
-      const int64_t n0 = int64_t(j) * kKeys;
-      if (n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift)) {
-        mask_scores<kNT, kCausal>(s, m0 + warp_row, n0, p.sk, shift, lane);
+      if (j >= mask_from) {
+        mask_scores<kNT, kCausal>(s, m0 + warp_row, int64_t(j) * kKeys, p.sk, shift, lane);
       }
       float corr[2];
       softmax_step(s, row_max, row_sum, corr, p.scale_log2);
