@@ -489,12 +489,14 @@ bool use_sm90_bwd(const at::Tensor& q) {
 // The wgmma backward's dQ. At head dim 128 by default (CUSTOMOPS_ATTENTION_BWD_DQ=reduce) added
 // through the TMA's reductions in the warp-specialized dK/dV kernel, issued by its dQ writer warp:
 // 1.04-1.11x the forward+backward of a pass of its own on an H100 (docs/benchmarks.md). Elsewhere a
-// pass of its own (=pass; at head dim 64 the reductions measured 0.90-0.95x of it). =atomic adds it
-// in the cp.async dK/dV kernel with float32 atomics (+0-3% at head dim 128 before the writer warp,
-// 10% slower at 64).
+// pass of its own (=pass; at head dim 64 the reductions with 64 query rows a step measured 0.90-0.95x
+// of it; with 128, as the pass's dK/dV kernel takes, not measured yet). =atomic adds it in the
+// cp.async dK/dV kernel with float32 atomics (+0-3% at head dim 128 before the writer warp, 10%
+// slower at 64).
 enum class DqMode { pass, atomic, reduce };
 // At head dim 64 the warp-specialized dK/dV kernel takes 128 query rows a step (1.07-1.20x the
-// forward+backward of 64 on an H100, docs/benchmarks.md); CUSTOMOPS_ATTENTION_BWD_ROWS=64 keeps 64.
+// forward+backward of 64 on an H100, docs/benchmarks.md), with the dQ pass or the reductions;
+// CUSTOMOPS_ATTENTION_BWD_ROWS=64 keeps 64.
 bool sm90_bwd_rows128() {
   return !env_is("CUSTOMOPS_ATTENTION_BWD_ROWS", "64");
 }
@@ -765,8 +767,9 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
   // The warp-specialized kernels' tensor maps (q, dO, k, v), where asked for and possible.
   std::optional<std::array<CUtensorMap, 4>> ws_maps, dq_maps;
   const WsBwd ws = sm90_ws_bwd();
-  // (128 query rows a dK/dV step: asked for, head dim 64, dQ a pass of its own)
-  const bool rows128 = sm90 && ws.dkdv && d == 64 && dq_mode == DqMode::pass && sm90_bwd_rows128();
+  // (128 query rows a dK/dV step: asked for, head dim 64, dQ a pass of its own or the TMA's reductions)
+  const bool rows128 =
+      sm90 && ws.dkdv && d == 64 && (dq_mode == DqMode::pass || dq_mode == DqMode::reduce) && sm90_bwd_rows128();
   if (sm90 && dq_mode != DqMode::atomic && ws.dkdv) {
     ws_maps = bwd_maps(q, go, k, v, rows128 ? 128 : kSm90BwdRows, kSm90BwdKeys);
   }
@@ -784,7 +787,7 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
   if (reduce_dq) {
     try {
       dq_acc = at::zeros({bsz, hq, sq_pad, d}, f32);
-      dq_acc_map = tensor_map(dq_acc, kSm90BwdRows);
+      dq_acc_map = tensor_map(dq_acc, kSm90DqTileRows);  // (boxes: a consumer's tile, 64 rows at either kRows)
     } catch (const c10::OutOfMemoryError&) {
     }
     reduce_dq = dq_acc_map.has_value();
@@ -864,8 +867,16 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
                sm90_dkdv_smem_bytes<D, true>(), stream, p);
       } else if (sk > 0 && bsz > 0 && reduce_dq) {
         const auto& m = *ws_maps;
-        launch(attention_bwd_dkdv_sm90_ws_kernel<T, D, decltype(c)::value, true>, grid, kSm90BwdWsThreads,
-               sm90_dkdv_ws_smem_bytes<D, true>(), stream, m[0], m[1], m[2], m[3], *dq_acc_map, p);
+        if constexpr (D == 64) {
+          if (rows128) {
+            launch(attention_bwd_dkdv_sm90_ws_kernel<T, D, decltype(c)::value, true, 128>, grid, kSm90BwdWsThreads,
+                   sm90_dkdv_ws_smem_bytes<D, true, 128>(), stream, m[0], m[1], m[2], m[3], *dq_acc_map, p);
+          }
+        }
+        if (D != 64 || !rows128) {
+          launch(attention_bwd_dkdv_sm90_ws_kernel<T, D, decltype(c)::value, true>, grid, kSm90BwdWsThreads,
+                 sm90_dkdv_ws_smem_bytes<D, true>(), stream, m[0], m[1], m[2], m[3], *dq_acc_map, p);
+        }
       } else if (sk > 0 && bsz > 0 && ws_maps) {
         const auto& m = *ws_maps;  // (k's map in the unused dQ accumulator's place)
         if constexpr (D == 64) {

@@ -25,8 +25,10 @@
 //
 // - Or dQ in the warp-specialized dK/dV kernel (kReduceDq; the default at head dim 128,
 //   CUSTOMOPS_ATTENTION_BWD_DQ=reduce elsewhere): the same shares, written to shared memory and added
-//   to the accumulator by the TMA, issued by a dQ writer warp (see that kernel). Its sums land in the
-//   order the blocks reach them (not bitwise reproducible run to run).
+//   to the accumulator by the TMA, issued by a dQ writer warp (see that kernel). At head dim 64 with
+//   128 query rows a step (the default step there) the shares split the step's rows instead: warpgroup
+//   w takes rows [64 w, 64 w + 64) over the block's 128 keys (both warpgroups' dS^T, a block barrier).
+//   Its sums land in the order the blocks reach them (not bitwise reproducible run to run).
 //
 // The warp-specialized kernels (attention_bwd_*_ws_kernel, the default where the TMA reads the
 // inputs) take the steps of the cp.async ones (dkdv_step, dq_step) with a producer warpgroup loading.
@@ -81,11 +83,28 @@ __device__ __forceinline__ void store_accumulator(const float (&acc)[kDT][4], fl
 }
 
 // kAtomicDq or kReduceDq, before dK's product is issued (which reads da: no other instruction may until it is
-// waited for): dS^T (da, this thread's keys' A fragments) into the tile at sds.
+// waited for): dS^T (da, this thread's keys' A fragments) into the tile at sds, [kRows / 64][kKeys][64]
+// (128 query rows: two panels of 64).
 template <int kKeys, int kRows>
 __device__ __forceinline__ void store_ds_t(const uint32_t (&da)[kRows / 16][4], uint32_t sds, int wg, int warp,
                                            int lane) {
-  static_assert(kRows == 64, "a query row of dS^T is one 128-byte panel");
+  static_assert(kRows == 64 || kRows == 128, "a key row of dS^T is one or two 128-byte panels");
+  if constexpr (kRows == 128) {
+    // stmatrix: 8 instructions, not 32 scalar stores; lane l gives row l % 8 of 8x8 matrix l / 8 (da[kk][l / 8]:
+    // keys + 8 (l / 8 % 2), columns 16 kk + 8 (l / 16)). The swizzle's chunk (2 kk + l / 16) ^ (key % 8), with
+    // key % 8 = l % 8, is (2 kk % 8) ^ (l / 16 ^ l % 8): immediate XORs on one row address (the scalar
+    // stores' 8 swizzled addresses, held across the walk, spilled at 240 registers).
+    const int key = wg * 64 + warp * 16 + (lane / 8 % 2) * 8 + lane % 8;
+    const uint32_t row = (sds + key * 128) | (((lane / 16) ^ (lane % 8)) << 4);
+#pragma unroll
+    for (int kk = 0; kk < kRows / 16; ++kk) {
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                       (row ^ ((2 * kk % 8) << 4)) + (kk / 4) * kKeys * 128),
+                   "r"(da[kk][0]), "r"(da[kk][1]), "r"(da[kk][2]), "r"(da[kk][3])
+                   : "memory");
+    }
+    return;
+  }
   const int key_row = wg * 64 + warp * 16 + lane / 4;
 #pragma unroll
   for (int kk = 0; kk < kRows / 16; ++kk)
@@ -129,19 +148,22 @@ __device__ __forceinline__ void arrive_of(uint32_t base, int c, uint32_t threads
 // kAtomicDq or kReduceDq, after every thread's store_ds_t (dS^T at sds): issues and commits this
 // warpgroup's share of dQ = dS K (see the top; unscaled), K's tile at k_tile, not waited for (its
 // accumulator: no instruction may touch dq until then). wg: the consumer warpgroup (0 or 1); named
-// barriers kBarDs and kBarDs + 1.
-template <typename T, int D, int kKeys>
+// barriers kBarDs and kBarDs + 1. kRows 128 (head dim 64, kReduceDq): the share is warpgroup w's
+// query rows [64 w, 64 w + 64) (dS^T's panel w) over the block's 128 keys, as FlashAttention-3 splits it.
+template <typename T, int D, int kKeys, int kRows = kSm90BwdRows>
 __device__ __forceinline__ void dq_share(float (&dq)[8][4], uint32_t sds, uint32_t k_tile, int wg) {
   static_assert(D == 64 || D == 128, "m64n64 dQ shares: a 64-column panel of K a warpgroup");
+  static_assert(kRows == kSm90BwdRows || (kRows == 128 && D == 64), "128 query rows: head dim 64");
+  constexpr bool kAllKeys = D == 128 || kRows == 128;  // over the block's keys: both warpgroups' dS^T
   fence_proxy_async();
-  constexpr int kDqKeys = D == 128 ? kKeys : 64;  // keys a warpgroup's dQ share sums over
-  if constexpr (D == 128) {
+  constexpr int kDqKeys = kAllKeys ? kKeys : 64;  // keys a warpgroup's dQ share sums over
+  if constexpr (kAllKeys) {
     tma::named_sync(kBarDs, 256);  // both warpgroups' dS^T
   } else {
     sync_of(kBarDs, wg, 128);  // this warpgroup's
   }
-  const uint32_t a = sds + (D == 128 ? 0 : wg * 64 * 128);
-  const uint32_t b = k_tile + (D == 128 ? wg * kKeys * 128 : wg * 64 * 128);  // K's panel w, or this warpgroup's keys
+  const uint32_t a = sds + (kRows == 128 ? wg * kKeys * 128 : D == 128 ? 0 : wg * 64 * 128);  // dS^T's panel w
+  const uint32_t b = k_tile + (D == 128 ? wg * kKeys * 128 : kRows == 128 ? 0 : wg * 64 * 128);  // K's panel w, or this warpgroup's keys
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kDqKeys / 16; ++kk) {
@@ -188,7 +210,9 @@ __device__ __forceinline__ void store_dq_tile(const float (&dq)[8][4], float sca
 // waited for as late as its result is needed (P^T computed while dP^T runs, dS^T while dV's product
 // does): S^T = K Q^T, dP^T = V dO^T, P^T, dV += P^T dO, dS^T = P^T (dP^T - dt), before_dk(dS^T's
 // A fragments), dK += dS^T Q. Returns with dV's and dK's products committed, not waited for.
-template <typename T, int D, int kKeys, int kRows, bool kCausal, typename BeforeDk>
+// kDvAfterDs: dV's product issued once dS^T is computed (as FlashAttention-3 orders it), so that P^T's
+// A fragments are not live beside S^T and dP^T (128 query rows with kReduceDq: 240 registers).
+template <typename T, int D, int kKeys, int kRows, bool kCausal, bool kDvAfterDs = false, typename BeforeDk>
 __device__ __forceinline__ void dkdv_step(float (&dk)[D / 8][4], float (&dv)[D / 8][4], uint32_t k_wg, uint32_t v_wg,
                                           uint32_t q_tile, uint32_t g_tile, const float* lse2, const float* dt,
                                           float scale_log2, bool masked, int64_t key0, int64_t m0_shift, int64_t sk,
@@ -204,19 +228,32 @@ __device__ __forceinline__ void dkdv_step(float (&dk)[D / 8][4], float (&dv)[D /
   wgmma_fence_operands(s);
   transposed_probs<kNT, kCausal>(s, lse2, scale_log2, masked, key0, m0_shift, sk, lane);  // P^T in place
   uint32_t pa[kRows / 16][4], da[kRows / 16][4];
+  if constexpr (!kDvAfterDs) {
 #pragma unroll
-  for (int kk = 0; kk < kRows / 16; ++kk) accumulators_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
-  wgmma_fence();
-  wgmma_rs_n_major<T, kRows>(dv, pa, g_tile);  // dV += P^T dO
-  wgmma_commit();
-  wgmma_wait<1>();  // dP^T is in (dV's product may still run)
+    for (int kk = 0; kk < kRows / 16; ++kk) accumulators_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
+    wgmma_fence();
+    wgmma_rs_n_major<T, kRows>(dv, pa, g_tile);  // dV += P^T dO
+    wgmma_commit();
+    wgmma_wait<1>();  // dP^T is in (dV's product may still run)
+  } else {
+    wgmma_wait<0>();  // dP^T is in
+  }
   wgmma_fence_operands(dp);
 #pragma unroll
   for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dp[nt][e] = s[nt][e] * (dp[nt][e] - dt[nt * 8 + (lane % 4) * 2 + (e & 1)]);
+  if constexpr (kDvAfterDs) {
+#pragma unroll
+    for (int kk = 0; kk < kRows / 16; ++kk) accumulators_to_a<T>(pa[kk], s[2 * kk], s[2 * kk + 1]);
+  }
 #pragma unroll
   for (int kk = 0; kk < kRows / 16; ++kk) accumulators_to_a<T>(da[kk], dp[2 * kk], dp[2 * kk + 1]);
+  if constexpr (kDvAfterDs) {
+    wgmma_fence();
+    wgmma_rs_n_major<T, kRows>(dv, pa, g_tile);  // dV += P^T dO
+    wgmma_commit();
+  }
   before_dk(da);
   wgmma_fence();
   wgmma_rs_n_major<T, kRows>(dk, da, q_tile);  // dK += dS^T Q
@@ -323,25 +360,35 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_ke
 // writer warp (the producer warpgroup's second), which adds the tile to the zeroed float32 [B, Hq,
 // Sq_pad, D] accumulator through the TMA (tdq: boxes of 64 rows of 32 columns), a reduction in L2
 // nobody waits for, and hands the tile back once the copy has read it (named barriers kBarDqWritten and kBarDqFree).
+// With 128 query rows a step (head dim 64) consumer c's tile is rows [64 c, 64 c + 64) of the step
+// over every column (dq_share), added at row m0 + 64 c: a dQ row is reduced once a step, not once
+// a warpgroup, and the accumulator's rows run to a multiple of 128.
 constexpr int kSm90BwdWsThreads = 384;
-constexpr uint32_t kSm90DsBytes = kSm90BwdKeys * kSm90BwdRows * 2, kSm90DqTileBytes = kSm90BwdRows * 64 * 4;
+constexpr int kSm90DqTileRows = 64;  // a consumer's dQ tile: [64, 64] float32 (the accumulator's map: boxes of 64 rows)
+constexpr uint32_t kSm90DqTileBytes = kSm90DqTileRows * 64 * 4;
+template <int kRows = kSm90BwdRows>
+constexpr uint32_t sm90_ds_bytes() {  // a dS^T buffer: [kRows / 64][128 keys][64] 16-bit
+  return kSm90BwdKeys * kRows * 2;
+}
 template <int D, bool kReduceDq = false, int kRows = kSm90BwdRows>
 constexpr int sm90_dkdv_ws_smem_bytes() {
   // k, v: [128, D]; two stages of q, dO: [kRows, D] and lse2, dt: kRows floats; barriers; 1024 to
   // align; kReduceDq: two dS^T buffers and a dQ tile a consumer
   return (2 * kSm90BwdKeys + 4 * kRows) * D * 2 + 4 * kRows * 4 + 8 * 8 + 1024 +
-         (kReduceDq ? 2 * kSm90DsBytes + 2 * kSm90DqTileBytes : 0);
+         (kReduceDq ? 2 * sm90_ds_bytes<kRows>() + 2 * kSm90DqTileBytes : 0);
 }
+static_assert(sm90_dkdv_ws_smem_bytes<64, true, 128>() <= 227 * 1024, "shared memory: 227 KiB a block");
+static_assert(sm90_dkdv_ws_smem_bytes<128, true>() <= 227 * 1024, "shared memory: 227 KiB a block");
 
-// kRows: query rows a step, 64 (kSm90BwdRows) or, at head dim 64 (the default there, not with
-// kReduceDq), 128: twice the work a step for the same waits.
+// kRows: query rows a step, 64 (kSm90BwdRows) or, at head dim 64 (the default there), 128: twice
+// the work a step for the same waits.
 template <typename T, int D, bool kCausal, bool kReduceDq = false, int kRows = kSm90BwdRows>
 __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
     attention_bwd_dkdv_sm90_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tg,
                                       const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tv,
                                       const __grid_constant__ CUtensorMap tdq, BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert(kRows == kSm90BwdRows || (kRows == 128 && D == 64 && !kReduceDq), "128 query rows a step at head dim 64");
+  static_assert(kRows == kSm90BwdRows || (kRows == 128 && D == 64), "128 query rows a step at head dim 64");
   constexpr int kKeys = kSm90BwdKeys, kStages = 2, kPanels = D / 64;
   constexpr int kDT = D / 8;
   constexpr uint32_t kKBytes = kKeys * D * 2, kQBytes = kRows * D * 2, kStatBytes = kRows * 4;
@@ -350,9 +397,10 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
   const uint32_t sk = (smem_addr(smem) + 1023) & ~1023u, sv = sk + kKBytes;
   auto q_base = [&](int st) { return sv + kKBytes + st * 2 * kQBytes; };
   auto g_base = [&](int st) { return q_base(st) + kQBytes; };
-  // kReduceDq: dS^T [kKeys][kRows] of steps of parity i & 1, and consumer c's dQ tile
-  const uint32_t sds = sv + kKBytes + kStages * 2 * kQBytes, sdq = sds + 2 * kSm90DsBytes;
-  const uint32_t stats = sds + (kReduceDq ? 2 * kSm90DsBytes + 2 * kSm90DqTileBytes : 0);  // [stage][lse2, dt][kRows] floats
+  // kReduceDq: dS^T [kRows / 64][kKeys][64] of steps of parity i & 1, and consumer c's dQ tile
+  constexpr uint32_t kDsBytes = sm90_ds_bytes<kRows>();
+  const uint32_t sds = sv + kKBytes + kStages * 2 * kQBytes, sdq = sds + 2 * kDsBytes;
+  const uint32_t stats = sds + (kReduceDq ? 2 * kDsBytes + 2 * kSm90DqTileBytes : 0);  // [stage][lse2, dt][kRows] floats
   auto lse2_base = [&](int st) { return stats + st * 2 * kStatBytes; };
   const uint32_t bars = stats + kStages * 2 * kStatBytes;
   const uint32_t full_kv = bars;
@@ -367,6 +415,9 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
   const int64_t m_first = kCausal ? std::max<int64_t>(0, n0 - shift) / kRows : 0;
   const int64_t per_head = std::max<int64_t>(0, (p.sq + kRows - 1) / kRows - m_first);
   const int64_t steps = per_head * p.group;
+  // (128 rows with kReduceDq: the producer and consumers count the walk's head and query block as the
+  // writer warp does, for the int64 divisions' call (its return address on the stack) and registers)
+  constexpr bool kCountedWalk = kReduceDq && kRows == 128;
   tma::init_ring<kStages>(bars, kConsumerThreads);  // (empty: once a consumer's products read the stage)
 
   // kReduceDq: consumer c's dQ tile is handed to the writer warp at kBarDqWritten + c (the consumer's
@@ -389,8 +440,9 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
             if (lane == 0) {
 #pragma unroll
               for (int box = 0; box < 2; ++box) {
-                tma::tensor_add_4d(&tdq, (D == 128 ? c * 64 : 0) + box * 32, m0, h, static_cast<int>(b),
-                                   sdq + c * kSm90DqTileBytes + box * 8192);
+                // (head dim 128: c's columns; 128 rows a step: c's rows)
+                tma::tensor_add_4d(&tdq, (D == 128 ? c * 64 : 0) + box * 32, m0 + (kRows == 128 ? c * 64 : 0), h,
+                                   static_cast<int>(b), sdq + c * kSm90DqTileBytes + box * 8192);
               }
               tma::bulk_commit();
               tma::bulk_wait_read<0>();
@@ -414,10 +466,16 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
       tma::tensor_load_4d(sv + pc * kKeys * 128, &tv, pc * 64, static_cast<int>(n0), static_cast<int>(hk),
                           static_cast<int>(b), full_kv);
     }
+    [[maybe_unused]] int wh = 0, wmb = 0;  // kCountedWalk: step i's i / per_head and i % per_head
     for (int64_t i = 0; i < steps; ++i) {
       const int st = static_cast<int>(i % kStages);
       if (i >= kStages) tma::mbar_wait(empty(st), static_cast<uint32_t>((i / kStages - 1) & 1));
-      const int64_t h = hk * p.group + i / per_head, m0 = (m_first + i % per_head) * kRows;
+      const int64_t h = hk * p.group + (kCountedWalk ? wh : i / per_head);
+      const int64_t m0 = (m_first + (kCountedWalk ? wmb : i % per_head)) * kRows;
+      if constexpr (kCountedWalk) {
+        wmb = wmb + 1 == per_head ? 0 : wmb + 1;
+        wh += wmb == 0;
+      }
       tma::mbar_arrive_expect_tx(full(st), 2 * kQBytes + 2 * kStatBytes);
 #pragma unroll
       for (int pc = 0; pc < kPanels; ++pc) {  // (rows past sq: zeros, the TMA's fill)
@@ -442,24 +500,26 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
   const int key_row = c * 64 + warp * 16;  // this thread's keys: n0 + key_row + lane / 4 (+ 8)
   const uint32_t k_wg = sk + c * 64 * 128, v_wg = sv + c * 64 * 128;  // this warpgroup's 64 rows of each panel
   if (steps > 0) tma::mbar_wait(full_kv, 0);
+  [[maybe_unused]] int wmb = 0;  // kCountedWalk: step i's i % per_head
   for (int64_t i = 0; i < steps; ++i) {
     const int st = static_cast<int>(i % kStages);
     tma::mbar_wait(full(st), static_cast<uint32_t>((i / kStages) & 1));
-    const int64_t m0 = (m_first + i % per_head) * kRows;
+    const int64_t m0 = (m_first + (kCountedWalk ? wmb : i % per_head)) * kRows;
+    if constexpr (kCountedWalk) wmb = wmb + 1 == per_head ? 0 : wmb + 1;
     const float* lse2 = stats_ptr + st * 2 * kRows;
     const bool masked = n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift);
-    const uint32_t ds = sds + static_cast<uint32_t>(i & 1) * kSm90DsBytes;
+    const uint32_t ds = sds + static_cast<uint32_t>(i & 1) * kDsBytes;
     [[maybe_unused]] float dq[8][4];
     // (kReduceDq: dQ's product issued before dK's, so that dQ's tile is written while dK's runs)
-    dkdv_step<T, D, kKeys, kRows, kCausal>(dk, dv, k_wg, v_wg, q_base(st), g_base(st), lse2, lse2 + kRows,
-                                           p.scale_log2, masked, n0 + key_row, m0 + shift, p.sk, lane,
-                                           [&](const uint32_t(&da)[kRows / 16][4]) {
-                                             if constexpr (kReduceDq) {
-                                               store_ds_t<kKeys, kRows>(da, ds, c, warp, lane);
-                                               __syncwarp();  // (converged for the aligned barrier and wgmma)
-                                               dq_share<T, D, kKeys>(dq, ds, sk, c);
-                                             }
-                                           });
+    dkdv_step<T, D, kKeys, kRows, kCausal, kReduceDq && kRows == 128>(
+        dk, dv, k_wg, v_wg, q_base(st), g_base(st), lse2, lse2 + kRows, p.scale_log2, masked, n0 + key_row,
+        m0 + shift, p.sk, lane, [&](const uint32_t(&da)[kRows / 16][4]) {
+          if constexpr (kReduceDq) {
+            store_ds_t<kKeys, kRows>(da, ds, c, warp, lane);
+            __syncwarp();  // (converged for the aligned barrier and wgmma)
+            dq_share<T, D, kKeys, kRows>(dq, ds, sk, c);
+          }
+        });
     if constexpr (kReduceDq) {
       wgmma_wait<1>();  // dQ's product (dK's may still run)
       wgmma_fence_operands(dq);

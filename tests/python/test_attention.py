@@ -98,7 +98,8 @@ PATHS = {
     "wgmma": ({"CUSTOMOPS_ATTENTION_WS": "0"}, False),  # the wgmma forward without warp specialization
     "mma-bwd": ({"CUSTOMOPS_ATTENTION_BWD_SM90": "0"}, False),  # the mma.sync backward after the default forward
     "atomic-dq": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "atomic"}, True),  # dQ by atomics in the dK/dV kernel
-    "reduce-dq": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "reduce"}, True),  # by the TMA's adds in the ws dK/dV kernel (d 128's default)
+    "reduce-dq": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "reduce"}, True),  # by the TMA's adds in the ws dK/dV kernel (d 128's default; d 64: 128 rows a step)
+    "reduce-dq64": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "reduce", "CUSTOMOPS_ATTENTION_BWD_ROWS": "64"}, True),  # so, 64 rows a step at d 64
     "dq-pass": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "pass"}, True),  # by a pass of its own (the default but at d 128)
     "cp-bwd": ({"CUSTOMOPS_ATTENTION_BWD_WS": "0"}, False),  # the wgmma backward's kernels loading by cp.async
     "cp-dq": ({"CUSTOMOPS_ATTENTION_BWD_WS": "dkdv", "CUSTOMOPS_ATTENTION_BWD_DQ": "pass"}, False),  # its dQ pass only so
@@ -126,7 +127,7 @@ def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, 
         pytest.skip("head dim 256 has one fused forward")
     if forward == "keys64" and d != 256:
         pytest.skip("keys64: a choice at head dim 256 only")
-    if forward in ("ws128", "bwd64", "dq128") and d != 64:
+    if forward in ("ws128", "bwd64", "dq128", "reduce-dq64") and d != 64:
         pytest.skip(f"{forward}: a choice at head dim 64 only")
     _kernel("cuda", forward, monkeypatch)
     torch.manual_seed(0)
@@ -185,13 +186,16 @@ def test_tiles_without_keys_between_tiles_with_keys(d, order, dq, monkeypatch):
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq, sk", [(2085, 1500), (1500, 2085)])
-def test_reduced_dq_matches_the_dq_pass_over_long_walks(causal, sq, sk, monkeypatch):
-    # dQ through the TMA's reductions (head dim 128's default) over dK/dV blocks of many steps (8 query
-    # heads a kv head, 24-33 query blocks each) against the dQ pass on the same inputs.
-    _kernel("cuda", "reduce-dq", monkeypatch)
+@pytest.mark.parametrize("d, path", [(128, "reduce-dq"), (64, "reduce-dq"), (64, "reduce-dq64")])
+def test_reduced_dq_matches_the_dq_pass_over_long_walks(causal, sq, sk, d, path, monkeypatch):
+    # dQ through the TMA's reductions (head dim 128's default; at 64 with 128 query rows a step, each
+    # consumer adding its 64 rows over the block's 128 keys, or with 64) over dK/dV blocks of many
+    # steps (8 query heads a kv head, 12-33 query blocks each, sq off the block sizes) against the dQ
+    # pass on the same inputs.
+    _kernel("cuda", path, monkeypatch)
     torch.manual_seed(0)
-    q = torch.randn(1, 16, sq, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k, v = (torch.randn(1, 2, sk, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    q = torch.randn(1, 16, sq, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 2, sk, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     go = torch.randn_like(q)
     reduced = torch.autograd.grad(customops.attention(q, k, v, causal=causal), (q, k, v), go)
     monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_DQ", "pass")
@@ -293,6 +297,7 @@ KERNELS = [pytest.param(dev, dt, d, fwd, id=f"{dev}-{str(dt).removeprefix('torch
                                (torch.bfloat16, 256, "default"), (torch.bfloat16, 128, "mma-bwd"),
                                (torch.bfloat16, 128, "atomic-dq"), (torch.float16, 64, "atomic-dq"),
                                (torch.bfloat16, 128, "reduce-dq"), (torch.float16, 64, "reduce-dq"),
+                               (torch.bfloat16, 64, "reduce-dq64"),
                                (torch.bfloat16, 128, "cp-bwd"), (torch.float16, 64, "cp-dq"),
                                (torch.float16, 64, "ws128"), (torch.bfloat16, 64, "bwd64"),
                                (torch.float16, 64, "dq128"), (torch.bfloat16, 128, "ws-one-block"),
