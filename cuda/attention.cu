@@ -486,12 +486,12 @@ bool use_sm90_bwd(const at::Tensor& q) {
   return use_sm90(q) && !env_is("CUSTOMOPS_ATTENTION_BWD_SM90", "0");
 }
 
-// The wgmma backward's dQ. At head dim 128 by default (CUSTOMOPS_ATTENTION_BWD_DQ=reduce) added
-// through the TMA's reductions in the warp-specialized dK/dV kernel, issued by its dQ writer warp:
-// 1.04-1.11x the forward+backward of a pass of its own on an H100 (docs/benchmarks.md). Elsewhere a
-// pass of its own (=pass; at head dim 64 the reductions with 64 query rows a step measured 0.90-0.95x
-// of it; with 128, as the pass's dK/dV kernel takes, not measured yet). =atomic adds it in the
-// cp.async dK/dV kernel with float32 atomics (+0-3% at head dim 128 before the writer warp, 10%
+// The wgmma backward's dQ. By default (CUSTOMOPS_ATTENTION_BWD_DQ=reduce) added through the TMA's
+// reductions in the warp-specialized dK/dV kernel, issued by its dQ writer warp: at head dim 128
+// 1.04-1.11x the forward+backward of a pass of its own on an H100, at 64 (128 query rows a step, each
+// consumer warpgroup adding 64 rows) 1.08-1.11x (docs/benchmarks.md). Elsewhere, and at head dim 64
+// with 64 query rows a step (0.90-0.95x of the pass there), a pass of its own (=pass). =atomic adds it
+// in the cp.async dK/dV kernel with float32 atomics (+0-3% at head dim 128 before the writer warp, 10%
 // slower at 64).
 enum class DqMode { pass, atomic, reduce };
 // At head dim 64 the warp-specialized dK/dV kernel takes 128 query rows a step (1.07-1.20x the
@@ -512,7 +512,7 @@ DqMode sm90_dq_mode(int64_t d) {
   if (env_is("CUSTOMOPS_ATTENTION_BWD_DQ", "atomic")) return DqMode::atomic;
   if (env_is("CUSTOMOPS_ATTENTION_BWD_DQ", "reduce")) return DqMode::reduce;
   if (env_is("CUSTOMOPS_ATTENTION_BWD_DQ", "pass")) return DqMode::pass;
-  return d == 128 ? DqMode::reduce : DqMode::pass;
+  return d == 128 || (d == 64 && sm90_bwd_rows128()) ? DqMode::reduce : DqMode::pass;
 }
 
 // The wgmma backward's kernels warp-specialized (attention_bwd_dkdv_sm90_ws_kernel, measured

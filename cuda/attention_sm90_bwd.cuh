@@ -12,7 +12,8 @@
 //   as register A fragments (the layout of an m64 accumulator is the A fragments' once packed) and
 //   dO and Q N-major from shared memory. dK and dV stay in registers over the whole walk and are
 //   written once (dK times the scale).
-// - dQ (a pass of its own; the default at head dim 64): a block of two warpgroups owns 128 query rows of one (batch, head), 64 a warpgroup, with q
+// - dQ (a pass of its own; CUSTOMOPS_ATTENTION_BWD_DQ=pass, the default only at head dim 64 with 64
+//   query rows a dK/dV step and under torch.use_deterministic_algorithms): a block of two warpgroups owns 128 query rows of one (batch, head), 64 a warpgroup, with q
 //   and dO in shared memory, and walks the key blocks (64 keys) its rows see: S = Q K^T, dP = dO V^T,
 //   P and dS as above, dQ += dS K (dS as A fragments, K N-major); dQ is written once, times the
 //   scale. S and dP are computed twice (here and above): 7 products instead of 5, and no float32
@@ -23,8 +24,8 @@
 //   columns [64 w, 64 w + 64) over the block's 128 keys (both warpgroups' dS^T, a block barrier), at
 //   64 every column over its own 64 keys; either way an m64n64 product, 32 registers.
 //
-// - Or dQ in the warp-specialized dK/dV kernel (kReduceDq; the default at head dim 128,
-//   CUSTOMOPS_ATTENTION_BWD_DQ=reduce elsewhere): the same shares, written to shared memory and added
+// - Or dQ in the warp-specialized dK/dV kernel (kReduceDq, CUSTOMOPS_ATTENTION_BWD_DQ=reduce; the
+//   default at head dims 128 and 64): the same shares, written to shared memory and added
 //   to the accumulator by the TMA, issued by a dQ writer warp (see that kernel). At head dim 64 with
 //   128 query rows a step (the default step there) the shares split the step's rows instead: warpgroup
 //   w takes rows [64 w, 64 w + 64) over the block's 128 keys (both warpgroups' dS^T, a block barrier).

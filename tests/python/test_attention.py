@@ -98,14 +98,14 @@ PATHS = {
     "wgmma": ({"CUSTOMOPS_ATTENTION_WS": "0"}, False),  # the wgmma forward without warp specialization
     "mma-bwd": ({"CUSTOMOPS_ATTENTION_BWD_SM90": "0"}, False),  # the mma.sync backward after the default forward
     "atomic-dq": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "atomic"}, True),  # dQ by atomics in the dK/dV kernel
-    "reduce-dq": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "reduce"}, True),  # by the TMA's adds in the ws dK/dV kernel (d 128's default; d 64: 128 rows a step)
+    "reduce-dq": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "reduce"}, True),  # by the TMA's adds in the ws dK/dV kernel (the default; d 64: 128 rows a step)
     "reduce-dq64": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "reduce", "CUSTOMOPS_ATTENTION_BWD_ROWS": "64"}, True),  # so, 64 rows a step at d 64
-    "dq-pass": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "pass"}, True),  # by a pass of its own (the default but at d 128)
+    "dq-pass": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "pass"}, True),  # by a pass of its own (the default at d 64 with 64 rows a step)
     "cp-bwd": ({"CUSTOMOPS_ATTENTION_BWD_WS": "0"}, False),  # the wgmma backward's kernels loading by cp.async
     "cp-dq": ({"CUSTOMOPS_ATTENTION_BWD_WS": "dkdv", "CUSTOMOPS_ATTENTION_BWD_DQ": "pass"}, False),  # its dQ pass only so
     "ws128": ({"CUSTOMOPS_ATTENTION_WS_ROWS": "128"}, True),  # 128 query rows a block at head dim 64
     "bwd64": ({"CUSTOMOPS_ATTENTION_BWD_ROWS": "64"}, True),  # 64 query rows a dK/dV step at head dim 64 (128 else)
-    "dq128": ({"CUSTOMOPS_ATTENTION_BWD_DQ_KEYS": "128"}, True),  # 128 keys a dQ step at head dim 64 (64 else)
+    "dq128": ({"CUSTOMOPS_ATTENTION_BWD_DQ_KEYS": "128", "CUSTOMOPS_ATTENTION_BWD_DQ": "pass"}, True),  # 128 keys a dQ pass step at head dim 64 (64 else)
     "ws-one-block": ({"CUSTOMOPS_ATTENTION_WS_PERSISTENT": "1"}, True),  # every forward tile through one block
     "ws-grid": ({"CUSTOMOPS_ATTENTION_WS_PERSISTENT": "0"}, True),  # a block a forward tile
     "launch-order": ({"CUSTOMOPS_ATTENTION_LPT": "0"}, False),  # causal blocks in launch order, not longest first
@@ -139,10 +139,10 @@ def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, 
 
 
 def _dq_pass(d, dq, monkeypatch):
-    # dq "pass": the dQ kernel where it is not the default (head dim 128); a duplicate elsewhere.
+    # dq "pass": the dQ kernel where it is not the default (head dims 128 and 64); head dim 256 has none.
     if dq == "pass":
-        if d != 128:
-            pytest.skip("the dQ pass is the default but at head dim 128")
+        if d not in (64, 128):
+            pytest.skip("head dim 256's backward has no dQ pass")
         monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_DQ", "pass")
 
 
@@ -188,7 +188,7 @@ def test_tiles_without_keys_between_tiles_with_keys(d, order, dq, monkeypatch):
 @pytest.mark.parametrize("sq, sk", [(2085, 1500), (1500, 2085)])
 @pytest.mark.parametrize("d, path", [(128, "reduce-dq"), (64, "reduce-dq"), (64, "reduce-dq64")])
 def test_reduced_dq_matches_the_dq_pass_over_long_walks(causal, sq, sk, d, path, monkeypatch):
-    # dQ through the TMA's reductions (head dim 128's default; at 64 with 128 query rows a step, each
+    # dQ through the TMA's reductions (the default; at head dim 64 with 128 query rows a step, each
     # consumer adding its 64 rows over the block's 128 keys, or with 64) over dK/dV blocks of many
     # steps (8 query heads a kv head, 12-33 query blocks each, sq off the block sizes) against the dQ
     # pass on the same inputs.
@@ -209,7 +209,7 @@ def test_reduced_dq_matches_the_dq_pass_over_long_walks(causal, sq, sk, d, path,
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("path", ["default", "reduce-dq", "atomic-dq", "mma-bwd"])
 def test_backward_is_bitwise_reproducible_under_use_deterministic_algorithms(d, path, monkeypatch):
-    # dQ summed by the TMA's reductions (head dim 128's default) or float32 atomics (the mma.sync
+    # dQ summed by the TMA's reductions (the default at head dims 64 and 128) or float32 atomics (the mma.sync
     # backward) lands in the order the blocks reach it. Under torch.use_deterministic_algorithms the
     # backward takes the dQ pass (H100/H200) or ATen's deterministic FlashAttention-2 backward: two runs
     # give the same bits, and the values match the float32 reference.
@@ -302,7 +302,7 @@ KERNELS = [pytest.param(dev, dt, d, fwd, id=f"{dev}-{str(dt).removeprefix('torch
                                (torch.float16, 64, "ws128"), (torch.bfloat16, 64, "bwd64"),
                                (torch.float16, 64, "dq128"), (torch.bfloat16, 128, "ws-one-block"),
                                (torch.float16, 64, "ws-one-block"),
-                               (torch.bfloat16, 128, "dq-pass"),
+                               (torch.bfloat16, 128, "dq-pass"), (torch.float16, 64, "dq-pass"),
                                (torch.float32, 64, "default")])]
 
 
