@@ -980,6 +980,52 @@ bool attention_bwd_flash2(const at::Tensor& go, const std::optional<at::Tensor>&
   return true;
 }
 
+// ATen's cuDNN attention backward (the kernel of SDPA's cuDNN backend), given our forward's out and
+// lse: the default where it computes our gradients (CUSTOMOPS_ATTENTION_BWD_CUDNN=0 keeps ours). On an
+// H100, forward+backward with it against the same with ours, one run (docs/benchmarks.md): 1.11-1.16x
+// causal at head dim 128, 1.00-1.07x full, 1.00-1.04x at 64; against ATen's FlashAttention-2 backward at
+// head dim 256 (no wgmma backward of ours there), 1.47x. It runs where the loss has no gradient of lse
+// (ours adds that term), float16 or bfloat16 on an H100/H200 (the GPUs it was measured on), a positive
+// scale, causal only with Sq == Sk (its mask is top-left aligned, ours bottom-right), head dims up to
+// 256 in multiples of 8, inputs whose element counts fit 32 bits (its graph keeps strides as int), not
+// under torch.use_deterministic_algorithms (its dQ is added by atomics), and a torch built with it
+// (ATen's errors fall back: nothing is written before it returns). Every row sees a key there, so lse
+// is finite. Whether it ran; dq, dk and dv are then ATen's where their layouts match ours, else copied.
+bool want_cudnn_bwd() {
+  return !env_is("CUSTOMOPS_ATTENTION_BWD_CUDNN", "0");
+}
+bool attention_bwd_cudnn(const at::Tensor& go, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
+                         const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                         bool causal, double scale, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  const int64_t sq = q.size(2), sk = k.size(2), d = q.size(3);
+  if (!want_cudnn_bwd() || d > 256 || d % 8 != 0 || (causal && sq != sk)) return false;
+  if (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16) return false;
+  if (!(scale > 0.0) || !std::isfinite(scale) || (grad_lse.has_value() && grad_lse->defined())) return false;
+  if (q.numel() == 0 || k.numel() == 0 || at::globalContext().deterministicAlgorithms()) return false;
+  constexpr int64_t kInt32 = std::numeric_limits<int32_t>::max();
+  if (q.numel() > kInt32 || k.numel() > kInt32) return false;
+  if (at::cuda::getDeviceProperties(q.get_device())->major != 9) return false;
+  const c10::cuda::CUDAGuard guard(q.device());
+  const at::Tensor none;
+  const at::Tensor seed = at::empty({0}, q.options().dtype(at::kLong));
+  at::Tensor gq, gk, gv;
+  try {
+    std::tie(gq, gk, gv) = at::_scaled_dot_product_cudnn_attention_backward(
+        readable(go), readable(q), readable(k), readable(v), readable(out), lse.contiguous().unsqueeze(-1), seed,
+        seed, none, none, none, sq, sk, 0.0, causal, scale);
+  } catch (const c10::Error&) {  // (a torch without it)
+    return false;
+  }
+  for (auto [mine, aten] : {std::pair<at::Tensor*, at::Tensor*>{&dq, &gq}, {&dk, &gk}, {&dv, &gv}}) {
+    if (aten->strides() == mine->strides()) {
+      *mine = *aten;
+    } else {
+      mine->copy_(*aten);
+    }
+  }
+  return true;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal,
@@ -992,6 +1038,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   // by float32 atomics: under torch.use_deterministic_algorithms its inputs take ATen's
   // FlashAttention-2 backward in its deterministic variant, else the blocked one (sums in one order).
   const bool deterministic = at::globalContext().deterministicAlgorithms();
+  if (attention_bwd_cudnn(go, grad_lse, q, k, v, out, lse, causal, scale, dq, dk, dv)) return {dq, dk, dv};
   if (attention_cuda_fused(q, scale) && (!deterministic || use_sm90_bwd(q))) {
     attention_bwd_cuda(go, grad_lse, q, k, v, out, lse, causal, scale, dq, dk, dv);
   } else if (!attention_bwd_flash2(go, grad_lse, q, k, v, out, lse, causal, scale, dq, dk, dv, deterministic)) {

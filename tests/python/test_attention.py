@@ -90,7 +90,7 @@ def _assert_matches_reference(q, k, v, causal, tol, label):
 # The CUDA kernel paths the tests pin: name -> (the environment switches that select it, whether it
 # exists on compute capability 9.0 only). On an H100 or H200 the default forward is the
 # warp-specialized wgmma one (192 query rows a block at head dim 64; the only fused one at head dim
-# 256, whose backward is ATen's FlashAttention-2 one where lse has no gradient, the blocked one else)
+# 256, whose backward is ATen's cuDNN or FlashAttention-2 one where lse has no gradient, the blocked one else)
 # and the default backward the wgmma one, its kernels warp-specialized.
 PATHS = {
     "default": ({}, False),
@@ -240,26 +240,37 @@ def test_backward_is_bitwise_reproducible_under_use_deterministic_algorithms(d, 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("backward", ["flash2", "blocked"])
-def test_head_dim_256_backward_of_out_alone(dtype, causal, backward, monkeypatch):
-    # Head dim 256's backward where lse has no gradient (a training loss): ATen's FlashAttention-2
-    # kernel (CUSTOMOPS_ATTENTION_FLASH2=0: the blocked one), the shapes of the test above.
-    # Also k and v as views of stride 2 in the head dim (copied for the kernel), and which kernel ran.
+@pytest.mark.parametrize("d, backward", [(256, "cudnn"), (256, "flash2"), (256, "blocked"), (128, "cudnn"),
+                                         (128, "ours"), (64, "cudnn"), (96, "cudnn")])
+def test_backward_of_out_alone(dtype, causal, d, backward, monkeypatch):
+    # The backward where lse has no gradient (a training loss): by default ATen's cuDNN one where it
+    # computes ours (full, or causal with Sq == Sk: its mask is top-left aligned; on an H100/H200),
+    # else ours at head dims 64 and 128 (CUSTOMOPS_ATTENTION_BWD_CUDNN=0: always), at 256
+    # FlashAttention-2's (the blocked one with CUSTOMOPS_ATTENTION_FLASH2=0), at 96 the blocked one. The
+    # shapes of the test above, k and v as views of stride 2 in the head dim (copied for the kernels),
+    # and which kernel ran.
+    if backward != "cudnn":
+        monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_CUDNN", "0")
     if backward == "blocked":
         monkeypatch.setenv("CUSTOMOPS_ATTENTION_FLASH2", "0")
+    hopper = torch.cuda.get_device_capability()[0] == 9
     torch.manual_seed(0)
     for b, hq, hkv, sq, sk in [(2, 4, 2, 256, 256), (1, 3, 1, 100, 300), (1, 2, 2, 300, 100), (2, 2, 1, 1, 77),
                                (1, 2, 1, 64, 80)]:
-        q = torch.randn(b, sq, hq, 256, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
-        k, v = (torch.randn(b, hkv, sk, 256, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+        q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
+        k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
         if sk == 80:
-            k, v = (torch.randn(b, hkv, sk, 512, device="cuda", dtype=dtype)[..., ::2].requires_grad_() for _ in range(2))
+            k, v = (torch.randn(b, hkv, sk, 2 * d, device="cuda", dtype=dtype)[..., ::2].requires_grad_() for _ in range(2))
         out = customops.attention(q, k, v, causal=causal)
         go = torch.randn_like(out)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             got = torch.autograd.grad(out, (q, k, v), go)
-        ran_flash = any("flash_bwd" in e.name for e in prof.events())
-        assert ran_flash == (backward == "flash2"), f"FlashAttention-2's backward ran: {ran_flash}"
+        names = {e.name for e in prof.events()}
+        ran_cudnn = any("cudnn" in n.lower() or "sdpa" in n.lower() for n in names)
+        ran_flash = any("flash_bwd" in n for n in names)
+        want_cudnn = backward == "cudnn" and hopper and (not causal or sq == sk)
+        want_flash = d == 256 and backward != "blocked" and not want_cudnn
+        assert (ran_cudnn, ran_flash) == (want_cudnn, want_flash), f"{[b, hq, hkv, sq, sk]}: {sorted(names)}"
         q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
         want = torch.autograd.grad(T._attention_ref(q32, k32, v32, causal)[0], (q32, k32, v32), go.float())
         tol = 3e-2 if dtype == torch.bfloat16 else 5e-3
@@ -313,6 +324,8 @@ def _kernel(device, forward, monkeypatch):
         pytest.skip(f"{forward}: a kernel path of compute capability 9.0 and sm_90a builds only")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    if forward != "default":  # (a loss of out alone takes cuDNN's backward by default: the paths pin ours)
+        monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_CUDNN", "0")
 
 
 @pytest.mark.parametrize("device, dtype, d, forward", KERNELS)
