@@ -731,7 +731,7 @@ def _checkpoint_bodies_with_context(gm: GraphModule):
                     del mod.meta[_CONTEXT_KEY]
 
 
-def rewrite(gm: GraphModule, example_inputs: list, *, attention: str = "sdpa") -> tuple[GraphModule, GraphReport]:
+def rewrite(gm: GraphModule, example_inputs: list, *, attention: str = "auto") -> tuple[GraphModule, GraphReport]:
     """Traces a graph Dynamo captured into pre-dispatch ATen and replaces the patterns customops
     computes faster with customops ops.
 
@@ -839,7 +839,7 @@ def backend(gm: GraphModule, example_inputs: list, *, mode: str | None = None, o
     """The ``"customops"`` torch.compile backend: :func:`rewrite`, then Inductor (``compile_fx``).
 
     ``torch.compile(model, backend="customops", mode=..., options=...)``: ``options["attention"]``
-    is :func:`rewrite`'s ``attention`` (default ``"sdpa"``); ``mode`` and the other options are
+    is :func:`rewrite`'s ``attention`` (default ``"auto"``); ``mode`` and the other options are
     Inductor's, as with ``backend="inductor"``. Graphs with nothing to rewrite, or that cannot be
     traced, go to Inductor unchanged.
     """
@@ -848,7 +848,7 @@ def backend(gm: GraphModule, example_inputs: list, *, mode: str | None = None, o
     from torch._inductor.compile_fx import compile_fx
 
     options = {k.replace("-", "_"): v for k, v in (options or {}).items()}  # as torch.compile's Inductor options
-    attention = options.pop("attention", "sdpa")
+    attention = options.pop("attention", "auto")
     _check_attention(attention)
     known = inductor_config.get_config_copy()
     unknown = [k for k in options if k not in known]

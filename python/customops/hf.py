@@ -382,7 +382,7 @@ _KIND_TEXT = {"RMSNorm": "RMSNorm -> rms_norm", "MLP": "SwiGLU MLP -> silu_mul",
               "ForCausalLM": "LM head + loss -> linear_cross_entropy"}
 
 
-def optimize(model: nn.Module, *, attention: str = "sdpa") -> tuple[nn.Module, Summary]:
+def optimize(model: nn.Module, *, attention: str = "auto") -> tuple[nn.Module, Summary]:
     """Swaps customops ops into a Hugging Face Llama, Mistral, Qwen2 or Qwen3 model, in place.
 
     Replaced, per module: RMSNorm by ``rms_norm``; the SwiGLU MLP's ``act(gate) * up`` by
@@ -395,11 +395,12 @@ def optimize(model: nn.Module, *, attention: str = "sdpa") -> tuple[nn.Module, S
 
     Args:
         model: Any ``nn.Module``; its submodules of the classes above are optimized.
-        attention: What the attention modules run where the model asks for SDPA: ``"sdpa"``
-            (SDPA, as without customops), ``"customops"`` (:func:`customops.attention` wherever it
-            computes the same attention: no mask, dropout, bias or softcap; SDPA elsewhere) or
-            ``"auto"`` (per shape class, whichever of the two was timed faster on this GPU at its
-            first call; SDPA on other devices). The summary lists the decisions.
+        attention: What the attention modules run where the model asks for SDPA: ``"auto"`` (the
+            default: per shape class, whichever of SDPA and :func:`customops.attention` was timed
+            faster on this GPU at its first call; SDPA on other devices), ``"sdpa"`` (SDPA, as
+            without customops) or ``"customops"`` (:func:`customops.attention` wherever it computes
+            the same attention: no mask, dropout, bias or softcap; SDPA elsewhere). The summary
+            lists the decisions.
 
     Returns:
         ``(model, summary)``: the same model object, and a :class:`Summary` (print it) of what was

@@ -38,7 +38,8 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32
 
 OPT, CO = "customops.optimize", 'torch.compile(backend="customops")'
 OPT_ATTN = f'{OPT}(attention="customops")'  # customops' attention in place of SDPA
-VARIANTS = ("eager", OPT, OPT_ATTN, "liger", "torch.compile", f"{OPT} + torch.compile", CO, f"{OPT} + {CO[:-1]})")
+OPT_SDPA = f'{OPT}(attention="sdpa")'  # SDPA kept (optimize's default, "auto", times the two per shape class)
+VARIANTS = ("eager", OPT, OPT_SDPA, OPT_ATTN, "liger", "torch.compile", f"{OPT} + torch.compile", CO, f"{OPT} + {CO[:-1]})")
 
 
 def _liger(model):
@@ -65,7 +66,8 @@ def _prepare(variant: str, fsdp: bool = False) -> Callable[[torch.nn.Module], to
 
     def prep(m):
         if variant.startswith(OPT):
-            m = customops.optimize(m, **({"attention": "customops"} if variant == OPT_ATTN else {}))[0]
+            attention = {OPT_ATTN: "customops", OPT_SDPA: "sdpa"}.get(variant)
+            m = customops.optimize(m, **({"attention": attention} if attention else {}))[0]
         if variant == "liger":
             m = _liger(m)
         if variant.endswith("+ torch.compile") or variant == "torch.compile":
