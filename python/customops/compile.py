@@ -862,7 +862,7 @@ def backend(gm: GraphModule, example_inputs: list, *, mode: str | None = None, o
     return compile_fx(new_gm if report.matched else gm, example_inputs, config_patches=patches or None)
 
 
-def explain(model: Callable, *args, print_report: bool = True, attention: str = "sdpa",
+def explain(model: Callable, *args, print_report: bool = True, attention: str = "auto",
             **kwargs) -> list[GraphReport]:
     """Runs ``model(*args, **kwargs)`` once under torch.compile with the customops rewrite and
     reports, per graph Dynamo captured, its ops, what matched and what was replaced (the graph's
