@@ -121,8 +121,13 @@ def _choose(policy: str, q, k, v, causal: bool, scale) -> str:
 
 def _decide(key: tuple, q, k, v, causal: bool, scale, backward: bool, who: str) -> str:
     """Times the class key once (on inputs of q, k and v's shapes) and keeps the decision."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
     try:
-        _choices[key] = _faster(q, k, v, causal, scale, backward)
+        # outside the dispatch modes around the call: selective activation checkpointing's would
+        # keep the timing's outputs and hand them to the recompute as the model's
+        with _disable_current_modes():
+            _choices[key] = _faster(q, k, v, causal, scale, backward)
     except RuntimeError as e:  # out of memory, an input the kernel refuses: never fail the model's forward
         if isinstance(e, getattr(torch, "AcceleratorError", ())):
             raise  # a device error (an illegal address, ...) is sticky: never hidden

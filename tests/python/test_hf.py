@@ -6,6 +6,7 @@ AOTInductor and run by customops-run."""
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import warnings
 import zipfile
@@ -259,19 +260,29 @@ def test_optimize_attention_customops_trains_and_evaluates_like_eager(family):
                                    **tol(torch.float32))
 
 
-def test_optimize_attention_auto_times_for_real_under_checkpointing_and_compile(monkeypatch):
+@pytest.mark.parametrize("checkpoint", ["non-reentrant", "selective"])
+def test_optimize_attention_auto_times_for_real_under_checkpointing_and_compile(checkpoint, monkeypatch):
     # the real timing (on the CPU here) inside a training step with non-reentrant activation
     # checkpointing, without touching the global random stream; then a fullgraph trace reads the
-    # decision without timing
+    # decision without timing. Selective checkpointing saves the attention ops' outputs in its
+    # dispatch mode, to hand to the recompute in order: the timing's must not be among them.
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
     from customops import _attention_choice as ac
 
     monkeypatch.setattr(ac, "TIMED_DEVICES", {"cpu"})
     monkeypatch.setattr(ac, "_choices", {})
     m_ref, m = model().train(), model().train()
+    kw = {"use_reentrant": False}
+    if checkpoint == "selective":
+        def policy(ctx, op, *args, **kwargs):
+            return CheckpointPolicy.MUST_SAVE if "attention" in str(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+        kw["context_fn"] = functools.partial(create_selective_checkpoint_contexts, policy)
     with warnings.catch_warnings():  # transformers 5.24 renames it; 5.17 has only this name
         warnings.simplefilter("ignore", FutureWarning)
         for x in (m_ref, m):
-            x.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            x.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
     customops.optimize(m, attention="auto")
     ids = torch.randint(0, 256, (2, 16))
     torch.manual_seed(1)
@@ -283,6 +294,8 @@ def test_optimize_attention_auto_times_for_real_under_checkpointing_and_compile(
     assert_same_step(got, want, torch.float32)
     [(key, _)] = ac.choices().items()
     assert key[0] == "cpu" and key[8] is True  # forward+backward
+    if checkpoint == "selective":
+        return
     monkeypatch.setattr(ac, "_faster", lambda *a: pytest.fail("a trace must not time"))
     compiled = torch.compile(m, fullgraph=True, backend="eager")
     assert_same_step(step(compiled, ids, params_of=m), want, torch.float32)
