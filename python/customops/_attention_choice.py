@@ -11,7 +11,10 @@ attention function a swapped forward finds for ``"sdpa"`` (:func:`sdpa_or_custom
   timed once, at its first call outside tracing and CUDA-graph capture, with both functions on
   inputs of its shape; the faster runs from then on. A class not timed yet runs SDPA in a trace
   (and a trace with dynamic lengths always does: a bucket would specialize them).
-  The decisions are visible in :func:`choices` and in the optimize summary.
+  The decisions are visible in :func:`choices` and in the optimize summary. One rank of several
+  (torch.distributed) keeps SDPA: ranks would time apart and could choose differently (in a
+  compiled model, rank-specific graphs). The timing runs outside the dispatch modes around the
+  call (selective activation checkpointing's would keep its outputs for the recompute).
 
 The ``"customops"`` compile backend takes the same policies (``options={"attention": ...}``) for
 the SDPA calls of a graph (:func:`choose_in_graph`); its "auto" times a class when it rewrites the
@@ -99,6 +102,13 @@ def _faster(q, k, v, causal: bool, scale, backward: bool) -> str:
         return "customops" if _time_ms(custom, q.device) < _time_ms(sdpa, q.device) else "sdpa"
 
 
+def _ranks_apart() -> bool:
+    """Whether this process is one rank of several (torch.distributed): "auto" keeps SDPA there."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def _choose(policy: str, q, k, v, causal: bool, scale) -> str:
     if policy != "auto":
         return policy
@@ -123,6 +133,9 @@ def _decide(key: tuple, q, k, v, causal: bool, scale, backward: bool, who: str) 
     """Times the class key once (on inputs of q, k and v's shapes) and keeps the decision."""
     from torch.utils._python_dispatch import _disable_current_modes
 
+    if _ranks_apart():
+        _choices[key] = "sdpa"  # ranks would each time, and could decide apart (rank-specific graphs)
+        return _choices[key]
     try:
         # outside the dispatch modes around the call: selective activation checkpointing's would
         # keep the timing's outputs and hand them to the recompute as the model's
@@ -147,6 +160,8 @@ def choose_in_graph(policy: str, q, k, v, causal: bool, scale, backward: bool) -
         return "sdpa", f"attention='auto' times on {', '.join(sorted(TIMED_DEVICES))} only"
     if not all(isinstance(n, int) for n in (*q.shape, *k.shape)):
         return "sdpa", "attention='auto' with dynamic shapes (one graph serves every length)"
+    if _ranks_apart():
+        return "sdpa", "attention='auto' under torch.distributed (ranks would time apart and could differ)"
     key = _shape_class(q, k, causal, backward)
     if key not in _choices:
         from torch._subclasses.fake_tensor import unset_fake_temporarily

@@ -770,6 +770,14 @@ def rewrite(gm: GraphModule, example_inputs: list, *, attention: str = "auto") -
     report.ops = _op_counts(traced)
     _report = report
     _rope_found.clear()
+    from . import _attention_choice
+
+    if attention == "auto" and not any(isinstance(x, torch.Tensor) and x.device.type in _attention_choice.TIMED_DEVICES
+                                       for x in example_inputs):
+        # nothing to time (the CPU): SDPA, as "sdpa" leaves it, without judging its masks
+        if traced.graph.find_nodes(op="call_function", target=torch.ops.aten.scaled_dot_product_attention.default):
+            _skip(f"attention='auto' times on {', '.join(sorted(_attention_choice.TIMED_DEVICES))} only")
+        attention = "sdpa"
     try:
         _rewrite_graph(traced, [not isinstance(x, torch.Tensor) or x.requires_grad for x in example_inputs],
                        attention, set())

@@ -79,7 +79,7 @@ def package(
     if optimize:
         from .hf import optimize as optimize_model
 
-        optimize_model(model)
+        optimize_model(model, attention="sdpa")  # (not "auto": a package must not depend on this process's timings)
     # Inductor re-derives the size ranges when it compiles, so the setting covers both steps.
     with fx_config.patch(backed_size_oblivious=size_oblivious):
         ep = torch.export.export(model, tuple(example_inputs), dynamic_shapes=dynamic_shapes)

@@ -260,6 +260,21 @@ def test_optimize_attention_customops_trains_and_evaluates_like_eager(family):
                                    **tol(torch.float32))
 
 
+def test_optimize_attention_auto_keeps_sdpa_on_one_rank_of_several(monkeypatch):
+    # ranks would each time and could decide apart (rank-specific compiled graphs): SDPA, untimed
+    from customops import _attention_choice as ac
+
+    monkeypatch.setattr(ac, "TIMED_DEVICES", {"cpu"})
+    monkeypatch.setattr(ac, "_choices", {})
+    monkeypatch.setattr(ac, "_faster", lambda *a: pytest.fail("one rank of several must not time"))
+    monkeypatch.setattr(ac, "_ranks_apart", lambda: True)
+    m = customops.optimize(model().eval())[0]  # (the default policy: "auto")
+    with torch.no_grad():
+        assert _attention_calls(lambda: m(torch.randint(0, 256, (2, 16)))) == 0
+    q = torch.randn(2, 4, 16, 16)
+    assert ac.choose_in_graph("auto", q, q, q, True, None, False)[0] == "sdpa"
+
+
 @pytest.mark.parametrize("checkpoint", ["non-reentrant", "selective"])
 def test_optimize_attention_auto_times_for_real_under_checkpointing_and_compile(checkpoint, monkeypatch):
     # the real timing (on the CPU here) inside a training step with non-reentrant activation
