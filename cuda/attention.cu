@@ -28,6 +28,7 @@
 // computes dt and lse * log2(e) per query row, padded to whole query blocks.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cudaTypedefs.h>
@@ -35,6 +36,7 @@
 #include <cuda_fp16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -982,38 +984,72 @@ bool attention_bwd_flash2(const at::Tensor& go, const std::optional<at::Tensor>&
 
 // ATen's cuDNN attention backward (the kernel of SDPA's cuDNN backend), given our forward's out and
 // lse: the default where it computes our gradients (CUSTOMOPS_ATTENTION_BWD_CUDNN=0 keeps ours). On an
-// H100, forward+backward with it against the same with ours, one run (docs/benchmarks.md): 1.11-1.16x
-// causal at head dim 128, 1.00-1.07x full, 1.00-1.04x at 64; against ATen's FlashAttention-2 backward at
-// head dim 256 (no wgmma backward of ours there), 1.47x. It runs where the loss has no gradient of lse
+// H100, forward+backward with it against the same with ours, one run (docs/benchmarks.md): 1.11-1.19x
+// causal at head dim 128, 1.01-1.07x full, 1.00-1.10x at 64; against ATen's FlashAttention-2 backward at
+// head dim 256 (no wgmma backward of ours there), 1.50x. It runs where the loss has no gradient of lse
 // (ours adds that term), float16 or bfloat16 on an H100/H200 (the GPUs it was measured on), a positive
 // scale, causal only with Sq == Sk (its mask is top-left aligned, ours bottom-right), head dims up to
-// 256 in multiples of 8, inputs whose element counts fit 32 bits (its graph keeps strides as int), not
-// under torch.use_deterministic_algorithms (its dQ is added by atomics), and a torch built with it
-// (ATen's errors fall back: nothing is written before it returns). Every row sees a key there, so lse
-// is finite. Whether it ran; dq, dk and dv are then ATen's where their layouts match ours, else copied.
+// 128 in multiples of 8 and 256 (as ATen's own checks allow its backward), more than one query and key
+// (ATen refuses one key; cuDNN 9.25-9.26's backward gives NaN for one query), key counts other than
+// 64 mod 128 (where cuDNN's SM90 backward is reported to give NaN for rows of very small lse), batch and
+// heads within 65535, offsets within 32 bits (its graph keeps strides as int), not under
+// torch.use_deterministic_algorithms (its dQ is added by atomics) nor during a CUDA-graph capture (a
+// new shape builds a cuDNN graph), and a torch built with it (ATen's errors fall back: nothing is
+// written before it returns; a sticky CUDA error is raised). Every row sees a key there, so lse is
+// finite. ATen caches its graphs by q, k and v's layouts but builds them for out's and dO's too: both
+// go in with the dense strides of q's dimension order (as ATen allocates its own out), so that one key
+// always means one layout. Whether it ran; dq, dk and dv are then ATen's where their layouts match
+// ours, else copied.
 bool want_cudnn_bwd() {
   return !env_is("CUSTOMOPS_ATTENTION_BWD_CUDNN", "0");
+}
+// The largest element offset of t, plus one, within int32 (cuDNN's graph keeps sizes and strides as int).
+bool offsets_fit_int32(const at::Tensor& t) {
+  int64_t end = 1;
+  for (int64_t i = 0; i < t.dim(); ++i) end += (t.size(i) - 1) * t.stride(i);
+  return end <= std::numeric_limits<int32_t>::max();
+}
+// t with the dense strides of `order_of`'s dimension order (innermost: the smallest stride).
+at::Tensor dense_in_order_of(const at::Tensor& order_of, const at::Tensor& t) {
+  std::array<int64_t, 4> order{0, 1, 2, 3};
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return order_of.stride(a) < order_of.stride(b); });
+  std::array<int64_t, 4> strides{};
+  int64_t step = 1;
+  for (const int64_t d : order) {
+    strides[d] = step;
+    step *= t.size(d);
+  }
+  if (t.strides() == at::IntArrayRef(strides)) return t;
+  at::Tensor dense = at::empty_strided(t.sizes(), strides, t.options());
+  dense.copy_(t);
+  return dense;
 }
 bool attention_bwd_cudnn(const at::Tensor& go, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
                          const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                          bool causal, double scale, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
   const int64_t sq = q.size(2), sk = k.size(2), d = q.size(3);
-  if (!want_cudnn_bwd() || d > 256 || d % 8 != 0 || (causal && sq != sk)) return false;
+  if (!want_cudnn_bwd() || !((d <= 128 && d % 8 == 0) || d == 256) || (causal && sq != sk)) return false;
+  if (sq < 2 || sk < 2 || sk % 128 == 64 || q.size(0) > 65535 || q.size(1) > 65535) return false;
   if (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16) return false;
   if (!(scale > 0.0) || !std::isfinite(scale) || (grad_lse.has_value() && grad_lse->defined())) return false;
-  if (q.numel() == 0 || k.numel() == 0 || at::globalContext().deterministicAlgorithms()) return false;
-  constexpr int64_t kInt32 = std::numeric_limits<int32_t>::max();
-  if (q.numel() > kInt32 || k.numel() > kInt32) return false;
+  if (at::globalContext().deterministicAlgorithms()) return false;
   if (at::cuda::getDeviceProperties(q.get_device())->major != 9) return false;
   const c10::cuda::CUDAGuard guard(q.device());
+  if (at::cuda::currentStreamCaptureStatusMayInitCtx() != at::cuda::CaptureStatus::None) return false;
+  const at::Tensor qr = readable(q), kr = readable(k), vr = readable(v);
+  const at::Tensor o = dense_in_order_of(qr, readable(out)), g = dense_in_order_of(qr, readable(go));
+  for (const at::Tensor* t : {&qr, &kr, &vr, &o, &g}) {
+    if (!offsets_fit_int32(*t)) return false;
+  }
   const at::Tensor none;
   const at::Tensor seed = at::empty({0}, q.options().dtype(at::kLong));
   at::Tensor gq, gk, gv;
   try {
     std::tie(gq, gk, gv) = at::_scaled_dot_product_cudnn_attention_backward(
-        readable(go), readable(q), readable(k), readable(v), readable(out), lse.contiguous().unsqueeze(-1), seed,
-        seed, none, none, none, sq, sk, 0.0, causal, scale);
-  } catch (const c10::Error&) {  // (a torch without it)
+        g, qr, kr, vr, o, lse.contiguous().unsqueeze(-1), seed, seed, none, none, none, sq, sk, 0.0, causal, scale);
+  } catch (const c10::Error&) {  // (a torch without it, a shape its cuDNN refuses)
+    if (cudaPeekAtLastError() != cudaSuccess) throw;  // a sticky device error: never hidden by a fallback
     return false;
   }
   for (auto [mine, aten] : {std::pair<at::Tensor*, at::Tensor*>{&dq, &gq}, {&dk, &gk}, {&dv, &gv}}) {

@@ -112,6 +112,13 @@ def test_bench_attention_report(tmp_path):
         assert r[f"fwd_bwd_{name}_ms"] > 0 and r[f"max_err_{name}"] < (1e-5 if r["dtype"] == "float32" else 5e-2)
         assert r[f"fwd_{name}_vs_sdpa"] == r["fwd_sdpa_ms"] / r[f"fwd_{name}_ms"]
     assert f"{name}, in the same run:" in out.stdout
+    # a variant of our backward's paths runs our backward (a loss of out alone takes cuDNN's by default)
+    from customops.bench.attention import _with_our_backward
+
+    assert _with_our_backward({"CUSTOMOPS_ATTENTION_BWD_DQ": "pass"}) == {
+        "CUSTOMOPS_ATTENTION_BWD_DQ": "pass", "CUSTOMOPS_ATTENTION_BWD_CUDNN": "0"}
+    for env in ({"CUSTOMOPS_ATTENTION_WS": "0"}, {"CUSTOMOPS_ATTENTION_BWD_CUDNN": "1"}):
+        assert _with_our_backward(env) == env
     bad = subprocess.run([sys.executable, "-m", "customops", "bench", "--attention", "--shapes", "1,2,2,8"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "expected B,Hq,Hkv,S,D,causal|full,dtype" in bad.stderr, bad.stderr

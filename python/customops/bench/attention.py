@@ -9,7 +9,9 @@ that a backward) and SDPA's time over customops' (above 1: customops is faster),
 error of each against SDPA in float32 on the same inputs. ``--shapes`` picks others:
 ``B,Hq,Hkv,S,D,causal|full,dtype`` separated by spaces. ``--variant VAR=VALUE[,VAR=VALUE]``
 (repeatable) also times customops with those environment variables set around its calls (the
-kernel paths' switches, e.g. ``CUSTOMOPS_ATTENTION_WS=0``), in the same run.
+kernel paths' switches, e.g. ``CUSTOMOPS_ATTENTION_WS=0``), in the same run; a variant that switches
+one of our backward's paths (``CUSTOMOPS_ATTENTION_BWD_*``) runs our backward
+(``CUSTOMOPS_ATTENTION_BWD_CUDNN=0`` added, and named) unless it says otherwise.
 """
 
 from __future__ import annotations
@@ -121,8 +123,17 @@ def _functions(shape: Shape, variants: list[dict[str, str]] = ()):
     fns = {"customops": (custom, {}),
            "sdpa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, **gqa), {})}
     for env in variants:
+        env = _with_our_backward(env)
         fns[variant_name(env)] = (custom, env)
     return fns
+
+
+def _with_our_backward(env: dict[str, str]) -> dict[str, str]:
+    """env, plus CUSTOMOPS_ATTENTION_BWD_CUDNN=0 where it switches one of our backward's paths
+    (CUSTOMOPS_ATTENTION_BWD_*) and does not say which backward runs: a loss of out alone takes
+    cuDNN's backward by default, which would leave that switch unread."""
+    ours = any(k.startswith("CUSTOMOPS_ATTENTION_BWD_") for k in env)
+    return {**env, "CUSTOMOPS_ATTENTION_BWD_CUDNN": "0"} if ours and "CUSTOMOPS_ATTENTION_BWD_CUDNN" not in env else env
 
 
 def _row(shape: Shape, device: str, budget: timers.Budget, variants: list[dict[str, str]] = ()) -> dict:
