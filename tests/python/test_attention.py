@@ -110,6 +110,7 @@ PATHS = {
     "ws-grid": ({"CUSTOMOPS_ATTENTION_WS_PERSISTENT": "0"}, True),  # a block a forward tile
     "launch-order": ({"CUSTOMOPS_ATTENTION_LPT": "0"}, False),  # causal blocks in launch order, not longest first
     "keys64": ({"CUSTOMOPS_ATTENTION_WS_KEYS256": "64"}, True),  # 64-key blocks at head dim 256 (80 else)
+    "bwd-ours": ({"CUSTOMOPS_ATTENTION_BWD_CUDNN": "0"}, False),  # a loss of out alone through our backward (d 256: FlashAttention-2's), not cuDNN's
 }
 
 
@@ -129,6 +130,8 @@ def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, 
         pytest.skip("keys64: a choice at head dim 256 only")
     if forward in ("ws128", "bwd64", "dq128", "reduce-dq64") and d != 64:
         pytest.skip(f"{forward}: a choice at head dim 64 only")
+    if forward == "bwd-ours":
+        pytest.skip("with lse's gradient (as here) the default backward is ours already")
     _kernel("cuda", forward, monkeypatch)
     torch.manual_seed(0)
     for b, hq, hkv, sq, sk in [(2, 4, 2, 256, 256), (1, 3, 1, 100, 300), (1, 2, 2, 300, 100), (2, 2, 1, 1, 77),
@@ -337,6 +340,7 @@ KERNELS = [pytest.param(dev, dt, d, fwd, id=f"{dev}-{str(dt).removeprefix('torch
                                (torch.float16, 64, "dq128"), (torch.bfloat16, 128, "ws-one-block"),
                                (torch.float16, 64, "ws-one-block"),
                                (torch.bfloat16, 128, "dq-pass"), (torch.float16, 64, "dq-pass"),
+                               (torch.bfloat16, 256, "bwd-ours"), (torch.float16, 128, "bwd-ours"),
                                (torch.float32, 64, "default")])]
 
 
