@@ -102,6 +102,11 @@ def _faster(q, k, v, causal: bool, scale, backward: bool) -> str:
         return "customops" if _time_ms(custom, q.device) < _time_ms(sdpa, q.device) else "sdpa"
 
 
+def untimed_reason() -> str:
+    """Why "auto" keeps SDPA on a device it does not time."""
+    return f"attention='auto' times on {', '.join(sorted(TIMED_DEVICES))} only"
+
+
 def _ranks_apart() -> bool:
     """Whether this process is one rank of several (torch.distributed): "auto" keeps SDPA there."""
     import torch.distributed as dist
@@ -157,7 +162,7 @@ def choose_in_graph(policy: str, q, k, v, causal: bool, scale, backward: bool) -
     if policy != "auto":
         return policy, None
     if q.device.type not in TIMED_DEVICES:
-        return "sdpa", f"attention='auto' times on {', '.join(sorted(TIMED_DEVICES))} only"
+        return "sdpa", untimed_reason()
     if not all(isinstance(n, int) for n in (*q.shape, *k.shape)):
         return "sdpa", "attention='auto' with dynamic shapes (one graph serves every length)"
     if _ranks_apart():

@@ -776,7 +776,7 @@ def rewrite(gm: GraphModule, example_inputs: list, *, attention: str = "auto") -
                                        for x in example_inputs):
         # nothing to time (the CPU): SDPA, as "sdpa" leaves it, without judging its masks
         if traced.graph.find_nodes(op="call_function", target=torch.ops.aten.scaled_dot_product_attention.default):
-            _skip(f"attention='auto' times on {', '.join(sorted(_attention_choice.TIMED_DEVICES))} only")
+            _skip(_attention_choice.untimed_reason())
         attention = "sdpa"
     try:
         _rewrite_graph(traced, [not isinstance(x, torch.Tensor) or x.requires_grad for x in example_inputs],
