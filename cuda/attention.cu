@@ -459,6 +459,23 @@ int64_t causal_chunk(const at::Tensor& q, int64_t bytes) {
   return std::max<int64_t>(1, l2 / 2 / std::max<int64_t>(1, bytes));
 }
 
+// Heads a chunk of the causal dK/dV grid's order: causal_chunk's, but at least as many as keep
+// every SM busy while a chunk's longest block runs (a chunk's work an SM must exceed its longest
+// block, whose walk is about twice the mean: chunk >= 2 SMs / ranks), rounded up to a divisor of the
+// heads (no short last chunk). At B2 Hq32 Hkv8 S8192 causal_chunk gives 1, launch order, with a tail
+// that a model of the grid puts at 89.5% busy; 4 heads, 99.7% (/work/research/causal-bwd.md).
+// CUSTOMOPS_ATTENTION_BWD_CHUNK=N sets it (0: launch order).
+int64_t dkdv_chunk(const at::Tensor& q, int64_t bytes, int64_t ranks, int64_t heads) {
+  const char* env = std::getenv("CUSTOMOPS_ATTENTION_BWD_CHUNK");
+  if (env != nullptr && *env != '\0') return std::max<int64_t>(0, std::atoll(env));
+  int64_t chunk = causal_chunk(q, bytes);
+  if (chunk == 0 || heads <= 0) return chunk;
+  const int64_t sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
+  chunk = std::min(heads, std::max(chunk, (2 * sms + ranks - 1) / std::max<int64_t>(1, ranks)));
+  while (heads % chunk != 0) ++chunk;
+  return chunk;
+}
+
 // The wgmma forward (attention_sm90.cuh) on compute capability 9.0 when the build has sm_90a code;
 // CUSTOMOPS_ATTENTION_SM80=1 keeps the mma.sync kernel there (the tests run both).
 constexpr int kSm90Keys = 128;
@@ -843,7 +860,7 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
   p.sq_pad = sq_pad;
   // (the dK/dV kernels' blocks stream q and dO of each query head of their group; the dQ kernel's, a
   // query head's share of k and v)
-  p.dkdv_chunk = causal_chunk(q, 2 * p.group * sq * q.size(3) * q.element_size());
+  p.dkdv_chunk = dkdv_chunk(q, 2 * p.group * sq * q.size(3) * q.element_size(), (sk + 127) / 128, bsz * k.size(1));
   p.dq_chunk = causal_chunk(q, 2 * sk * q.size(3) * q.element_size() / std::max<int64_t>(1, p.group));
   p.scale = static_cast<float>(scale);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
