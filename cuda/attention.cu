@@ -961,6 +961,16 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(const at::Tensor& q, const at:
   return {out, lse};
 }
 
+// What both of ATen's backward kernels below (SDPA's own) take: float16 or bfloat16, a positive finite
+// scale, no gradient of lse (their backward has no term for one), nonempty, batch and heads within a
+// grid's 65535.
+bool aten_backward_takes(const at::Tensor& q, const at::Tensor& k, double scale,
+                         const std::optional<at::Tensor>& grad_lse) {
+  if (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16) return false;
+  if (!(scale > 0.0) || !std::isfinite(scale) || (grad_lse.has_value() && grad_lse->defined())) return false;
+  return q.numel() != 0 && k.numel() != 0 && q.size(0) <= 65535 && q.size(1) <= 65535;
+}
+
 // Head dim 256's backward, which no kernel of ours takes yet: ATen's FlashAttention-2 backward (the
 // kernel of SDPA's flash backend; bottom-right causal and grouped-query heads as ours), 7x the
 // blocked one on an H100, where it takes the inputs: float16 or bfloat16, sm_80 or newer, a
@@ -977,9 +987,7 @@ bool attention_bwd_flash2(const at::Tensor& go, const std::optional<at::Tensor>&
                           bool causal, double scale, const at::Tensor& dq, const at::Tensor& dk, const at::Tensor& dv,
                           bool any_head_dim = false) {
   if (any_head_dim ? q.size(3) > 256 || q.size(3) % 8 != 0 : q.size(3) != 256) return false;
-  if (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16) return false;
-  if (!(scale > 0.0) || !std::isfinite(scale) || (grad_lse.has_value() && grad_lse->defined())) return false;
-  if (q.numel() == 0 || k.numel() == 0 || q.size(0) > 65535 || q.size(1) > 65535) return false;
+  if (!aten_backward_takes(q, k, scale, grad_lse)) return false;
   if (at::cuda::getDeviceProperties(q.get_device())->major < 8 || env_is("CUSTOMOPS_ATTENTION_FLASH2", "0")) return false;
   const c10::cuda::CUDAGuard guard(q.device());
   const at::Tensor lse_in = lse.masked_fill(lse == -std::numeric_limits<float>::infinity(),
@@ -1015,8 +1023,8 @@ bool attention_bwd_flash2(const at::Tensor& go, const std::optional<at::Tensor>&
 // written before it returns; a sticky CUDA error is raised). Every row sees a key there, so lse is
 // finite. ATen caches its graphs by q, k and v's layouts but builds them for out's and dO's too: both
 // go in with the dense strides of q's dimension order (as ATen allocates its own out), so that one key
-// always means one layout. Whether it ran; dq, dk and dv are then ATen's where their layouts match
-// ours, else copied.
+// always means one layout. Whether it ran; it then sets dq, dk and dv: ATen's where their layouts are
+// ours (heads_layout_like), else copied into ours.
 bool want_cudnn_bwd() {
   return !env_is("CUSTOMOPS_ATTENTION_BWD_CUDNN", "0");
 }
@@ -1047,9 +1055,7 @@ bool attention_bwd_cudnn(const at::Tensor& go, const std::optional<at::Tensor>& 
                          bool causal, double scale, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
   const int64_t sq = q.size(2), sk = k.size(2), d = q.size(3);
   if (!want_cudnn_bwd() || !((d <= 128 && d % 8 == 0) || d == 256) || (causal && sq != sk)) return false;
-  if (sq < 2 || sk < 2 || sk % 128 == 64 || q.size(0) > 65535 || q.size(1) > 65535) return false;
-  if (q.scalar_type() != at::kHalf && q.scalar_type() != at::kBFloat16) return false;
-  if (!(scale > 0.0) || !std::isfinite(scale) || (grad_lse.has_value() && grad_lse->defined())) return false;
+  if (sq < 2 || sk < 2 || sk % 128 == 64 || !aten_backward_takes(q, k, scale, grad_lse)) return false;
   if (at::globalContext().deterministicAlgorithms()) return false;
   if (at::cuda::getDeviceProperties(q.get_device())->major != 9) return false;
   const c10::cuda::CUDAGuard guard(q.device());
@@ -1069,13 +1075,14 @@ bool attention_bwd_cudnn(const at::Tensor& go, const std::optional<at::Tensor>& 
     if (cudaPeekAtLastError() != cudaSuccess) throw;  // a sticky device error: never hidden by a fallback
     return false;
   }
-  for (auto [mine, aten] : {std::pair<at::Tensor*, at::Tensor*>{&dq, &gq}, {&dk, &gk}, {&dv, &gv}}) {
-    if (aten->strides() == mine->strides()) {
-      *mine = *aten;
-    } else {
-      mine->copy_(*aten);
-    }
-  }
+  // Ours are allocated only here (not before ATen's: that would hold q + k + v bytes more at the peak).
+  auto ours = [](const at::Tensor& like, const at::Tensor& aten) {
+    if (heads_layout_like(like, like.options().device(at::kMeta)).strides() == aten.strides()) return aten;
+    return heads_layout_like(like).copy_(aten);
+  };
+  dq = ours(q, gq);
+  dk = ours(k, gk);
+  dv = ours(v, gv);
   return true;
 }
 
@@ -1085,13 +1092,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     std::optional<double> scale_opt) {
   check_attention_backward(grad_out, grad_lse, q, k, v, out, lse);
   const double scale = attention_scale(scale_opt, q.size(3));
-  at::Tensor dq = heads_layout_like(q), dk = heads_layout_like(k), dv = heads_layout_like(v);
   const at::Tensor go = grad_out.has_value() && grad_out->defined() ? *grad_out : at::zeros_like(q);
   // The mma.sync backward (GPUs other than the H100/H200, or CUSTOMOPS_ATTENTION_BWD_SM90=0) adds dQ
   // by float32 atomics: under torch.use_deterministic_algorithms its inputs take ATen's
   // FlashAttention-2 backward in its deterministic variant, else the blocked one (sums in one order).
   const bool deterministic = at::globalContext().deterministicAlgorithms();
+  at::Tensor dq, dk, dv;
   if (attention_bwd_cudnn(go, grad_lse, q, k, v, out, lse, causal, scale, dq, dk, dv)) return {dq, dk, dv};
+  dq = heads_layout_like(q), dk = heads_layout_like(k), dv = heads_layout_like(v);
   if (attention_cuda_fused(q, scale) && (!deterministic || use_sm90_bwd(q))) {
     attention_bwd_cuda(go, grad_lse, q, k, v, out, lse, causal, scale, dq, dk, dv);
   } else if (!attention_bwd_flash2(go, grad_lse, q, k, v, out, lse, causal, scale, dq, dk, dv, deterministic)) {

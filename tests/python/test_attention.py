@@ -286,6 +286,35 @@ def test_backward_of_out_alone(dtype, causal, d, backward, monkeypatch):
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
+def test_cudnn_backward_holds_no_more_memory_than_sdpas():
+    # The cuDNN backward allocates dq, dk and dv itself: ours are not allocated beside them (q + k + v
+    # bytes more at the peak), and its gradients come back in q's layout ([B, S, H, D] memory here).
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("cuDNN's backward runs on an H100/H200 only")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 1024, 8, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+               for _ in range(3))
+    go = torch.randn_like(q)
+
+    def peak(out):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        grads = torch.autograd.grad(out, (q, k, v), go)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base, grads
+
+    ours, got = peak(customops.attention(q, k, v, causal=True))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        theirs, want = peak(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert ours <= theirs + q.numel(), (ours, theirs)  # (slack: half of q's bytes)
+    for g, w, t in zip(got, want, (q, k, v)):
+        assert g.stride() == t.stride()
+        torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
 def test_backward_takes_any_layout_of_the_output_gradient():
     # ATen caches cuDNN's backward graphs by q, k and v's layouts but builds them for dO's and out's
     # too: calls of one shape with dO in another layout each (dense in q's order, in the other order,
