@@ -457,7 +457,12 @@ bool launch_tma(const GemvArgs<T>& a, cudaStream_t stream) {
 template <typename T, int R, Prologue P>
 void launch_r(const GemvArgs<T>& a, int64_t smem, cudaStream_t stream) {
   const int64_t per_sm = a.N * a.K * int64_t{sizeof(T)} / at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  if (R <= 2 && per_sm >= kTmaMinBytesPerSm && launch_tma<T, R, P, kStages>(a, stream)) return;
+  // (The Hopper kernel's warps add their partial dot products in shared memory by atomics, in no fixed
+  // order: under torch.use_deterministic_algorithms the register kernel, which sums in one order.)
+  if (R <= 2 && per_sm >= kTmaMinBytesPerSm && !at::globalContext().deterministicAlgorithms() &&
+      launch_tma<T, R, P, kStages>(a, stream)) {
+    return;
+  }
   launch_gemv<T, R, P>(a, smem, stream);
 }
 

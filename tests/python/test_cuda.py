@@ -127,6 +127,27 @@ def test_fused_linear_kernel_paths(m, n, k, dtype, prologue, bias, residual, con
     torch.testing.assert_close(y.double(), ref, **tol)
 
 
+def test_fused_linear_under_deterministic_algorithms_sums_in_one_order():
+    """The Hopper kernel adds its warps' partial sums in shared memory by atomics (order varies run to
+    run); under torch.use_deterministic_algorithms the register kernel runs instead, same values."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, 8192, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(4096, 8192, device="cuda", dtype=torch.bfloat16, generator=g) / 8192**0.5
+    ran = {}
+    for deterministic in (False, True):
+        torch.use_deterministic_algorithms(deterministic)
+        try:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+                y = customops.fused_linear(x, w)
+                torch.cuda.synchronize()
+        finally:
+            torch.use_deterministic_algorithms(False)
+        ran[deterministic] = [e.name for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        torch.testing.assert_close(y.double(), x.double() @ w.double().T, atol=3e-2, rtol=2e-2)
+    assert any("gemv_tma_kernel" in n for n in ran[False]), ran[False]
+    assert not any("gemv_tma_kernel" in n for n in ran[True]) and any("gemv_kernel" in n for n in ran[True]), ran[True]
+
+
 def test_rope_cache_write_runs_one_kernel_and_writes_no_row_outside_the_cache():
     """A decode step's layout (q, k, v views of one qkv projection, HF's [B, T, D] cos and sin)
     takes the one-kernel path; a sequence whose last row falls outside the cache (start read on the
