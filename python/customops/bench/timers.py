@@ -1,5 +1,5 @@
-"""Timers of the benchmarks: per call on CPU (the functions of one comparison interleaved in
-rounds), triton's do_bench or CUDA events on CUDA (L2 cleared between calls), the per-call
+"""Timers of the benchmarks: per call on CPU, triton's do_bench or CUDA events on CUDA (L2 cleared
+between calls), the functions of one comparison interleaved in rounds on both; the per-call
 overhead on tiny tensors, and the model benchmark's per-iteration timer.
 """
 
@@ -70,25 +70,31 @@ def time_cpu(fns: dict[str, Callable], budget: Budget) -> dict[str, dict]:
 
 def time_cuda(fns: dict[str, Callable], budget: Budget) -> dict[str, dict]:
     """triton.testing.do_bench when triton is there (it clears L2 between calls), else CUDA events
-    around each call with L2 cleared the same way."""
+    around each call with L2 cleared the same way. As on the CPU the functions take turns, in
+    ``budget.rounds`` rounds of a share of the repetitions each, so that the GPU's clock and
+    temperature drifting over a comparison fall on all of its functions rather than on the last."""
     try:
         from triton.testing import do_bench
     except ImportError:
         do_bench = None
-    out = {}
-    for name, fn in fns.items():
-        if do_bench is not None:
-            rep = max(10.0, budget.seconds * 250)  # ms of repetitions, after a quarter of that warming up
-            q = do_bench(fn, warmup=rep / 4, rep=rep, quantiles=[0.5, 0.1, 0.9])
-            out[name] = {"median_ms": q[0], "p10_ms": q[1], "p90_ms": q[2], "reps": None}
-        else:
-            out[name] = _stats(_cuda_events(fn, budget))
-    return out
+    rep = max(10.0, budget.seconds * 250)  # ms of repetitions a function, all rounds together
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for rnd in range(budget.rounds):
+        for name, fn in fns.items():
+            if do_bench is not None:
+                # warmed up for a quarter of the repetitions before its first round, briefly after
+                warmup = rep / 4 if rnd == 0 else rep / (4 * budget.rounds)
+                ms = do_bench(fn, warmup=warmup, rep=rep / budget.rounds, return_mode="all")
+                samples[name] += ms if isinstance(ms, list) else [ms]
+            else:
+                samples[name] += _cuda_events(fn, budget, warm=rnd == 0)
+    return {name: _stats(ms) for name, ms in samples.items()}
 
 
-def _cuda_events(fn: Callable, budget: Budget) -> list[float]:
+def _cuda_events(fn: Callable, budget: Budget, warm: bool = True) -> list[float]:
+    """One round's share of the repetitions (after a warm-up in the first round)."""
     cache = torch.empty(256 << 20, dtype=torch.int8, device="cuda")  # larger than any L2
-    for _ in range(5):
+    for _ in range(5 if warm else 1):
         fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -97,8 +103,8 @@ def _cuda_events(fn: Callable, budget: Budget) -> list[float]:
         fn()
     torch.cuda.synchronize()
     per_call = (time.perf_counter() - t0) / 5
-    n = max(budget.min_reps, min(5000, int(budget.seconds / 4 / per_call)))  # as long as do_bench
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    n = max(budget.min_reps, min(5000, int(budget.seconds / 4 / per_call))) // budget.rounds  # as long as do_bench
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(max(n, 1))]
     for start, end in ev:
         cache.zero_()
         start.record()
@@ -118,9 +124,9 @@ def timer_name(device: str) -> str:
     try:
         import triton  # noqa: F401
 
-        return "triton.testing.do_bench (L2 cleared between calls), median"
+        return "triton.testing.do_bench (L2 cleared between calls), median (functions interleaved in rounds)"
     except ImportError:
-        return "CUDA events per call (L2 cleared between calls), median"
+        return "CUDA events per call (L2 cleared between calls), median (functions interleaved in rounds)"
 
 
 def sync(device: str) -> Callable[[], None]:
