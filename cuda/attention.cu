@@ -519,6 +519,12 @@ enum class DqMode { pass, atomic, reduce };
 bool sm90_bwd_rows128() {
   return !env_is("CUSTOMOPS_ATTENTION_BWD_ROWS", "64");
 }
+// The wgmma dK/dV kernels mask only the steps that see a masked key (the diagonal's and the last key
+// block's; masked_steps in attention_sm90_bwd.cuh). CUSTOMOPS_ATTENTION_BWD_MASK_SPLIT=0 masks every
+// step, as before (to time the two in one run).
+bool sm90_bwd_mask_split() {
+  return !env_is("CUSTOMOPS_ATTENTION_BWD_MASK_SPLIT", "0");
+}
 // At head dim 64 the warp-specialized dQ kernel with 128 keys a step (CUSTOMOPS_ATTENTION_BWD_DQ_KEYS=128;
 // 64 by default).
 bool sm90_dq_keys128() {
@@ -864,6 +870,7 @@ void attention_bwd_cuda(const at::Tensor& go_in, const std::optional<at::Tensor>
   p.dq_chunk = causal_chunk(q, 2 * sk * q.size(3) * q.element_size() / std::max<int64_t>(1, p.group));
   p.scale = static_cast<float>(scale);
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  p.mask_split = sm90_bwd_mask_split();
 
   if (pp.rows > 0) {
     with_types(q, false, [&](auto t, auto dd, auto) {

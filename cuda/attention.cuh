@@ -175,6 +175,7 @@ struct BwdParams {
   int64_t dkdv_chunk, dq_chunk;  // causal: kv heads, query heads a chunk of the block order (order_tile)
   TileCounter dq_work;           // the warp-specialized dQ kernel's tiles
   float scale, scale_log2;
+  bool mask_split;  // the wgmma dK/dV kernels: the mask only on the steps that need it (masked_steps)
 };
 
 // ---- the order of a causal grid's blocks --------------------------------------------------------
@@ -270,20 +271,31 @@ __device__ __forceinline__ void mask_scores(float (&s)[kNT][4], int64_t row0, in
 
 // The backward's P^T = exp2(S^T scale log2(e) - lse2) in place over transposed scores (rows: keys
 // key0 + lane / 4 and 8 below; column c: query m0 + c, lse2[c] its row's lse * log2(e)); where
-// `masked` (the block has such keys) 0 for keys past sk and, causal, past a query's limit
-// (m0 + c + shift).
-template <int kNT, bool kCausal>
+// kMasked and `masked` (the block has such keys) 0 for keys past sk and, causal, past a query's limit
+// (m0 + c + shift). kMasked false: no mask code at all (a step that sees no such key).
+template <int kNT, bool kCausal, bool kMasked = true>
 __device__ __forceinline__ void transposed_probs(float (&s)[kNT][4], const float* lse2, float scale_log2, bool masked,
                                                  int64_t key0, int64_t m0_shift, int64_t sk, int lane) {
+  // Key row r is masked in columns c < key - m0_shift (all past sk), as an int32 bound clamped to
+  // [0, 8 kNT] (c runs over [0, 8 kNT)) less this thread's column offset: one compare an element
+  // against a constant, not two 64-bit ones.
+  [[maybe_unused]] int below[2];
+  if constexpr (kMasked) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t key = key0 + lane / 4 + r * 8;
+      const int64_t bound = key >= sk ? 8 * kNT : kCausal ? key - m0_shift : 0;
+      below[r] = static_cast<int>(std::min<int64_t>(std::max<int64_t>(bound, 0), 8 * kNT)) - (lane % 4) * 2;
+    }
+  }
 #pragma unroll
   for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int c = nt * 8 + (lane % 4) * 2 + (e & 1);
       float pr = exp2_nonpositive(fmaf(s[nt][e], scale_log2, -lse2[c]));
-      if (masked) {
-        const int64_t key = key0 + lane / 4 + (e >> 1) * 8;
-        if (key >= sk || (kCausal && key > m0_shift + c)) pr = 0.f;
+      if constexpr (kMasked) {
+        if (masked && nt * 8 + (e & 1) < below[e >> 1]) pr = 0.f;
       }
       s[nt][e] = pr;
     }

@@ -206,18 +206,40 @@ __device__ __forceinline__ void store_dq_tile(const float (&dq)[8][4], float sca
     }
 }
 
+// How many steps of each query head's walk (its query blocks from m_first on, per_head of them) must
+// mask, the first ones: every step where keys [n0, n0 + kKeys) pass sk; else, causal, those whose
+// rows hold one (r) that misses a key, r + shift < n0 + kKeys - 1: rows below `last`, so the query
+// blocks below ceil(last / kRows) (one to three a head by how shift falls on the blocks). Rows past
+// sq need none (lse2 +inf, dt 0). The other steps (all but about 2 of 65 a head at 8k tokens) take
+// no mask code: as a run-time `if` it was predicated code on every step, before S^T's product (the
+// warp-specialized kernel's causal step at head dim 128: 880 SASS instructions, 599 unmasked; the
+// full mask's 621). split false (CUSTOMOPS_ATTENTION_BWD_MASK_SPLIT=0): every step, as before.
+template <int kKeys, int kRows, bool kCausal>
+__device__ __forceinline__ int64_t masked_steps(bool split, int64_t n0, int64_t m_first, int64_t per_head,
+                                                int64_t shift, int64_t sk) {
+  if (!split || n0 + kKeys > sk) return per_head;
+  if (!kCausal) return 0;
+  const int64_t last = n0 + kKeys - 1 - shift;
+  const int64_t blocks = last > 0 ? (last + kRows - 1) / kRows : 0;
+  return std::min(per_head, std::max<int64_t>(0, blocks - m_first));
+}
+
 // A step of the dK/dV walk for a warpgroup's 64 keys (k_wg, v_wg: its rows of the k and v tiles;
 // q_tile, g_tile: the step's q and dO; lse2, dt: their rows' floats) with four commit groups, each
 // waited for as late as its result is needed (P^T computed while dP^T runs, dS^T while dV's product
 // does): S^T = K Q^T, dP^T = V dO^T, P^T, dV += P^T dO, dS^T = P^T (dP^T - dt), before_dk(dS^T's
 // A fragments), dK += dS^T Q. Returns with dV's and dK's products committed, not waited for.
+// kMasked: the step may see a masked key (past sk or, causal, past a query's limit: key0, m0_shift
+// and sk say which); the others take no mask code (see masked_steps).
 // kDvAfterDs: dV's product issued once dS^T is computed (as FlashAttention-3 orders it), so that P^T's
-// A fragments are not live beside S^T and dP^T (128 query rows with kReduceDq: 240 registers).
-template <typename T, int D, int kKeys, int kRows, bool kCausal, bool kDvAfterDs = false, typename BeforeDk>
+// A fragments are not live beside S^T and dP^T (128 query rows: 240 registers; with the dQ pass too
+// once the walk holds both variants of the step, which spilled 96 bytes and serialized the wgmma).
+template <typename T, int D, int kKeys, int kRows, bool kCausal, bool kMasked, bool kDvAfterDs = false,
+          typename BeforeDk>
 __device__ __forceinline__ void dkdv_step(float (&dk)[D / 8][4], float (&dv)[D / 8][4], uint32_t k_wg, uint32_t v_wg,
                                           uint32_t q_tile, uint32_t g_tile, const float* lse2, const float* dt,
-                                          float scale_log2, bool masked, int64_t key0, int64_t m0_shift, int64_t sk,
-                                          int lane, BeforeDk&& before_dk) {
+                                          float scale_log2, int64_t key0, int64_t m0_shift, int64_t sk, int lane,
+                                          BeforeDk&& before_dk) {
   constexpr int kNT = kRows / 8;
   float s[kNT][4], dp[kNT][4];
   wgmma_fence();
@@ -227,7 +249,7 @@ __device__ __forceinline__ void dkdv_step(float (&dk)[D / 8][4], float (&dv)[D /
   wgmma_commit();
   wgmma_wait<1>();
   wgmma_fence_operands(s);
-  transposed_probs<kNT, kCausal>(s, lse2, scale_log2, masked, key0, m0_shift, sk, lane);  // P^T in place
+  transposed_probs<kNT, kCausal, kMasked>(s, lse2, scale_log2, true, key0, m0_shift, sk, lane);  // P^T in place
   uint32_t pa[kRows / 16][4], da[kRows / 16][4];
   if constexpr (!kDvAfterDs) {
 #pragma unroll
@@ -284,6 +306,7 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_ke
   const int64_t m_first = kCausal ? std::max<int64_t>(0, n0 - shift) / kRows : 0;
   const int64_t per_head = std::max<int64_t>(0, (p.sq + kRows - 1) / kRows - m_first);
   const int64_t steps = per_head * p.group;
+  const int64_t mask_steps = masked_steps<kKeys, kRows, kCausal>(p.mask_split, n0, m_first, per_head, shift, p.sk);
 
   load_sw128<kKeys, D, kThreads>(sk, head_rows<const T>(p.k, p.ks, b, hk), p.ks[2], n0, p.sk);
   load_sw128<kKeys, D, kThreads>(sv, head_rows<const T>(p.v, p.vs, b, hk), p.vs[2], n0, p.sk);
@@ -322,22 +345,29 @@ __global__ void __launch_bounds__(kSm90BwdThreads, 1) attention_bwd_dkdv_sm90_ke
     const int64_t m0 = (m_first + i % per_head) * kRows;
 
     const float* lse2 = stats + st * 2 * kRows;
-    const bool masked = n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift);
-    dkdv_step<T, D, kKeys, kRows, kCausal>(dk, dv, k_wg, v_wg, q_base(st), g_base(st), lse2, lse2 + kRows,
-                                           p.scale_log2, masked, n0 + key_row, m0 + shift, p.sk, lane,
-                                           [&](const uint32_t(&da)[kRows / 16][4]) {
-                                             if constexpr (kAtomicDq) store_ds_t<kKeys, kRows>(da, sds, wg, warp, lane);
-                                           });
-    if constexpr (kAtomicDq) {
-      float dq[8][4];
-      dq_share<T, D, kKeys>(dq, sds, sk, wg);
+    auto step = [&](auto mask) {
+      dkdv_step<T, D, kKeys, kRows, kCausal, decltype(mask)::value>(
+          dk, dv, k_wg, v_wg, q_base(st), g_base(st), lse2, lse2 + kRows, p.scale_log2, n0 + key_row, m0 + shift,
+          p.sk, lane, [&](const uint32_t(&da)[kRows / 16][4]) {
+            if constexpr (kAtomicDq) store_ds_t<kKeys, kRows>(da, sds, wg, warp, lane);
+          });
+      if constexpr (kAtomicDq) {
+        float dq[8][4];
+        dq_share<T, D, kKeys>(dq, sds, sk, wg);
+        wgmma_wait<0>();
+        wgmma_fence_operands(dq);
+        atomic_add_dq<D>(dq, p, wg, warp, lane, (b * p.hq + hk * p.group + i / per_head) * p.sq_pad + m0);
+      }
       wgmma_wait<0>();
-      wgmma_fence_operands(dq);
-      atomic_add_dq<D>(dq, p, wg, warp, lane, (b * p.hq + hk * p.group + i / per_head) * p.sq_pad + m0);
+      wgmma_fence_operands(dv);
+      wgmma_fence_operands(dk);
+    };
+    // (no product in flight where the two variants join: else ptxas serializes the wgmma)
+    if (i % per_head < mask_steps) {
+      step(std::true_type{});
+    } else {
+      step(std::false_type{});
     }
-    wgmma_wait<0>();
-    wgmma_fence_operands(dv);
-    wgmma_fence_operands(dk);
   }
   cp_async_wait<0>();  // (no step: k and v may still be landing)
 
@@ -416,8 +446,8 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
   const int64_t m_first = kCausal ? std::max<int64_t>(0, n0 - shift) / kRows : 0;
   const int64_t per_head = std::max<int64_t>(0, (p.sq + kRows - 1) / kRows - m_first);
   const int64_t steps = per_head * p.group;
-  // (128 rows with kReduceDq: the producer and consumers count the walk's head and query block as the
-  // writer warp does, for the int64 divisions' call (its return address on the stack) and registers)
+  // (128 rows with kReduceDq: the producer counts the walk's head and query block as the writer warp
+  // and the consumers do, for the int64 divisions' call (its return address on the stack) and registers)
   constexpr bool kCountedWalk = kReduceDq && kRows == 128;
   tma::init_ring<kStages>(bars, kConsumerThreads);  // (empty: once a consumer's products read the stage)
 
@@ -501,38 +531,48 @@ __global__ void __launch_bounds__(kSm90BwdWsThreads, 1)
   const int key_row = c * 64 + warp * 16;  // this thread's keys: n0 + key_row + lane / 4 (+ 8)
   const uint32_t k_wg = sk + c * 64 * 128, v_wg = sv + c * 64 * 128;  // this warpgroup's 64 rows of each panel
   if (steps > 0) tma::mbar_wait(full_kv, 0);
-  [[maybe_unused]] int wmb = 0;  // kCountedWalk: step i's i % per_head
+  const int mask_steps =
+      static_cast<int>(masked_steps<kKeys, kRows, kCausal>(p.mask_split, n0, m_first, per_head, shift, p.sk));
+  int wmb = 0;  // step i's i % per_head, counted (no 64-bit division before S^T's product)
   for (int64_t i = 0; i < steps; ++i) {
     const int st = static_cast<int>(i % kStages);
     tma::mbar_wait(full(st), static_cast<uint32_t>((i / kStages) & 1));
-    const int64_t m0 = (m_first + (kCountedWalk ? wmb : i % per_head)) * kRows;
-    if constexpr (kCountedWalk) wmb = wmb + 1 == per_head ? 0 : wmb + 1;
+    const int64_t m0 = (m_first + wmb) * kRows;
+    const bool masked = wmb < mask_steps;
+    wmb = wmb + 1 == per_head ? 0 : wmb + 1;
     const float* lse2 = stats_ptr + st * 2 * kRows;
-    const bool masked = n0 + kKeys > p.sk || (kCausal && n0 + kKeys - 1 > m0 + shift);
     const uint32_t ds = sds + static_cast<uint32_t>(i & 1) * kDsBytes;
     [[maybe_unused]] float dq[8][4];
     // (kReduceDq: dQ's product issued before dK's, so that dQ's tile is written while dK's runs)
-    dkdv_step<T, D, kKeys, kRows, kCausal, kReduceDq && kRows == 128>(
-        dk, dv, k_wg, v_wg, q_base(st), g_base(st), lse2, lse2 + kRows, p.scale_log2, masked, n0 + key_row,
-        m0 + shift, p.sk, lane, [&](const uint32_t(&da)[kRows / 16][4]) {
-          if constexpr (kReduceDq) {
-            store_ds_t<kKeys, kRows>(da, ds, c, warp, lane);
-            __syncwarp();  // (converged for the aligned barrier and wgmma)
-            dq_share<T, D, kKeys, kRows>(dq, ds, sk, c);
-          }
-        });
-    if constexpr (kReduceDq) {
-      wgmma_wait<1>();  // dQ's product (dK's may still run)
-      wgmma_fence_operands(dq);
-      sync_of(kBarDqFree, c, kHandoffThreads);  // the tile is free (the writer warp saw the TMA read the last one)
-      store_dq_tile(dq, p.scale, sdq + c * kSm90DqTileBytes, warp, lane);
-      fence_proxy_async();
-      __syncwarp();
-      arrive_of(kBarDqWritten, c, kHandoffThreads);  // written: the writer warp adds it
+    auto step = [&](auto mask) {
+      dkdv_step<T, D, kKeys, kRows, kCausal, decltype(mask)::value, kRows == 128>(
+          dk, dv, k_wg, v_wg, q_base(st), g_base(st), lse2, lse2 + kRows, p.scale_log2, n0 + key_row, m0 + shift,
+          p.sk, lane, [&](const uint32_t(&da)[kRows / 16][4]) {
+            if constexpr (kReduceDq) {
+              store_ds_t<kKeys, kRows>(da, ds, c, warp, lane);
+              __syncwarp();  // (converged for the aligned barrier and wgmma)
+              dq_share<T, D, kKeys, kRows>(dq, ds, sk, c);
+            }
+          });
+      if constexpr (kReduceDq) {
+        wgmma_wait<1>();  // dQ's product (dK's may still run)
+        wgmma_fence_operands(dq);
+        sync_of(kBarDqFree, c, kHandoffThreads);  // the tile is free (the writer warp saw the TMA read the last one)
+        store_dq_tile(dq, p.scale, sdq + c * kSm90DqTileBytes, warp, lane);
+        fence_proxy_async();
+        __syncwarp();
+        arrive_of(kBarDqWritten, c, kHandoffThreads);  // written: the writer warp adds it
+      }
+      wgmma_wait<0>();
+      wgmma_fence_operands(dv);
+      wgmma_fence_operands(dk);
+    };
+    // (no product in flight where the two variants join: else ptxas serializes the wgmma)
+    if (masked) {
+      step(std::true_type{});
+    } else {
+      step(std::false_type{});
     }
-    wgmma_wait<0>();
-    wgmma_fence_operands(dv);
-    wgmma_fence_operands(dk);
     tma::mbar_arrive(empty(st));
   }
   store_accumulator<T>(dk, p.scale, head_rows<T>(p.dk, p.dks, b, hk), p.dks[2], n0 + key_row, p.sk, lane);

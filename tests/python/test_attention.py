@@ -101,6 +101,7 @@ PATHS = {
     "reduce-dq": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "reduce"}, True),  # by the TMA's adds in the ws dK/dV kernel (the default; d 64: 128 rows a step)
     "reduce-dq64": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "reduce", "CUSTOMOPS_ATTENTION_BWD_ROWS": "64"}, True),  # so, 64 rows a step at d 64
     "dq-pass": ({"CUSTOMOPS_ATTENTION_BWD_DQ": "pass"}, True),  # by a pass of its own (the default at d 64 with 64 rows a step)
+    "mask-every-step": ({"CUSTOMOPS_ATTENTION_BWD_MASK_SPLIT": "0"}, True),  # the dK/dV mask on every step (else only where needed)
     "cp-bwd": ({"CUSTOMOPS_ATTENTION_BWD_WS": "0"}, False),  # the wgmma backward's kernels loading by cp.async
     "cp-dq": ({"CUSTOMOPS_ATTENTION_BWD_WS": "dkdv", "CUSTOMOPS_ATTENTION_BWD_DQ": "pass"}, False),  # its dQ pass only so
     "ws128": ({"CUSTOMOPS_ATTENTION_WS_ROWS": "128"}, True),  # 128 query rows a block at head dim 64
@@ -122,8 +123,9 @@ PATHS = {
 def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, monkeypatch):
     # The tensor-core kernel's shapes: grouped heads, lengths off the block sizes, Sq < Sk and
     # Sq > Sk (causal: rows that see no key), one query, one query block a head (a dK/dV block of one
-    # step); q as a [B, S, H, D] view; lse's gradient. Every kernel path of PATHS (head dim 256: the
-    # default only, its one fused forward).
+    # step), causal dK/dV walks whose diagonal spans three 64-row query blocks, unmasked steps after
+    # it (390 against 300); q as a [B, S, H, D] view; lse's gradient. Every kernel path of PATHS
+    # (head dim 256: the default only, its one fused forward).
     if d == 256 and forward not in ("default", "ws-one-block", "ws-grid", "keys64"):
         pytest.skip("head dim 256 has one fused forward")
     if forward == "keys64" and d != 256:
@@ -135,7 +137,7 @@ def test_fused_cuda_kernel_matches_float32_reference(dtype, d, causal, forward, 
     _kernel("cuda", forward, monkeypatch)
     torch.manual_seed(0)
     for b, hq, hkv, sq, sk in [(2, 4, 2, 256, 256), (1, 3, 1, 100, 300), (1, 2, 2, 300, 100), (2, 2, 1, 1, 77),
-                               (1, 2, 2, 50, 200)]:
+                               (1, 2, 2, 50, 200), (1, 4, 2, 390, 300)]:
         q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype).transpose(1, 2).requires_grad_()
         k, v = (torch.randn(b, hkv, sk, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
         _assert_matches_reference(q, k, v, causal, 3e-2 if dtype == torch.bfloat16 else 5e-3, [b, hq, hkv, sq, sk])
