@@ -1015,25 +1015,31 @@ bool attention_bwd_flash2(const at::Tensor& go, const std::optional<at::Tensor>&
 }
 
 // ATen's cuDNN attention backward (the kernel of SDPA's cuDNN backend), given our forward's out and
-// lse: the default where it computes our gradients (CUSTOMOPS_ATTENTION_BWD_CUDNN=0 keeps ours). On an
-// H100, forward+backward with it against the same with ours, one run (docs/benchmarks.md): 1.11-1.19x
-// causal at head dim 128, 1.01-1.07x full, 1.00-1.10x at 64; against ATen's FlashAttention-2 backward at
-// head dim 256 (no wgmma backward of ours there), 1.50x. It runs where the loss has no gradient of lse
-// (ours adds that term), float16 or bfloat16 on an H100/H200 (the GPUs it was measured on), a positive
-// scale, causal only with Sq == Sk (its mask is top-left aligned, ours bottom-right), head dims up to
-// 128 in multiples of 8 and 256 (as ATen's own checks allow its backward), more than one query and key
-// (ATen refuses one key; cuDNN 9.25-9.26's backward gives NaN for one query), key counts other than
-// 64 mod 128 (where cuDNN's SM90 backward is reported to give NaN for rows of very small lse), batch and
-// heads within 65535, offsets within 32 bits (its graph keeps strides as int), not under
-// torch.use_deterministic_algorithms (its dQ is added by atomics) nor during a CUDA-graph capture (a
-// new shape builds a cuDNN graph), and a torch built with it (ATen's errors fall back: nothing is
-// written before it returns; a sticky CUDA error is raised). Every row sees a key there, so lse is
-// finite. ATen caches its graphs by q, k and v's layouts but builds them for out's and dO's too: both
-// go in with the dense strides of q's dimension order (as ATen allocates its own out), so that one key
-// always means one layout. Whether it ran; it then sets dq, dk and dv: ATen's where their layouts are
-// ours (heads_layout_like), else copied into ours.
-bool want_cudnn_bwd() {
-  return !env_is("CUSTOMOPS_ATTENTION_BWD_CUDNN", "0");
+// lse: the default where it computes our gradients and ours is not faster. On an H100, forward+backward
+// with the functions interleaved, three runs (docs/benchmarks.md), ours against it: at head dim 64
+// causal 1.04-1.06x (grouped heads 1.12-1.17x), full 1.01-1.02x; at 128 causal with 2k keys
+// 1.04x, with 8k-16k 0.97-1.00x, full 0.96-0.99x; ATen's FlashAttention-2 backward at head dim 256 (no
+// wgmma backward of ours there) 0.65x. So ours runs at head dim 64, and causal at 128 up to 2k keys,
+// where our wgmma backward takes the shape; cuDNN's the rest (CUSTOMOPS_ATTENTION_BWD_CUDNN=0: ours
+// everywhere, =1: cuDNN's wherever it computes ours). It runs
+// where the loss has no gradient of lse (ours adds that term), float16 or bfloat16 on an H100/H200 (the
+// GPUs it was measured on), a positive scale, causal only with Sq == Sk (its mask is top-left aligned,
+// ours bottom-right), head dims up to 128 in multiples of 8 and 256 (as ATen's own checks allow its
+// backward), more than one query and key (ATen refuses one key; cuDNN 9.25-9.26's backward gives NaN
+// for one query), key counts other than 64 mod 128 (where cuDNN's SM90 backward is reported to give NaN
+// for rows of very small lse), batch and heads within 65535, offsets within 32 bits (its graph keeps
+// strides as int), not under torch.use_deterministic_algorithms (its dQ is added by atomics) nor during
+// a CUDA-graph capture (a new shape builds a cuDNN graph), and a torch built with it (ATen's errors fall
+// back: nothing is written before it returns; a sticky CUDA error is raised). Every row sees a key
+// there, so lse is finite. ATen caches its graphs by q, k and v's layouts but builds them for out's and
+// dO's too: both go in with the dense strides of q's dimension order (as ATen allocates its own out), so
+// that one key always means one layout. Whether it ran; it then sets dq, dk and dv: ATen's where their
+// layouts are ours (heads_layout_like), else copied into ours.
+bool want_cudnn_bwd(const at::Tensor& q, const at::Tensor& k, bool causal, double scale) {
+  if (env_is("CUSTOMOPS_ATTENTION_BWD_CUDNN", "0")) return false;
+  if (env_is("CUSTOMOPS_ATTENTION_BWD_CUDNN", "1")) return true;
+  const bool ours = attention_cuda_fused(q, scale) && use_sm90_bwd(q);
+  return !(ours && (q.size(3) == 64 || (causal && k.size(2) <= 2048)));
 }
 // The largest element offset of t, plus one, within int32 (cuDNN's graph keeps sizes and strides as int).
 bool offsets_fit_int32(const at::Tensor& t) {
@@ -1061,7 +1067,9 @@ bool attention_bwd_cudnn(const at::Tensor& go, const std::optional<at::Tensor>& 
                          const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                          bool causal, double scale, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
   const int64_t sq = q.size(2), sk = k.size(2), d = q.size(3);
-  if (!want_cudnn_bwd() || !((d <= 128 && d % 8 == 0) || d == 256) || (causal && sq != sk)) return false;
+  if (!want_cudnn_bwd(q, k, causal, scale) || !((d <= 128 && d % 8 == 0) || d == 256) || (causal && sq != sk)) {
+    return false;
+  }
   if (sq < 2 || sk < 2 || sk % 128 == 64 || !aten_backward_takes(q, k, scale, grad_lse)) return false;
   if (at::globalContext().deterministicAlgorithms()) return false;
   if (at::cuda::getDeviceProperties(q.get_device())->major != 9) return false;

@@ -245,18 +245,19 @@ def test_backward_is_bitwise_reproducible_under_use_deterministic_algorithms(d, 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d, backward", [(256, "cudnn"), (256, "flash2"), (256, "blocked"), (128, "cudnn"),
-                                         (128, "ours"), (64, "cudnn"), (96, "cudnn")])
+@pytest.mark.parametrize("d, backward", [(256, "default"), (256, "flash2"), (256, "blocked"), (128, "default"),
+                                         (128, "cudnn"), (128, "ours"), (64, "default"), (64, "cudnn"), (96, "default")])
 def test_backward_of_out_alone(dtype, causal, d, backward, monkeypatch):
-    # The backward where lse has no gradient (a training loss): by default ATen's cuDNN one where it
-    # computes ours (full, or causal with Sq == Sk: its mask is top-left aligned; on an H100/H200;
-    # not for one query or key, nor 64 mod 128 keys, where cuDNN versions are reported wrong),
-    # else ours at head dims 64 and 128 (CUSTOMOPS_ATTENTION_BWD_CUDNN=0: always), at 256
-    # FlashAttention-2's (the blocked one with CUSTOMOPS_ATTENTION_FLASH2=0), at 96 the blocked one. The
-    # shapes of the test above, k and v as views of stride 2 in the head dim (copied for the kernels),
-    # and which kernel ran.
-    if backward != "cudnn":
-        monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_CUDNN", "0")
+    # The backward where lse has no gradient (a training loss): ATen's cuDNN one where it computes ours
+    # (full, or causal with Sq == Sk: its mask is top-left aligned; on an H100/H200; not for one query
+    # or key, nor 64 mod 128 keys, where cuDNN versions are reported wrong), by default only where ours
+    # is slower (at head dim 128 full, and causal past 2k keys; head dims ours has no wgmma backward
+    # for: 96, 256; CUSTOMOPS_ATTENTION_BWD_CUDNN=1: wherever it computes ours); else ours at head dims
+    # 64 and 128 (CUSTOMOPS_ATTENTION_BWD_CUDNN=0: always), at 256 FlashAttention-2's (the blocked one
+    # with CUSTOMOPS_ATTENTION_FLASH2=0), at 96 the blocked one. The shapes of the test above, k and v
+    # as views of stride 2 in the head dim (copied for the kernels), and which kernel ran.
+    if backward != "default":
+        monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_CUDNN", "1" if backward == "cudnn" else "0")
     if backward == "blocked":
         monkeypatch.setenv("CUSTOMOPS_ATTENTION_FLASH2", "0")
     hopper = torch.cuda.get_device_capability()[0] == 9
@@ -274,8 +275,9 @@ def test_backward_of_out_alone(dtype, causal, d, backward, monkeypatch):
         names = {e.name for e in prof.events()}
         ran_cudnn = any("cudnn" in n.lower() or "sdpa" in n.lower() for n in names)
         ran_flash = any("flash_bwd" in n for n in names)
-        want_cudnn = (backward == "cudnn" and hopper and (not causal or sq == sk) and min(sq, sk) > 1
-                      and sk % 128 != 64)
+        cudnn_computes = hopper and (not causal or sq == sk) and min(sq, sk) > 1 and sk % 128 != 64
+        ours_faster = d == 64 or (d == 128 and causal and sk <= 2048)
+        want_cudnn = cudnn_computes and (backward == "cudnn" or (backward == "default" and not ours_faster))
         want_flash = d == 256 and backward != "blocked" and not want_cudnn
         assert (ran_cudnn, ran_flash) == (want_cudnn, want_flash), f"{[b, hq, hkv, sq, sk]}: {sorted(names)}"
         q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
@@ -288,11 +290,12 @@ def test_backward_of_out_alone(dtype, causal, d, backward, monkeypatch):
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
-def test_cudnn_backward_holds_no_more_memory_than_sdpas():
+def test_cudnn_backward_holds_no_more_memory_than_sdpas(monkeypatch):
     # The cuDNN backward allocates dq, dk and dv itself: ours are not allocated beside them (q + k + v
     # bytes more at the peak), and its gradients come back in q's layout ([B, S, H, D] memory here).
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("cuDNN's backward runs on an H100/H200 only")
+    monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_CUDNN", "1")  # (causal, 1k keys, head dim 128: ours by default)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 1024, 8, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
@@ -317,10 +320,12 @@ def test_cudnn_backward_holds_no_more_memory_than_sdpas():
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs customops built with CUDA")
-def test_backward_takes_any_layout_of_the_output_gradient():
+@pytest.mark.parametrize("cudnn", ["1", "0"])
+def test_backward_takes_any_layout_of_the_output_gradient(cudnn, monkeypatch):
     # ATen caches cuDNN's backward graphs by q, k and v's layouts but builds them for dO's and out's
     # too: calls of one shape with dO in another layout each (dense in q's order, in the other order,
-    # expanded from one element) must each give the reference's gradients.
+    # expanded from one element) must each give the reference's gradients; ours too.
+    monkeypatch.setenv("CUSTOMOPS_ATTENTION_BWD_CUDNN", cudnn)
     torch.manual_seed(0)
     q = torch.randn(2, 256, 4, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
     k, v = (torch.randn(2, 2, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
