@@ -459,15 +459,21 @@ int64_t causal_chunk(const at::Tensor& q, int64_t bytes) {
   return std::max<int64_t>(1, l2 / 2 / std::max<int64_t>(1, bytes));
 }
 
-// Heads a chunk of the causal dK/dV grid's order: causal_chunk's, but at least as many as keep
-// every SM busy while a chunk's longest block runs (a chunk's work an SM must exceed its longest
-// block, whose walk is about twice the mean: chunk >= 2 SMs / ranks), rounded up to a divisor of the
-// heads (no short last chunk). At B2 Hq32 Hkv8 S8192 causal_chunk gives 1, launch order, with a tail
-// that a model of the grid puts at 89.5% busy; 4 heads, 99.7% (/work/research/causal-bwd.md).
-// CUSTOMOPS_ATTENTION_BWD_CHUNK=N sets it (0: launch order).
+// Heads a chunk of the causal dK/dV grid's order: causal_chunk's, but enough heads that every SM stays
+// busy while a chunk's longest block runs (its walk is about twice a block's mean, so a chunk must hold
+// at least 2 x SMs blocks: 2 SMs / ranks heads, ranks being a head's blocks), rounded up to a divisor of
+// the heads (no short last chunk). At B4 H8 S2048 causal fp16 causal_chunk gave 25 heads, whose last
+// chunk of 7 left SMs idle: our backward's forward+backward went from 307 to 333 TFLOP/s on an H100
+// (docs/benchmarks.md). CUSTOMOPS_ATTENTION_BWD_CHUNK=N sets it (0: launch order).
 int64_t dkdv_chunk(const at::Tensor& q, int64_t bytes, int64_t ranks, int64_t heads) {
   const char* env = std::getenv("CUSTOMOPS_ATTENTION_BWD_CHUNK");
-  if (env != nullptr && *env != '\0') return std::max<int64_t>(0, std::atoll(env));
+  if (env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    const int64_t n = std::strtoll(env, &end, 10);
+    TORCH_CHECK(*end == '\0' && n >= 0, "customops.attention: CUSTOMOPS_ATTENTION_BWD_CHUNK must be a count of ",
+                "heads (0: launch order), not '", env, "'");
+    return n;
+  }
   int64_t chunk = causal_chunk(q, bytes);
   if (chunk == 0 || heads <= 0) return chunk;
   const int64_t sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
@@ -500,7 +506,8 @@ bool use_sm90_ws() {
 
 // The wgmma backward (attention_sm90_bwd.cuh) wherever the wgmma forward runs: 1.3x the mma.sync
 // backward's forward+backward at head dim 128 and 1.2-1.3x at 64 on an H100.
-// CUSTOMOPS_ATTENTION_BWD_SM90=0 keeps the mma.sync one there.
+// CUSTOMOPS_ATTENTION_BWD_SM90=0 keeps the mma.sync one there (where cuDNN's does not run: with it, as
+// with CUSTOMOPS_ATTENTION_SM80=1, a loss of out alone takes cuDNN's at head dim 64 too; want_cudnn_bwd).
 bool use_sm90_bwd(const at::Tensor& q) {
   return use_sm90(q) && !env_is("CUSTOMOPS_ATTENTION_BWD_SM90", "0");
 }

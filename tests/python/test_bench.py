@@ -112,11 +112,12 @@ def test_bench_attention_report(tmp_path):
         assert r[f"fwd_bwd_{name}_ms"] > 0 and r[f"max_err_{name}"] < (1e-5 if r["dtype"] == "float32" else 5e-2)
         assert r[f"fwd_{name}_vs_sdpa"] == r["fwd_sdpa_ms"] / r[f"fwd_{name}_ms"]
     assert f"{name}, in the same run:" in out.stdout
-    # a variant of our backward's paths runs our backward (a loss of out alone takes cuDNN's by default)
+    # a variant of our backward's paths runs our backward (a loss of out alone takes cuDNN's at some shapes)
     from customops.bench.attention import _with_our_backward
 
     assert _with_our_backward({"CUSTOMOPS_ATTENTION_BWD_DQ": "pass"}) == {
         "CUSTOMOPS_ATTENTION_BWD_DQ": "pass", "CUSTOMOPS_ATTENTION_BWD_CUDNN": "0"}
+    assert _with_our_backward({"CUSTOMOPS_ATTENTION_SM80": "1"})["CUSTOMOPS_ATTENTION_BWD_CUDNN"] == "0"
     for env in ({"CUSTOMOPS_ATTENTION_WS": "0"}, {"CUSTOMOPS_ATTENTION_BWD_CUDNN": "1"}):
         assert _with_our_backward(env) == env
     bad = subprocess.run([sys.executable, "-m", "customops", "bench", "--attention", "--shapes", "1,2,2,8"],

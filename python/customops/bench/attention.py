@@ -10,7 +10,7 @@ error of each against SDPA in float32 on the same inputs. ``--shapes`` picks oth
 ``B,Hq,Hkv,S,D,causal|full,dtype`` separated by spaces. ``--variant VAR=VALUE[,VAR=VALUE]``
 (repeatable) also times customops with those environment variables set around its calls (the
 kernel paths' switches, e.g. ``CUSTOMOPS_ATTENTION_WS=0``), in the same run; a variant that switches
-one of our backward's paths (``CUSTOMOPS_ATTENTION_BWD_*``) runs our backward
+one of our backward's paths (``CUSTOMOPS_ATTENTION_BWD_*``, ``CUSTOMOPS_ATTENTION_SM80``) runs our backward
 (``CUSTOMOPS_ATTENTION_BWD_CUDNN=0`` added, and named) unless it says otherwise.
 """
 
@@ -130,9 +130,9 @@ def _functions(shape: Shape, variants: list[dict[str, str]] = ()):
 
 def _with_our_backward(env: dict[str, str]) -> dict[str, str]:
     """env, plus CUSTOMOPS_ATTENTION_BWD_CUDNN=0 where it switches one of our backward's paths
-    (CUSTOMOPS_ATTENTION_BWD_*) and does not say which backward runs: a loss of out alone takes
-    cuDNN's backward by default, which would leave that switch unread."""
-    ours = any(k.startswith("CUSTOMOPS_ATTENTION_BWD_") for k in env)
+    (CUSTOMOPS_ATTENTION_BWD_*, CUSTOMOPS_ATTENTION_SM80) and does not say which backward runs: a loss
+    of out alone takes cuDNN's backward where that is the faster, which would leave that switch unread."""
+    ours = any(k.startswith("CUSTOMOPS_ATTENTION_BWD_") or k == "CUSTOMOPS_ATTENTION_SM80" for k in env)
     return {**env, "CUSTOMOPS_ATTENTION_BWD_CUDNN": "0"} if ours and "CUSTOMOPS_ATTENTION_BWD_CUDNN" not in env else env
 
 

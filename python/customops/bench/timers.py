@@ -21,7 +21,7 @@ class Budget:
 
     seconds: float
     min_reps: int
-    rounds: int  # CPU: the functions of one comparison take turns this many times
+    rounds: int  # the functions of one comparison take turns this many times
     overhead_calls: int
     overhead_rounds: int
 
