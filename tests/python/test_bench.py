@@ -107,8 +107,9 @@ def test_bench_attention_report(tmp_path):
             assert r[f"{mode}_customops_ms"] > 0 and r[f"{mode}_sdpa_ms"] > 0
             assert r[f"{mode}_vs_sdpa"] == r[f"{mode}_sdpa_ms"] / r[f"{mode}_customops_ms"]
         assert r["max_err_customops"] < (1e-5 if r["dtype"] == "float32" else 5e-2), r
-        # the variant (environment switches of kernel paths) timed in the same run
-        name = "customops[CUSTOMOPS_ATTENTION_WS=0,CUSTOMOPS_ATTENTION_SM80=1]"
+        # the variant (environment switches of kernel paths) timed in the same run, named with the
+        # switch to our backward that a variant of its paths gets
+        name = "customops[CUSTOMOPS_ATTENTION_WS=0,CUSTOMOPS_ATTENTION_SM80=1,CUSTOMOPS_ATTENTION_BWD_CUDNN=0]"
         assert r[f"fwd_bwd_{name}_ms"] > 0 and r[f"max_err_{name}"] < (1e-5 if r["dtype"] == "float32" else 5e-2)
         assert r[f"fwd_{name}_vs_sdpa"] == r["fwd_sdpa_ms"] / r[f"fwd_{name}_ms"]
     assert f"{name}, in the same run:" in out.stdout

@@ -189,7 +189,7 @@ def run(args) -> dict:
             torch.cuda.empty_cache()
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     meta = {"device": name, "versions": versions(device), "timer": timers.timer_name(device),
-            "variants": [variant_name(env) for env in args.variant]}
+            "variants": [variant_name(_with_our_backward(env)) for env in args.variant]}
     return {"meta": meta, "rows": rows}
 
 
