@@ -33,10 +33,25 @@ def test_model_bench_runs_and_losses_agree(tmp_path, capsys):
     assert all(t["met"] is None and "not measured" in t["measured"] for t in report["targets"])
 
 
+def test_model_bench_rounds_take_medians(tmp_path, capsys):
+    """--rounds R builds and times every variant once a round, in turn: each row's times are the
+    medians of its R rounds, which the JSON keeps."""
+    assert bench_model.main(TINY + ["--variants", "eager,customops.optimize", "--iters", "1", "--rounds", "3",
+                                    "--json", str(tmp_path / "r.json")]) == 0
+    assert "medians of 3 rounds" in capsys.readouterr().out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["meta"]["rounds"] == 3
+    for r in report["rows"]:
+        assert len(r["rounds"]) == 3
+        assert r["step_ms"] == sorted(x["step_ms"] for x in r["rounds"])[1]
+        assert r["infer_ms"] == sorted(x["infer_ms"] for x in r["rounds"])[1]
+
+
 def test_model_bench_skips_what_is_missing(monkeypatch, capsys):
     monkeypatch.delattr(customops, "optimize")
-    assert bench_model.main(TINY + ["--variants", "eager,customops.optimize", "--iters", "1"]) == 0
-    assert "customops.optimize: not measured (this customops has no optimize)" in capsys.readouterr().out
+    assert bench_model.main(TINY + ["--variants", "eager,customops.optimize", "--iters", "1", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("customops.optimize: not measured (this customops has no optimize)") == 1, out
 
 
 def test_model_bench_rejects_unknown_variants():

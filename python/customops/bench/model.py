@@ -169,35 +169,44 @@ def run(args) -> dict:
     if unknown:
         raise SystemExit(f"customops bench --model: unknown variant {unknown}; one of {', '.join(VARIANTS)}")
     order = [v for v in wanted if v != "liger"] + (["liger"] if "liger" in wanted else [])
-    rows, notes, failures = [], [], []
-    for v in order:
-        if v == "liger":
-            try:
-                import liger_kernel.transformers  # noqa: F401
-            except Exception as e:  # noqa: BLE001
-                notes.append(f"liger: not measured (Liger-Kernel not importable: {type(e).__name__})")
+    measured: dict[str, list[dict]] = {}
+    notes, failures, dropped = [], [], set()
+    for rnd in range(args.rounds):
+        for v in order:
+            # Liger-Kernel patches transformers for the whole process: its one measurement comes last
+            if v in dropped or (v == "liger" and rnd < args.rounds - 1):
                 continue
-        if not args.no_progress:
-            print(f"... {v}", flush=True)
-        try:
-            rows.append(_measure(v, args, cfg_kw))
+            if v == "liger":
+                try:
+                    import liger_kernel.transformers  # noqa: F401
+                except Exception as e:  # noqa: BLE001
+                    notes.append(f"liger: not measured (Liger-Kernel not importable: {type(e).__name__})")
+                    continue
             if not args.no_progress:
-                r = rows[-1]
-                print(f"    step {r['step_ms']:.1f} ms, peak {_peak(r)}{' GiB' * (r['peak_gib'] is not None)}, inference {r['infer_ms']:.1f} ms, "
-                      f"loss {r['loss']:.4f}", flush=True)
-        except _Skip as e:
-            notes.append(f"{v}: not measured ({e})")
-        except Exception as e:  # noqa: BLE001  (a variant that fails is reported, the others still run)
-            failures.append(f"{v}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
-        torch._dynamo.reset()
-        gc.collect()
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+                print(f"... {v}" + (f", round {rnd + 1}/{args.rounds}" if args.rounds > 1 and v != "liger" else ""),
+                      flush=True)
+            try:
+                measured.setdefault(v, []).append(_measure(v, args, cfg_kw))
+                if not args.no_progress:
+                    r = measured[v][-1]
+                    print(f"    step {r['step_ms']:.1f} ms, peak {_peak(r)}{' GiB' * (r['peak_gib'] is not None)}, "
+                          f"inference {r['infer_ms']:.1f} ms, loss {r['loss']:.4f}", flush=True)
+            except _Skip as e:
+                notes.append(f"{v}: not measured ({e})")
+                dropped.add(v)
+            except Exception as e:  # noqa: BLE001  (a variant that fails is reported, the others still run)
+                failures.append(f"{v}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}")
+                dropped.add(v)
+            torch._dynamo.reset()
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    rows = [_combine(rs, args) for v, rs in measured.items() if v not in dropped]
     rows.sort(key=lambda r: VARIANTS.index(r["variant"]))
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "versions": versions(args.device),
             "config": {**cfg_kw, "batch": args.batch, "seq": args.seq,
                        "dtype": "float32 + autocast bf16" if args.amp else str(args.dtype).removeprefix("torch.")},
-            "iters": args.iters, "fsdp": args.world if args.fsdp else None}
+            "iters": args.iters, "rounds": args.rounds, "fsdp": args.world if args.fsdp else None}
     try:
         import transformers
 
@@ -208,6 +217,18 @@ def run(args) -> dict:
     report["mismatches"] = _mismatches(report, args)
     report["targets"] = _targets(rows)
     return report
+
+
+def _combine(rs: list[dict], args) -> dict:
+    """A variant's row over its rounds: the medians of the rounds' step and inference times, the highest
+    peak, the first round's loss (every round builds the same model from one seed), and the rounds."""
+    if len(rs) == 1:
+        return rs[0]
+    step = statistics.median(r["step_ms"] for r in rs)
+    peaks = [r["peak_gib"] for r in rs if r["peak_gib"] is not None]
+    return {**rs[0], "step_ms": step, "tokens_per_s": args.batch * args.seq / step * 1e3,
+            "peak_gib": max(peaks) if peaks else None, "infer_ms": statistics.median(r["infer_ms"] for r in rs),
+            "rounds": [{"step_ms": r["step_ms"], "infer_ms": r["infer_ms"]} for r in rs]}
 
 
 def _mismatches(report, args) -> list[str]:
@@ -303,7 +324,8 @@ def _header(report: dict) -> list[str]:
             f"Llama: {c['num_hidden_layers']} layers, hidden {c['hidden_size']}, intermediate {c['intermediate_size']}, "
             f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, vocabulary {c['vocab_size']}; batch "
             f"{c['batch']} x {c['seq']} tokens, {c['dtype']}. Training step = forward with labels + backward; "
-            f"median of {m['iters']}."]
+            f"median of {m['iters']}" + (f"; medians of {m['rounds']} rounds, each building and timing every variant "
+                                         f"in turn (Liger-Kernel's once, last)." if m.get("rounds", 1) > 1 else ".")]
             + ([f"FSDP2 over {m['fsdp']} GPU(s) (fully_shard per decoder layer, then the root; compiled per layer), "
                f"batch and tokens/s per GPU."] if m.get("fsdp") else []))
 
@@ -375,6 +397,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--variants", help=f"comma-separated subset of: {', '.join(VARIANTS)} (default: all)")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per pass, median reported (default: 10)")
     p.add_argument("--warmup", type=int, default=3, help="untimed iterations first, compilation included (default: 3)")
+    p.add_argument("--rounds", type=int, default=1, help="build and time every variant in turn this many times, "
+                   "report medians: a slow spell of the machine falls on all variants (default: 1)")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     p.add_argument("--doc", metavar="PATH", help="write the table between <!-- bench:SECTION --> markers")
     p.add_argument("--section", default="llama", help="the markers --doc writes between (default: llama)")
@@ -382,6 +406,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--fsdp", action="store_true", help="shard every variant with FSDP2 over the ranks of torchrun "
                    "(tokens/s and peak memory per GPU), or a group of one without it")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     _cli.require("python -m customops bench --model llama", {"transformers": "hf"})
     args.device = pick_device(p, args.device)
     args.dtype = DTYPES[args.dtype]
