@@ -448,6 +448,17 @@ bool env_is(const char* name, std::string_view value) {
   const char* env = std::getenv(name);
   return env != nullptr && value == env;
 }
+// The count environment variable `name` is set to, if it is set (`what`: what it counts, for the
+// error that a value other than a count raises).
+std::optional<int64_t> env_count(const char* name, const char* what) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return std::nullopt;
+  char* end = nullptr;
+  const int64_t n = std::strtoll(env, &end, 10);
+  TORCH_CHECK(*end == '\0' && n >= 0, "customops.attention: ", name, " must be a count of ", what, ", not '", env,
+              "'");
+  return n;
+}
 
 // Heads a chunk of a causal grid's block order (order_tile in attention.cuh): as many as keep the
 // `bytes` each head's blocks stream (k and v, or q and dO) within half the L2.
@@ -466,14 +477,7 @@ int64_t causal_chunk(const at::Tensor& q, int64_t bytes) {
 // chunk of 7 left SMs idle: our backward's forward+backward went from 307 to 333 TFLOP/s on an H100
 // (docs/benchmarks.md). CUSTOMOPS_ATTENTION_BWD_CHUNK=N sets it (0: launch order).
 int64_t dkdv_chunk(const at::Tensor& q, int64_t bytes, int64_t ranks, int64_t heads) {
-  const char* env = std::getenv("CUSTOMOPS_ATTENTION_BWD_CHUNK");
-  if (env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    const int64_t n = std::strtoll(env, &end, 10);
-    TORCH_CHECK(*end == '\0' && n >= 0, "customops.attention: CUSTOMOPS_ATTENTION_BWD_CHUNK must be a count of ",
-                "heads (0: launch order), not '", env, "'");
-    return n;
-  }
+  if (const auto n = env_count("CUSTOMOPS_ATTENTION_BWD_CHUNK", "heads (0: launch order)")) return *n;
   int64_t chunk = causal_chunk(q, bytes);
   if (chunk == 0 || heads <= 0) return chunk;
   const int64_t sms = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
@@ -668,14 +672,8 @@ bool attention_cuda_fused(const at::Tensor& q, double scale, bool forward = fals
 // (measured side by side in docs/benchmarks.md), =N at most N blocks (the tests pass every tile
 // through one).
 dim3 ws_grid(const TileCounter& w, const at::Tensor& q) {
-  const char* env = std::getenv("CUSTOMOPS_ATTENTION_WS_PERSISTENT");
-  int64_t n = at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount;
-  if (env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    n = std::strtoll(env, &end, 10);
-    TORCH_CHECK(*end == '\0' && n >= 0, "customops.attention: CUSTOMOPS_ATTENTION_WS_PERSISTENT must be a count of ",
-                "blocks (0: a block a tile), not '", env, "'");
-  }
+  const int64_t n = env_count("CUSTOMOPS_ATTENTION_WS_PERSISTENT", "blocks (0: a block a tile)")
+                        .value_or(at::cuda::getDeviceProperties(q.get_device())->multiProcessorCount);
   return dim3(static_cast<unsigned>(n > 0 ? std::min(w.tiles, n) : w.tiles));
 }
 
@@ -1021,33 +1019,6 @@ bool attention_bwd_flash2(const at::Tensor& go, const std::optional<at::Tensor>&
   return true;
 }
 
-// ATen's cuDNN attention backward (the kernel of SDPA's cuDNN backend), given our forward's out and
-// lse: the default where it computes our gradients and ours is not faster. On an H100, forward+backward
-// with the functions interleaved, three runs (docs/benchmarks.md), ours against it: at head dim 64
-// causal 1.04-1.06x (grouped heads 1.12-1.17x), full 1.01-1.02x; at 128 causal with 2k keys
-// 1.04x, with 8k-16k 0.97-1.00x, full 0.96-0.99x; ATen's FlashAttention-2 backward at head dim 256 (no
-// wgmma backward of ours there) 0.65x. So ours runs at head dim 64, and causal at 128 up to 2k keys,
-// where our wgmma backward takes the shape; cuDNN's the rest (CUSTOMOPS_ATTENTION_BWD_CUDNN=0: ours
-// everywhere, =1: cuDNN's wherever it computes ours). It runs
-// where the loss has no gradient of lse (ours adds that term), float16 or bfloat16 on an H100/H200 (the
-// GPUs it was measured on), a positive scale, causal only with Sq == Sk (its mask is top-left aligned,
-// ours bottom-right), head dims up to 128 in multiples of 8 and 256 (as ATen's own checks allow its
-// backward), more than one query and key (ATen refuses one key; cuDNN 9.25-9.26's backward gives NaN
-// for one query), key counts other than 64 mod 128 (where cuDNN's SM90 backward is reported to give NaN
-// for rows of very small lse), batch and heads within 65535, offsets within 32 bits (its graph keeps
-// strides as int), not under torch.use_deterministic_algorithms (its dQ is added by atomics) nor during
-// a CUDA-graph capture (a new shape builds a cuDNN graph), and a torch built with it (ATen's errors fall
-// back: nothing is written before it returns; a sticky CUDA error is raised). Every row sees a key
-// there, so lse is finite. ATen caches its graphs by q, k and v's layouts but builds them for out's and
-// dO's too: both go in with the dense strides of q's dimension order (as ATen allocates its own out), so
-// that one key always means one layout. Whether it ran; it then sets dq, dk and dv: ATen's where their
-// layouts are ours (heads_layout_like), else copied into ours.
-bool want_cudnn_bwd(const at::Tensor& q, const at::Tensor& k, bool causal, double scale) {
-  if (env_is("CUSTOMOPS_ATTENTION_BWD_CUDNN", "0")) return false;
-  if (env_is("CUSTOMOPS_ATTENTION_BWD_CUDNN", "1")) return true;
-  const bool ours = attention_cuda_fused(q, scale) && use_sm90_bwd(q);
-  return !(ours && (q.size(3) == 64 || (causal && k.size(2) <= 2048)));
-}
 // The largest element offset of t, plus one, within int32 (cuDNN's graph keeps sizes and strides as int).
 bool offsets_fit_int32(const at::Tensor& t) {
   int64_t end = 1;
@@ -1070,6 +1041,34 @@ at::Tensor dense_in_order_of(const at::Tensor& order_of, const at::Tensor& t) {
   dense.copy_(t);
   return dense;
 }
+// Whether cuDNN's backward (below) is the one to run where it computes ours: where ours is the slower.
+bool want_cudnn_bwd(const at::Tensor& q, const at::Tensor& k, bool causal, double scale) {
+  if (env_is("CUSTOMOPS_ATTENTION_BWD_CUDNN", "0")) return false;
+  if (env_is("CUSTOMOPS_ATTENTION_BWD_CUDNN", "1")) return true;
+  const bool ours = attention_cuda_fused(q, scale) && use_sm90_bwd(q);
+  return !(ours && (q.size(3) == 64 || (causal && k.size(2) <= 2048)));
+}
+// ATen's cuDNN attention backward (the kernel of SDPA's cuDNN backend), given our forward's out and
+// lse: the default where it computes our gradients and ours is not faster. On an H100, forward+backward
+// with the functions interleaved, three runs (docs/benchmarks.md), ours against it: at head dim 64
+// causal 1.04-1.06x (grouped heads 1.12-1.17x), full 1.01-1.02x; at 128 causal with 2k keys
+// 1.04x, with 8k-16k 0.97-1.00x, full 0.96-0.99x; ATen's FlashAttention-2 backward at head dim 256 (no
+// wgmma backward of ours there) 0.65x. So ours runs at head dim 64, and causal at 128 up to 2k keys,
+// where our wgmma backward takes the shape; cuDNN's the rest (CUSTOMOPS_ATTENTION_BWD_CUDNN=0: ours
+// everywhere, =1: cuDNN's wherever it computes ours).
+// It runs where the loss has no gradient of lse (ours adds that term), float16 or bfloat16 on an H100/H200 (the
+// GPUs it was measured on), a positive scale, causal only with Sq == Sk (its mask is top-left aligned,
+// ours bottom-right), head dims up to 128 in multiples of 8 and 256 (as ATen's own checks allow its
+// backward), more than one query and key (ATen refuses one key; cuDNN 9.25-9.26's backward gives NaN
+// for one query), key counts other than 64 mod 128 (where cuDNN's SM90 backward is reported to give NaN
+// for rows of very small lse), batch and heads within 65535, offsets within 32 bits (its graph keeps
+// strides as int), not under torch.use_deterministic_algorithms (its dQ is added by atomics) nor during
+// a CUDA-graph capture (a new shape builds a cuDNN graph), and a torch built with it (ATen's errors fall
+// back: nothing is written before it returns; a sticky CUDA error is raised). Every row sees a key
+// there, so lse is finite. ATen caches its graphs by q, k and v's layouts but builds them for out's and
+// dO's too: both go in with the dense strides of q's dimension order (as ATen allocates its own out), so
+// that one key always means one layout. Whether it ran; it then sets dq, dk and dv: ATen's where their
+// layouts are ours (heads_layout_like), else copied into ours.
 bool attention_bwd_cudnn(const at::Tensor& go, const std::optional<at::Tensor>& grad_lse, const at::Tensor& q,
                          const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                          bool causal, double scale, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
