@@ -95,7 +95,10 @@ struct CacheParams {
   float* part_o;      // [splits, B * Hq * T, D] (splits > 1, no cluster)
   float* part_lse;    // [splits, B * Hq * T]
   int64_t qs[3], ks[3], vs[3], os[3];  // strides of B, H, T/S (D's is 1)
-  int64_t hq, hkv, group, t, s, rows;  // rows = group * t: the query rows of one kv head
+  // (32-bit: the host takes the kernel where the cache's positions fit in 2^30 and its position
+  // strides in 2^31 bytes)
+  int hq, hkv, group, t, s, rows;  // rows = group * t: the query rows of one kv head
+  int kstep, vstep;                // bytes from one position of k's (v's) cache to the next (>= 0)
   int splits;
   float scale_log2;
 };
@@ -109,16 +112,47 @@ __device__ __forceinline__ T from_float(float x) {
   }
 }
 
+// Row r of a kv head's rows: its head in the group and its query (r / t, r % t; no division when
+// decoding, t = 1).
+struct RowOf {
+  int head, query;
+};
+__device__ __forceinline__ RowOf row_of(int r, int t) {
+  if (t == 1) return {r, 0};
+  return {r / t, r % t};
+}
+
+// i * step for non-negative 32-bit i and step, in one 32 x 32 -> 64-bit multiply.
+__device__ __forceinline__ uint64_t wide(int i, int step) {
+  return static_cast<uint64_t>(static_cast<uint32_t>(i)) * static_cast<uint32_t>(step);
+}
+
+__device__ __forceinline__ float4 operator*(float a, float4 x) {
+  return make_float4(a * x.x, a * x.y, a * x.z, a * x.w);
+}
+__device__ __forceinline__ float4 operator+(float4 x, float4 y) {
+  return make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w);
+}
+
 // kCluster: the splits (gridDim.x of them) are one cluster and merge in it (sm_90 code only).
 // kStages: tiles in the ring (ring_bytes(D, kStages, kWarps) of shared memory). kWarps: 4, or 8 (see
 // block_warps).
+//
+// A call with a short cache is a chain of latencies, not a stream of bytes: at batch 1 with 1k
+// positions a block reads two tiles, and its one warp a scheduler issues an instruction every 6
+// cycles or so (Nsight Compute, H100). So the instructions outside the tile loop count as much as
+// those in it: offsets within a sequence's cache are 32-bit, a thread's copies step a pointer, the
+// merges move four columns an instruction.
 template <typename T, int D, bool kCluster, int kStages, int kWarps>
 __global__ void __launch_bounds__(kWarps * 32) cache_attention_kernel(CacheParams p) {
   wait_prerequisites();
   launch_dependents();
   constexpr int kThreads = kWarps * 32, kKeys = tile_keys(kWarps);
-  constexpr int kDT = D / 8;
+  constexpr int kDT = D / 8, kD4 = D / 4;
   constexpr uint32_t kTileBytes = kKeys * D * 2;
+  // A thread copies one 16-byte column chunk of rows crow, crow + kPass, ... of each tile.
+  constexpr int kPass = kThreads / (D / 8);
+  static_assert(kThreads % (D / 8) == 0 && kKeys % kPass == 0, "a tile's chunks divide evenly among the threads");
   extern __shared__ __align__(128) char smem[];
   const uint32_t s0 = smem_addr(smem);
   const Tile<D> sq{s0};
@@ -128,8 +162,8 @@ __global__ void __launch_bounds__(kWarps * 32) cache_attention_kernel(CacheParam
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int split = blockIdx.x;
-  const int64_t r0 = int64_t(blockIdx.y) * kRows;  // this block's first row of the kv head's rows
-  const int64_t b = blockIdx.z / p.hkv, hk = blockIdx.z % p.hkv;
+  const int r0 = blockIdx.y * kRows;  // this block's first row of the kv head's rows
+  const int b = blockIdx.z / p.hkv, hk = blockIdx.z % p.hkv;
   // q's rows (gathered from their heads and positions; padding rows zero) start loading before the
   // length is read: the two reads overlap.
   {
@@ -139,67 +173,77 @@ __global__ void __launch_bounds__(kWarps * 32) cache_attention_kernel(CacheParam
       const int idx = it * kThreads + threadIdx.x;
       if (kChunks % kThreads != 0 && idx >= kChunks) break;
       const int i = idx / (D / 8), c = idx % (D / 8);
-      const int64_t r = r0 + i;
-      const bool valid = r < p.rows;
-      const int64_t h = valid ? hk * p.group + r / p.t : 0, tq = valid ? r % p.t : 0;
-      const T* src = static_cast<const T*>(p.q) + b * p.qs[0] + h * p.qs[1] + tq * p.qs[2] + c * 8;
+      const bool valid = r0 + i < p.rows;
+      const RowOf w = row_of(valid ? r0 + i : 0, p.t);
+      const T* src =
+          static_cast<const T*>(p.q) + b * p.qs[0] + (hk * p.group + w.head) * p.qs[1] + w.query * p.qs[2] + c * 8;
       cp_async16(sq.at(i, c * 8), src, valid);
     }
   }
-  const int64_t len = p.lengths[b];
+  const int64_t len64 = p.lengths[b];
   const int64_t total = int64_t(gridDim.z / p.hkv) * p.hq * p.t;  // rows of out: B * Hq * T
   // Whether this block writes out and lse (else a partial for the merge kernel).
   const bool direct = kCluster || p.splits == 1;
+  // Rows of this block that are not padding.
+  const int valid = min(kRows, p.rows - r0);
 
-  // Where row i of this block goes: (head, query) -> the row index in [B, Hq, T], or -1 (padding).
-  auto out_row = [&](int i) -> int64_t {
-    const int64_t r = r0 + i;
-    if (r >= p.rows) return -1;
-    const int64_t h = hk * p.group + r / p.t;
-    return (b * p.hq + h) * p.t + r % p.t;
-  };
-  // Writes the result for row i, column c: out and lse directly, or the split's partial.
-  auto store = [&](int i, int c, float o, float l, bool with_lse) {
-    const int64_t row = out_row(i);
-    if (row < 0) return;
+  // Writes columns c.. c + 3 of row i's result, and its lse with c = 0: to out and lse, or to the
+  // split's partial.
+  auto store4 = [&](int i, int c, float4 o, float l) {
+    const RowOf w = row_of(r0 + i, p.t);
+    const int h = hk * p.group + w.head;
+    const int64_t row = (int64_t(b) * p.hq + h) * p.t + w.query;
     if (direct) {
-      const int64_t bh = row / p.t, tq = row % p.t;
-      T* dst = static_cast<T*>(p.out) + (bh / p.hq) * p.os[0] + (bh % p.hq) * p.os[1] + tq * p.os[2] + c;
-      *dst = from_float<T>(o);
-      if (with_lse) p.lse[row] = l;
+      // (out is attention_outputs': its rows start at multiples of D elements)
+      T* dst = static_cast<T*>(p.out) + b * p.os[0] + h * p.os[1] + w.query * p.os[2] + c;
+      *reinterpret_cast<uint2*>(dst) = make_uint2(pack2<T>(o.x, o.y), pack2<T>(o.z, o.w));
+      if (c == 0) p.lse[row] = l;
     } else {
-      p.part_o[(int64_t(split) * total + row) * D + c] = o;
-      if (with_lse) p.part_lse[int64_t(split) * total + row] = l;
+      *reinterpret_cast<float4*>(p.part_o + (int64_t(split) * total + row) * D + c) = o;
+      if (c == 0) p.part_lse[int64_t(split) * total + row] = l;
     }
   };
 
-  if (len < p.t || len > p.s) {  // no valid keys to read: NaN rows, which the merge keeps
+  if (len64 < p.t || len64 > p.s) {  // no valid keys to read: NaN rows, which the merge keeps
     cp_async_commit();  // (q's copies land before the block leaves)
     cp_async_wait<0>();
     // (a cluster's blocks share the sequence, so all of them return here, and its first writes)
     if (kCluster && split != 0) return;
     const float nan = std::numeric_limits<float>::quiet_NaN();
-    for (int idx = threadIdx.x; idx < kRows * D; idx += kThreads) store(idx / D, idx % D, nan, nan, idx % D == 0);
+    for (int idx = threadIdx.x; idx < valid * kD4; idx += kThreads) {
+      store4(idx / kD4, idx % kD4 * 4, make_float4(nan, nan, nan, nan), nan);
+    }
     return;
   }
+  const int len = static_cast<int>(len64);
   // This split's keys [k0, k1): an equal share of the filled length, in whole tiles.
-  const int64_t per = ((len + p.splits - 1) / p.splits + kKeys - 1) / kKeys * kKeys;
-  const int64_t k0 = std::min<int64_t>(len, split * per), k1 = std::min<int64_t>(len, k0 + per);
-  const int nblocks = static_cast<int>((k1 - k0 + kKeys - 1) / kKeys);
-  const T* kp = static_cast<const T*>(p.k) + b * p.ks[0] + hk * p.ks[1];
-  const T* vp = static_cast<const T*>(p.v) + b * p.vs[0] + hk * p.vs[1];
+  const int per = ((unsigned(len) + p.splits - 1) / unsigned(p.splits) + kKeys - 1) / kKeys * kKeys;
+  const int k0 = min(len, split * per), k1 = min(len, k0 + per);
+  const int nblocks = (k1 - k0 + kKeys - 1) / kKeys;
+  // This thread's chunk of the split's first key; key j (relative to k0) is p.kstep * j bytes on.
+  const int crow = threadIdx.x / (D / 8), ccol = threadIdx.x % (D / 8) * 8;
+  const char* kc = reinterpret_cast<const char*>(static_cast<const T*>(p.k) + b * p.ks[0] + hk * p.ks[1] +
+                                                 k0 * p.ks[2] + ccol);
+  const char* vc = reinterpret_cast<const char*>(static_cast<const T*>(p.v) + b * p.vs[0] + hk * p.vs[1] +
+                                                 k0 * p.vs[2] + ccol);
+  const int last = k1 - k0 - 1;  // the split's last key
 
   float o[kDT][4];
   float row_max[2] = {-kInfF, -kInfF}, row_sum[2] = {0.f, 0.f};
 #pragma unroll
   for (int dt = 0; dt < kDT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
 
-  // Tile j of the split into its stage of the ring (nothing past the split's tiles).
+  // Tile j of the split into its stage of the ring (nothing past the split's tiles). Rows past the
+  // split's keys are zero: their copies read nothing (from the last key's address, in the cache).
   auto load_kv = [&](int j) {
     if (j < nblocks) {
-      const int64_t first = k0 + int64_t(j) * kKeys;
-      load_tile<kKeys, D, kThreads>(k_tile(j % kStages), kp, p.ks[2], first, k1);
-      load_tile<kKeys, D, kThreads>(v_tile(j % kStages), vp, p.vs[2], first, k1);
+      const int st = j % kStages;
+#pragma unroll
+      for (int m = 0; m < kKeys / kPass; ++m) {
+        const int key = j * kKeys + crow + m * kPass, row = min(key, last);
+        cp_async16(k_tile(st).at(crow + m * kPass, ccol), kc + wide(row, p.kstep), key <= last);
+        cp_async16(v_tile(st).at(crow + m * kPass, ccol), vc + wide(row, p.vstep), key <= last);
+      }
     }
   };
   // The first tiles, a commit group each (q's copies join the first; empty groups past the split's
@@ -214,13 +258,17 @@ __global__ void __launch_bounds__(kWarps * 32) cache_attention_kernel(CacheParam
   // accumulators), so each tile reads them again from shared memory.
   constexpr bool kQInRegisters = D <= 128;
   uint32_t qa[kQInRegisters ? D / 16 : 1][4];
-  // Row i of the block (i = lane / 4 + 8 e) sees keys up to len - T + its query's position.
-  int64_t limit[2];
+  // Row i of the block (i = lane / 4 + 8 e) sees the keys below min(k1, len - T + 1 + its query):
+  // bound[e], relative to k0. Every row sees the keys below `unmasked` (the first query's bound), so
+  // a warp's keys below it need no mask.
+  int bound[2];
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    const int64_t r = r0 + lane / 4 + 8 * e;
-    limit[e] = len - p.t + (r < p.rows ? r % p.t : p.t - 1);
+    const int r = r0 + lane / 4 + 8 * e;
+    const int query = r < p.rows ? row_of(r, p.t).query : p.t - 1;
+    bound[e] = min(k1, len - p.t + 1 + query) - k0;
   }
+  const int unmasked = min(k1, len - p.t + 1) - k0;
   for (int j = 0; j < nblocks; ++j) {
     const int st = j % kStages;
     cp_async_wait<kStages - 2>();  // tile j is here
@@ -233,25 +281,33 @@ __global__ void __launch_bounds__(kWarps * 32) cache_attention_kernel(CacheParam
     }
     load_kv(j + kStages - 1);  // into tile j - 1's stage
     cp_async_commit();
-    // s = q k^T over this warp's 16 keys of the tile.
+    // s = q k^T over this warp's 16 keys of the tile, the even and odd 16-column steps of D in two
+    // accumulators (two chains of dependent products half as long).
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float s2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const int qi = kQInRegisters ? kk : 0;
       if constexpr (!kQInRegisters) ldmatrix_x4(qa[0], a_frag(sq, 0, kk * 16, lane));
       uint32_t bf[4];
       ldmatrix_x4(bf, b_frag(k_tile(st), warp * 16, kk * 16, lane));
-      mma<T>(s[0], qa[qi], bf[0], bf[1]);
-      mma<T>(s[1], qa[qi], bf[2], bf[3]);
+      float(&acc)[2][4] = kk % 2 == 0 ? s : s2;
+      mma<T>(acc[0], qa[qi], bf[0], bf[1]);
+      mma<T>(acc[1], qa[qi], bf[2], bf[3]);
     }
-    const int64_t n0 = k0 + int64_t(j) * kKeys + warp * 16;
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int64_t col = n0 + nt * 8 + (lane % 4) * 2 + (e & 1);
-        if (col >= k1 || col > limit[e >> 1]) s[nt][e] = -kInfF;
-      }
+      for (int e = 0; e < 4; ++e) s[nt][e] += s2[nt][e];
+    const int n0 = j * kKeys + warp * 16;  // relative to k0
+    if (n0 + 16 > unmasked) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          if (n0 + nt * 8 + (lane % 4) * 2 + (e & 1) >= bound[e >> 1]) s[nt][e] = -kInfF;
+        }
+    }
     float corr[2];
     softmax_step(s, row_max, row_sum, corr, p.scale_log2);
     scale_rows(o, corr);
@@ -269,16 +325,17 @@ __global__ void __launch_bounds__(kWarps * 32) cache_attention_kernel(CacheParam
   cp_async_wait<0>();  // no copy lands in the ring after this
 
   // The warps' partials (their own max and sum per row) merge through shared memory, which the
-  // tiles no longer need: o [warp][row][D] in float32, then max and sum [warp][row]; in a cluster
-  // the block's result follows, out [row][D] in float32 and lse [row].
+  // tiles no longer need: o [warp][row][D + 8] in float32 (the padding puts a warp's stores of 8
+  // rows in distinct banks), then max and sum [warp][row]; in a cluster the block's result follows,
+  // out [row][D] in float32 and lse [row].
   __syncthreads();
+  constexpr int kStride = D + 8;
   float* mo = reinterpret_cast<float*>(smem);
-  float* mm = mo + kWarps * kRows * D;
+  float* mm = mo + kWarps * kRows * kStride;
   float* ml = mm + kWarps * kRows;
   float* fo = ml + kWarps * kRows;
   float* fl = fo + kRows * D;
-  const int valid = static_cast<int>(std::min<int64_t>(kRows, p.rows - r0));  // rows past it are padding
-  static_assert((kWarps * kRows * (D + 2) + kRows * (D + 1)) * 4 <= ring_bytes(D, kStages, kWarps),
+  static_assert((kWarps * kRows * (kStride + 2) + kRows * (D + 1)) * 4 <= ring_bytes(D, kStages, kWarps),
                 "the merge fits the ring");
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -288,9 +345,8 @@ __global__ void __launch_bounds__(kWarps * 32) cache_attention_kernel(CacheParam
     if (row >= valid) continue;
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
-      float* dst = mo + (warp * kRows + row) * D + dt * 8 + (lane % 4) * 2;
-      dst[0] = o[dt][2 * r];
-      dst[1] = o[dt][2 * r + 1];
+      *reinterpret_cast<float2*>(mo + (warp * kRows + row) * kStride + dt * 8 + (lane % 4) * 2) =
+          make_float2(o[dt][2 * r], o[dt][2 * r + 1]);
     }
     if (lane % 4 == 0) {
       mm[warp * kRows + row] = row_max[r];
@@ -298,71 +354,85 @@ __global__ void __launch_bounds__(kWarps * 32) cache_attention_kernel(CacheParam
     }
   }
   __syncthreads();
-  // The block's out and lse of row i, column c: to out, or to the partials (the merge kernel's or
-  // the cluster's).
-  auto block_result = [&](int i, int c, float o, float l) {
-    if constexpr (kCluster) {
-      fo[i * D + c] = o;
-      if (c == 0) fl[i] = l;
-    } else {
-      store(i, c, o, l, c == 0);
-    }
-  };
-  for (int idx = threadIdx.x; idx < valid * D; idx += kThreads) {
-    const int i = idx / D, c = idx % D;
+  // Four columns a thread: the block's out and lse of row i, columns c..: to out, or to the
+  // partials (the merge kernel's or the cluster's).
+  for (int idx = threadIdx.x; idx < valid * kD4; idx += kThreads) {
+    const int i = idx / kD4, c = idx % kD4 * 4;
     float m = -kInfF;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) m = fmaxf(m, mm[w * kRows + i]);
-    float sum = 0.f, acc = 0.f;
+    float sum = 0.f, l;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     if (m == -kInfF) {  // no key seen: 0 and -inf, unless a NaN score made a sum NaN
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) sum += ml[w * kRows + i];
-      block_result(i, c, sum == 0.f ? 0.f : sum, sum == 0.f ? -kInfF : sum);
-      continue;
-    }
+      const float x = sum == 0.f ? 0.f : sum;
+      acc = make_float4(x, x, x, x);
+      l = sum == 0.f ? -kInfF : sum;
+    } else {
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const float f = exp2_approx(mm[w * kRows + i] - m);
-      sum += ml[w * kRows + i] * f;
-      acc += mo[(w * kRows + i) * D + c] * f;
+      for (int w = 0; w < kWarps; ++w) {
+        const float f = exp2_approx(mm[w * kRows + i] - m);
+        sum += ml[w * kRows + i] * f;
+        acc = acc + f * *reinterpret_cast<const float4*>(mo + (w * kRows + i) * kStride + c);
+      }
+      acc = (1.f / sum) * acc;
+      l = (m + __log2f(sum)) * kLn2;
     }
-    block_result(i, c, acc / sum, (m + __log2f(sum)) * kLn2);
+    if constexpr (kCluster) {
+      *reinterpret_cast<float4*>(fo + i * D + c) = acc;
+      if (c == 0) fl[i] = l;
+    } else {
+      store4(i, c, acc, l);
+    }
   }
   if constexpr (kCluster) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // The cluster's blocks (its splits) merge: each takes a share of the rows' elements and reads
-    // every split's out and lse from that block's shared memory. A NaN lse (a NaN score) makes the
-    // row NaN; no key in any split, 0 and -inf.
+    // The cluster's blocks (its splits) merge. Block `split` takes every n-th group of four of the
+    // rows' columns (an item), `lanes` threads an item (n rounded up to a power of two), thread r of
+    // them reading split r's out and lse from that block's shared memory; the max, the weights' sum
+    // and the weighted columns are shuffles among the item's threads. A NaN lse (a NaN score) makes
+    // the row NaN; no key in any split, 0 and -inf. (Every thread of the block takes each step of
+    // the loop: the shuffles need the whole warp.)
     namespace cg = cooperative_groups;
     const cg::cluster_group cluster = cg::this_cluster();
     cluster.sync();  // every block's result is in its shared memory
     const int n = static_cast<int>(cluster.num_blocks());
-    for (int idx = split * kThreads + threadIdx.x; idx < valid * D; idx += n * kThreads) {
-      const int i = idx / D, c = idx % D;
-      float l[kMaxClusterSplits], v[kMaxClusterSplits];
-      float m = -kInfF;
-      bool nan = false;
-#pragma unroll
-      for (int r = 0; r < kMaxClusterSplits; ++r) {
-        if (r < n) {
-          l[r] = cluster.map_shared_rank(fl, r)[i];
-          v[r] = cluster.map_shared_rank(fo, r)[i * D + c];
-          nan |= isnan(l[r]);
-          m = fmaxf(m, l[r]);
-        }
+    const int lanes = n <= 2 ? 2 : n <= 4 ? 4 : n <= 8 ? 8 : 16;
+    static_assert(kMaxClusterSplits <= 16, "an item's threads are at most 16 of a warp");
+    const int items = (valid * kD4 - split + n - 1) / n;  // this block's
+    for (int base = 0; base < items * lanes; base += kThreads) {
+      const int r = (base + threadIdx.x) % lanes, item = (base + threadIdx.x) / lanes;
+      const int idx = split + n * min(item, items - 1);  // (threads past the last item repeat it)
+      const int i = idx / kD4, c = idx % kD4 * 4;
+      float l = -kInfF;
+      float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (r < n) {
+        l = cluster.map_shared_rank(fl, r)[i];
+        x = *reinterpret_cast<const float4*>(cluster.map_shared_rank(fo, r) + i * D + c);
       }
-      float sum = 0.f, acc = 0.f;
-#pragma unroll
-      for (int r = 0; r < kMaxClusterSplits; ++r) {
-        if (r < n && m != -kInfF) {
-          const float w = __expf(l[r] - m);
-          sum += w;
-          acc += w * v[r];
-        }
+      bool nan = isnan(l);
+      float m = l;
+      for (int off = 1; off < lanes; off *= 2) {
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+        nan |= __shfl_xor_sync(0xffffffffu, static_cast<int>(nan), off) != 0;
       }
-      const float nanf = std::numeric_limits<float>::quiet_NaN();
-      store(i, c, nan ? nanf : m == -kInfF ? 0.f : acc / sum, nan ? nanf : m == -kInfF ? -kInfF : m + __logf(sum),
-            c == 0);
+      const float w = m == -kInfF ? 0.f : __expf(l - m);
+      float sum = w;
+      x = w * x;
+      for (int off = 1; off < lanes; off *= 2) {
+        sum += __shfl_xor_sync(0xffffffffu, sum, off);
+        x.x += __shfl_xor_sync(0xffffffffu, x.x, off);
+        x.y += __shfl_xor_sync(0xffffffffu, x.y, off);
+        x.z += __shfl_xor_sync(0xffffffffu, x.z, off);
+        x.w += __shfl_xor_sync(0xffffffffu, x.w, off);
+      }
+      if (r == 0 && item < items) {
+        const float nanf = std::numeric_limits<float>::quiet_NaN();
+        const float z = nan ? nanf : 0.f;
+        store4(i, c, nan || m == -kInfF ? make_float4(z, z, z, z) : (1.f / sum) * x,
+               nan ? nanf : m == -kInfF ? -kInfF : m + __logf(sum));
+      }
     }
     cluster.sync();  // no block leaves while another reads its shared memory
 #else
@@ -496,10 +566,10 @@ int choose_splits(int sms, int64_t work, int64_t s, int max_splits, int keys) {
 // half as many SMs. But where a sequence's many splits (work: the (sequence, kv head, rows) blocks
 // before splitting) each stream under 2048 positions of the cache, 4 warps stay: their 64-key tiles
 // pipeline the few tiles such a block has. Measured on the H100 (Hq/Hkv 32/8, head dim 128, bf16,
-// calls in a CUDA graph, us a call, 8 warps / 4 warps): batch 1 with 1k positions 8.4 / 7.8, 4k
-// 13.3 / 12.9, 32k 51.3 / 58.2; batch 8 with 600 13.0 / 13.4, 1k 17.5 / 18.1; batch 16 with 600
-// 18.4 / 18.9. CUSTOMOPS_CACHE_ATTENTION_WARPS=4 or =8 takes that count where it fits (the tests run
-// each).
+// calls in a CUDA graph, us a call, 8 warps / 4 warps, 2026-11-26): batch 1 with 1k positions
+// 7.0 / 6.3, 4k 11.6 / 10.5, 16k 27.5 / 28.2, 32k 49.5 / 50.9; batch 4 with 4k 28.1 / 27.6, 32k
+// 179.5 / 183.6; batch 8 and 16 within 1% of each other from 1k to 32k positions.
+// CUSTOMOPS_CACHE_ATTENTION_WARPS=4 or =8 takes that count where it fits (the tests run each).
 int block_warps(int d, int smem_optin, int sms, int64_t work, int64_t s) {
   if (d > 128 || ring_bytes(d, 3, 8) > smem_optin) return 4;
   const char* env = std::getenv("CUSTOMOPS_CACHE_ATTENTION_WARPS");
@@ -621,10 +691,10 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_cuda(const at::Tensor& q_in, 
   const int64_t rows = hq / hkv * t, groups = (rows + kRows - 1) / kRows;
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(q_in.get_device());
   const int smem_optin = static_cast<int>(prop->sharedMemPerBlockOptin);
-  // (a GPU whose blocks cannot take two tiles, D = 256 below compute capability 9.0 but 8.0's, takes
-  // the other paths)
+  // (a GPU whose blocks cannot take two tiles, D = 256 below compute capability 9.0 but 8.0's, and a
+  // cache of more than 2^30 positions, past the kernel's 32-bit positions, take the other paths)
   if (!cache_attention_on_device(q_in.scalar_type(), q_in.size(3), t) || !(scale > 0.0) || !std::isfinite(scale) ||
-      b * hkv > 65535 || groups > 65535 || prop->major < 8 ||
+      b * hkv > 65535 || groups > 65535 || s > (int64_t{1} << 30) || hq > (int64_t{1} << 30) || prop->major < 8 ||
       ring_bytes(static_cast<int>(q_in.size(3)), 2, 4) > smem_optin) {
     if (at::cuda::currentStreamCaptureStatusMayInitCtx() != at::cuda::CaptureStatus::None) {
       return cache_attention_masked(q_in, k_in, v_in, lengths_in, scale);
@@ -634,7 +704,12 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_cuda(const at::Tensor& q_in, 
   const c10::cuda::CUDAGuard guard(q_in.device());
   auto [out, lse] = attention_outputs(q_in);
   if (q_in.numel() == 0) return {out, lse};
-  const at::Tensor q = readable(q_in), k = readable(k_in), v = readable(v_in), lengths = lengths_in.contiguous();
+  // (a cache whose positions lie 2^31 bytes apart or more is copied: the kernel's steps are 32-bit)
+  auto cache = [](const at::Tensor& c) {
+    const at::Tensor r = readable(c);
+    return r.stride(2) * r.element_size() > std::numeric_limits<int>::max() ? r.clone(at::MemoryFormat::Contiguous) : r;
+  };
+  const at::Tensor q = readable(q_in), k = cache(k_in), v = cache(v_in), lengths = lengths_in.contiguous();
   CacheParams p{};
   p.q = q.data_ptr();
   p.k = k.data_ptr();
@@ -646,12 +721,14 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_cuda(const at::Tensor& q_in, 
   strides_of(k, p.ks);
   strides_of(v, p.vs);
   strides_of(out, p.os);
-  p.hq = hq;
-  p.hkv = hkv;
-  p.group = hq / hkv;
-  p.t = t;
-  p.s = s;
-  p.rows = rows;
+  p.hq = static_cast<int>(hq);
+  p.hkv = static_cast<int>(hkv);
+  p.group = static_cast<int>(hq / hkv);
+  p.t = static_cast<int>(t);
+  p.s = static_cast<int>(s);
+  p.rows = static_cast<int>(rows);
+  p.kstep = static_cast<int>(k.stride(2) * k.element_size());
+  p.vstep = static_cast<int>(v.stride(2) * v.element_size());
   const int sms = prop->multiProcessorCount;
   const auto stream = at::cuda::getCurrentCUDAStream();
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
