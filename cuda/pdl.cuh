@@ -1,8 +1,9 @@
 // Programmatic dependent launch (sm_90+): a kernel launched with launch_dependent may start while
 // the kernel before it in the stream still runs, once each block of that kernel has called
 // launch_dependents (or exited). Before wait_prerequisites it may touch only memory no kernel
-// writes (weights, for example); wait_prerequisites waits for the kernel before it to finish and
-// its writes to be visible. A kernel that reads or writes any other memory calls
+// writes (weights, for example), or prefetch into L2 whatever it will read (a hint: cache_attention
+// reads a length that may be stale there to pick what to prefetch); wait_prerequisites waits for
+// the kernel before it to finish and its writes to be visible. A kernel that reads or writes any other memory calls
 // wait_prerequisites first. After a kernel not launched this way, or before sm_90, both device
 // functions are no-ops and launch_dependent is a plain launch.
 //
