@@ -172,6 +172,10 @@ __global__ void __launch_bounds__(kWarps * 32) cache_attention_kernel(CacheParam
   const int split = blockIdx.x;
   const int r0 = blockIdx.y * kRows;  // this block's first row of the kv head's rows
   const int b = blockIdx.z / p.hkv, hk = blockIdx.z % p.hkv;
+  // Position `key` of this block's sequence and kv head in a cache (k or v, with its strides).
+  auto cache_at = [&](const void* cache, const int64_t(&st)[3], int key) {
+    return static_cast<const T*>(cache) + b * st[0] + hk * st[1] + key * st[2];
+  };
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched programmatically dependent, the blocks start while the kernel before still runs: the
   // split's first tiles of k and v are prefetched into L2 meanwhile, so that the copies after the
@@ -186,8 +190,7 @@ __global__ void __launch_bounds__(kWarps * 32) cache_attention_kernel(CacheParam
     const int2 keys = split_keys<kKeys>(len, p.splits, split);
     const int n = min(keys.y - keys.x, (kStages - 1) * kKeys);
     if (n > 0 && (kWarps == 8 || n == keys.y - keys.x)) {
-      const T* src = threadIdx.x == 0 ? static_cast<const T*>(p.k) + b * p.ks[0] + hk * p.ks[1] + keys.x * p.ks[2]
-                                      : static_cast<const T*>(p.v) + b * p.vs[0] + hk * p.vs[1] + keys.x * p.vs[2];
+      const T* src = threadIdx.x == 0 ? cache_at(p.k, p.ks, keys.x) : cache_at(p.v, p.vs, keys.x);
       asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(n * D * 2) : "memory");
     }
   }
@@ -250,10 +253,8 @@ __global__ void __launch_bounds__(kWarps * 32) cache_attention_kernel(CacheParam
   const int nblocks = (k1 - k0 + kKeys - 1) / kKeys;
   // This thread's chunk of the split's first key; key j (relative to k0) is p.kstep * j bytes on.
   const int crow = threadIdx.x / (D / 8), ccol = threadIdx.x % (D / 8) * 8;
-  const char* kc = reinterpret_cast<const char*>(static_cast<const T*>(p.k) + b * p.ks[0] + hk * p.ks[1] +
-                                                 k0 * p.ks[2] + ccol);
-  const char* vc = reinterpret_cast<const char*>(static_cast<const T*>(p.v) + b * p.vs[0] + hk * p.vs[1] +
-                                                 k0 * p.vs[2] + ccol);
+  const char* kc = reinterpret_cast<const char*>(cache_at(p.k, p.ks, k0) + ccol);
+  const char* vc = reinterpret_cast<const char*>(cache_at(p.v, p.vs, k0) + ccol);
   const int last = k1 - k0 - 1;  // the split's last key
 
   float o[kDT][4];
