@@ -97,9 +97,8 @@ TORCH_LIBRARY(customops, m) {
   // attention of q [B, Hq, T, D] against a KV cache [Bc >= B, Hkv, S, D] that reads only each
   // sequence's filled length: sequence b's keys are positions [0, lengths[b]) and its T queries the
   // last T of them (causal, bottom-right). Returns (out [B, Hq, T, D], lse [B, Hq, T]) as attention
-  // (out in q's memory order, hence needs_fixed_stride_order).
-  m.def("cache_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, float? scale=None) -> (Tensor, Tensor)",
-        {at::Tag::needs_fixed_stride_order});
+  // (out in q's memory order).
+  m.def("cache_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, float? scale=None) -> (Tensor, Tensor)");
   // k, v [B, Hkv, T, D] written into the caches at positions [start[b], start[b] + T) of each
   // sequence b, in place (the mutation is in the schema, so export and AOTInductor keep it there).
   m.def("cache_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor start) -> ()");
@@ -107,6 +106,5 @@ TORCH_LIBRARY(customops, m) {
   // cos, sin ([T, R] or [B, T, R], rotate-half pairs as rope's default), the rotated k and v written
   // into the caches at [start[b], start[b] + T); returns the rotated q (in q's memory order, as rope).
   m.def("rope_cache_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor q, Tensor k, Tensor v, Tensor cos, "
-        "Tensor sin, Tensor start) -> Tensor",
-        {at::Tag::needs_fixed_stride_order});
+        "Tensor sin, Tensor start) -> Tensor");
 }
