@@ -10,12 +10,14 @@
 #include "customops/generate.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
+#include "customops/package.h"
 #include "ops/cache_attention.h"
 #ifdef CUSTOMOPS_WITH_CUDA
 #include "generate/decode_graph.h"
@@ -23,7 +25,7 @@
 
 #include <algorithm>
 #include <chrono>
-#include <filesystem>
+#include <cstdlib>
 #include <limits>
 #include <map>
 #include <stdexcept>
@@ -36,7 +38,8 @@ struct CausalLM::Impl {
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader;
   c10::Device device = c10::kCPU;
   int64_t max_batch = 0, max_seq_len = 0, vocab = 0, pad = 0;
-  std::optional<int64_t> eos, bos;
+  std::vector<int64_t> eos;
+  std::optional<int64_t> bos;
   bool graphs = false;  // CUDA, and the package's attention runs without host syncs
 #ifdef CUSTOMOPS_WITH_CUDA
   // A decode step of one batch size: its inputs, which each step refills, and its graph.
@@ -54,43 +57,92 @@ struct CausalLM::Impl {
 
 namespace {
 
-int64_t metadata_int(const std::unordered_map<std::string, std::string>& meta, const std::string& key,
-                     const std::string& path) {
-  auto it = meta.find(key);
-  if (it == meta.end() || it->second.empty()) {
-    throw std::invalid_argument(path + ": the causal-LM package's metadata has no " + key);
+// text as an integer, or nullopt where it is not one.
+std::optional<int64_t> parse_int(const std::string& text) {
+  size_t used = 0;
+  try {
+    int64_t v = std::stoll(text, &used);
+    if (used == text.size()) return v;
+  } catch (const std::exception&) {
   }
-  return std::stoll(it->second);
+  return std::nullopt;
 }
 
-std::optional<int64_t> metadata_optional(const std::unordered_map<std::string, std::string>& meta,
-                                         const std::string& key) {
+// The integers of a metadata field: a comma-separated list (an eos field; packages written before
+// lists hold one id), or one integer; none where the field is absent or empty.
+std::vector<int64_t> metadata_ints(const std::unordered_map<std::string, std::string>& meta, const std::string& key,
+                                   const std::string& path) {
+  std::vector<int64_t> out;
   auto it = meta.find(key);
-  if (it == meta.end() || it->second.empty()) return std::nullopt;
-  return std::stoll(it->second);
+  if (it == meta.end() || it->second.empty()) return out;
+  const std::string& list = it->second;
+  for (size_t at = 0; at <= list.size();) {
+    const size_t end = std::min(list.find(',', at), list.size());
+    const std::optional<int64_t> v = parse_int(list.substr(at, end - at));
+    if (!v) {
+      throw std::invalid_argument(path + ": the causal-LM package's metadata field " + key +
+                                  " is not an integer or a list of them (the package was not written by "
+                                  "package_causal_lm, or was changed)");
+    }
+    out.push_back(*v);
+    at = end + 1;
+  }
+  return out;
+}
+
+std::optional<int64_t> metadata_int(const std::unordered_map<std::string, std::string>& meta, const std::string& key,
+                                    const std::string& path) {
+  const std::vector<int64_t> v = metadata_ints(meta, key, path);
+  if (v.size() > 1) throw std::invalid_argument(path + ": the causal-LM package's metadata field " + key + " is a list");
+  return v.empty() ? std::nullopt : std::optional<int64_t>(v[0]);
+}
+
+// A size the package cannot do without: there, and at least `min`.
+int64_t metadata_size(const std::unordered_map<std::string, std::string>& meta, const std::string& key,
+                      const std::string& path, int64_t min) {
+  const std::optional<int64_t> v = metadata_int(meta, key, path);
+  if (!v) throw std::invalid_argument(path + ": the causal-LM package's metadata has no " + key);
+  if (*v < min) {
+    throw std::invalid_argument(path + ": the causal-LM package's metadata gives " + key + " " + std::to_string(*v) +
+                                ", less than " + std::to_string(min));
+  }
+  return *v;
 }
 
 double ms_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 }
 
-// The next id of each row of logits [B, vocab], on their device.
+// The next id of each row of logits [B, vocab], on their device, or -1 for a row that is not all
+// finite (NaN or inf: damaged weights, or a model that overflows its dtype), which the host turns
+// into an error: argmax would return an id for it as if it were a token.
 at::Tensor sample(const at::Tensor& logits, const GenerateOptions& o, at::Generator& gen) {
-  if (o.temperature <= 0) return logits.argmax(-1);
-  at::Tensor l = logits / o.temperature;
-  const double inf = std::numeric_limits<double>::infinity();
-  if (o.top_k > 0 && o.top_k < l.size(-1)) {
-    at::Tensor kth = std::get<0>(l.topk(o.top_k, -1)).narrow(-1, o.top_k - 1, 1);
-    l = l.masked_fill(l < kth, -inf);
+  const at::Tensor finite = logits.isfinite().all(-1);
+  at::Tensor ids;
+  // A temperature whose reciprocal overflows float (below about 3e-39) defines the argmax's
+  // distribution; dividing the float32 logits by it would give 0 * inf = NaN.
+  if (o.temperature <= 0 || 1 / o.temperature > std::numeric_limits<float>::max()) {
+    ids = logits.argmax(-1);
+  } else {
+    // zeros in a row that is not finite (multinomial on CUDA asserts on the device for NaN); the
+    // row's max subtracted first, so that a small temperature does not overflow a logit to inf
+    at::Tensor l = at::where(finite.unsqueeze(-1), logits, 0);
+    l = (l - std::get<0>(l.max(-1, /*keepdim=*/true))) / o.temperature;
+    const double inf = std::numeric_limits<double>::infinity();
+    if (o.top_k > 0 && o.top_k < l.size(-1)) {
+      at::Tensor kth = std::get<0>(l.topk(o.top_k, -1)).narrow(-1, o.top_k - 1, 1);
+      l = l.masked_fill(l < kth, -inf);
+    }
+    if (o.top_p < 1) {
+      auto [sorted, order] = l.sort(-1, /*descending=*/true);
+      at::Tensor probs = sorted.softmax(-1);
+      // drop an id when the ids before it already reach top_p (the first id always stays)
+      at::Tensor drop = (probs.cumsum(-1) - probs) > o.top_p;
+      l = at::full_like(l, -inf).scatter(-1, order, sorted.masked_fill(drop, -inf));
+    }
+    ids = at::multinomial(l.softmax(-1), 1, /*replacement=*/false, gen).squeeze(-1);
   }
-  if (o.top_p < 1) {
-    auto [sorted, order] = l.sort(-1, /*descending=*/true);
-    at::Tensor probs = sorted.softmax(-1);
-    // drop an id when the ids before it already reach top_p (the first id always stays)
-    at::Tensor drop = (probs.cumsum(-1) - probs) > o.top_p;
-    l = at::full_like(l, -inf).scatter(-1, order, sorted.masked_fill(drop, -inf));
-  }
-  return at::multinomial(l.softmax(-1), 1, /*replacement=*/false, gen).squeeze(-1);
+  return ids.masked_fill(finite.logical_not(), -1);
 }
 
 at::Generator make_generator(const c10::Device& device, uint64_t seed) {
@@ -104,36 +156,67 @@ at::Generator make_generator(const c10::Device& device, uint64_t seed) {
 
 CausalLM::CausalLM(const std::string& package_path, std::optional<c10::Device> device) : impl_(new Impl) {
   auto& m = *impl_;
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(package_path, ec)) {
-    throw std::invalid_argument("package not found: " + package_path);
+  verify_package(package_path);  // torch's loader would run a damaged package
+  std::unordered_map<std::string, std::string> meta;
+  try {
+    meta = torch::inductor::AOTIModelPackageLoader::load_metadata_from_package(package_path, "model");
+  } catch (const std::exception&) {
+    meta.clear();
   }
-  const c10::DeviceIndex index = device && !device->is_cpu() ? device->index() : c10::DeviceIndex(-1);
-  m.loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(package_path, "model",
-                                                                       /*run_single_threaded=*/true,
-                                                                       /*num_runners=*/1, index);
-  const auto meta = m.loader->get_metadata();
-  auto kind = meta.find("customops_causal_lm");
-  if (kind == meta.end() || kind->second != "1") {
+  const std::string& format = meta["customops_causal_lm"];
+  if (format == "1") {  // T >= 2 declared (a decode step fails torch's input checks), one eos id
+    throw std::invalid_argument(package_path + " was written by an older customops; write it again with "
+                                "customops.export.package_causal_lm");
+  }
+  if (format != "2") {
     throw std::invalid_argument(package_path +
                                 " is not a causal-LM package (write one with customops.export.package_causal_lm)");
   }
-  auto key = meta.find("AOTI_DEVICE_KEY");
-  const std::string type = key == meta.end() || key->second.empty() ? "cpu" : key->second;
-  m.device = type == "cpu" ? c10::Device(c10::kCPU) : c10::Device(type + ":" + std::to_string(std::max<int>(index, 0)));
-  m.max_batch = metadata_int(meta, "max_batch", package_path);
-  m.max_seq_len = metadata_int(meta, "max_seq_len", package_path);
-  m.vocab = metadata_int(meta, "vocab_size", package_path);
-  m.eos = metadata_optional(meta, "eos_token_id");
-  m.bos = metadata_optional(meta, "bos_token_id");
-  m.pad = metadata_optional(meta, "pad_token_id").value_or(m.eos.value_or(0));
+  // The package's device type; the index asked for (or 0). Checked here, before loading, so that a
+  // wrong device is an invalid_argument whatever torch's loader would make of it.
+  const std::string type = meta["AOTI_DEVICE_KEY"].empty() ? "cpu" : meta["AOTI_DEVICE_KEY"];
+  const c10::DeviceType package_type = type == "cuda" ? c10::kCUDA : c10::kCPU;
+  if (type != "cpu" && type != "cuda") {
+    throw std::invalid_argument(package_path + " was compiled for " + type + "; CausalLM runs cpu and cuda packages");
+  }
+  if (device && device->type() != package_type) {
+    throw std::invalid_argument(package_path + " was compiled for " + type + " and cannot run on " + device->str());
+  }
+  if (device && device->is_cpu() && device->has_index() && device->index() != 0) {
+    throw std::invalid_argument("device " + device->str() + ": there is one cpu device; use cpu");
+  }
+  const c10::DeviceIndex index = package_type == c10::kCUDA && device && device->has_index() ? device->index() : 0;
+  if (package_type == c10::kCUDA) {
+    const int gpus = at::hasCUDA() ? static_cast<int>(at::getNumGPUs()) : 0;
+    if (index >= gpus) {
+      throw std::invalid_argument(package_path + " runs on cuda:" + std::to_string(index) + ", but this process has " +
+                                  std::to_string(gpus) + " CUDA device(s)");
+    }
+  }
+  m.device = package_type == c10::kCUDA ? c10::Device(c10::kCUDA, index) : c10::Device(c10::kCPU);
+  m.max_batch = metadata_size(meta, "max_batch", package_path, 1);
+  m.max_seq_len = metadata_size(meta, "max_seq_len", package_path, 1);
+  m.vocab = metadata_size(meta, "vocab_size", package_path, 1);
+  m.eos = metadata_ints(meta, "eos_token_id", package_path);
+  m.bos = metadata_int(meta, "bos_token_id", package_path);
+  // Padding is written to the cache past a short prompt and never read (nor does it reach a
+  // logit), but the embedding looks it up: any id of the vocabulary does, the model's pad id where
+  // it is one (a config may give -1, or an id past the vocabulary).
+  auto in_vocab = [&](std::optional<int64_t> id) { return id && *id >= 0 && *id < m.vocab; };
+  const std::optional<int64_t> pad = metadata_int(meta, "pad_token_id", package_path);
+  m.pad = in_vocab(pad) ? *pad : !m.eos.empty() && in_vocab(m.eos[0]) ? m.eos[0] : 0;
   // CUDA graphs where the package's cache_attention runs on the device alone (older packages do
   // not record their head dim: no graphs)
-  auto dtype = meta.find("dtype");
-  const std::optional<int64_t> head_dim = metadata_optional(meta, "head_dim");
-  const std::string name = dtype == meta.end() ? "" : dtype->second;
+  const std::optional<int64_t> head_dim = metadata_int(meta, "head_dim", package_path);
+  const std::string& name = meta["dtype"];
   const c10::ScalarType scalar = name == "bfloat16" ? c10::kBFloat16 : name == "float16" ? c10::kHalf : c10::kFloat;
   m.graphs = m.device.is_cuda() && head_dim && cache_attention_on_device(scalar, *head_dim, /*queries=*/1);
+  // The package checks the dtypes, shapes and strides of its inputs at every run (torch's switch,
+  // read when a package first runs; as customops-run's default, unless the process set it).
+  setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", /*overwrite=*/0);
+  m.loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
+      package_path, "model", /*run_single_threaded=*/true, /*num_runners=*/1,
+      m.device.is_cpu() ? c10::DeviceIndex(-1) : m.device.index());
 }
 
 CausalLM::~CausalLM() = default;
@@ -141,7 +224,7 @@ CausalLM::~CausalLM() = default;
 int64_t CausalLM::max_batch() const { return impl_->max_batch; }
 int64_t CausalLM::max_seq_len() const { return impl_->max_seq_len; }
 int64_t CausalLM::vocab_size() const { return impl_->vocab; }
-std::optional<int64_t> CausalLM::eos_token_id() const { return impl_->eos; }
+std::vector<int64_t> CausalLM::eos_token_ids() const { return impl_->eos; }
 std::optional<int64_t> CausalLM::bos_token_id() const { return impl_->bos; }
 c10::Device CausalLM::device() const { return impl_->device; }
 
@@ -155,7 +238,9 @@ GenerateResult CausalLM::generate(const std::vector<std::vector<int64_t>>& promp
   if (o.max_new_tokens < 1) throw std::invalid_argument("max_new_tokens must be at least 1");
   if (o.top_k < 0) throw std::invalid_argument("top_k must be >= 0");
   if (!(o.top_p > 0 && o.top_p <= 1)) throw std::invalid_argument("top_p must be in (0, 1]");
-  if (!(o.temperature >= 0)) throw std::invalid_argument("temperature must be >= 0");
+  if (!(o.temperature >= 0 && o.temperature < std::numeric_limits<double>::infinity())) {
+    throw std::invalid_argument("temperature must be a finite number >= 0");
+  }
   int64_t longest = 0;
   for (int64_t i = 0; i < b; ++i) {
     const auto& p = prompts[i];
@@ -200,14 +285,20 @@ GenerateResult CausalLM::generate(const std::vector<std::vector<int64_t>>& promp
     return static_cast<int64_t>(ids) >= o.max_new_tokens || filled >= m.max_seq_len;
   };
   // Takes the ids sampled from a step whose inputs filled each sequence's cache up to filled[i];
-  // true once every sequence is done.
+  // true once every sequence is done. A row whose logits were not finite (sample's -1) ends the call.
   auto take = [&](const at::Tensor& next_ids, const std::vector<int64_t>& filled) {
     auto acc = next_ids.accessor<int64_t, 1>();
     bool all_done = true;
     for (int64_t i = 0; i < b; ++i) {
       if (!done[i]) {
+        if (acc[i] < 0) {
+          throw std::runtime_error("the package's logits for prompt " + std::to_string(i) + " are not finite (NaN or "
+                                   "inf) at its new id " + std::to_string(r.ids[i].size() + 1) +
+                                   ": the package's weights are damaged, or the model overflows its dtype");
+        }
         r.ids[i].push_back(acc[i]);
-        if ((o.stop_at_eos && m.eos && acc[i] == *m.eos) || ends_by_count(r.ids[i].size(), filled[i])) done[i] = true;
+        const bool eos = o.stop_at_eos && std::find(m.eos.begin(), m.eos.end(), acc[i]) != m.eos.end();
+        if (eos || ends_by_count(r.ids[i].size(), filled[i])) done[i] = true;
       }
       all_done = all_done && done[i];
     }
@@ -251,7 +342,8 @@ GenerateResult CausalLM::generate(const std::vector<std::vector<int64_t>>& promp
     };
     auto launch = [&](const at::Tensor& ids, const std::vector<int64_t>& start, std::vector<int64_t> filled) {
       auto l = std::make_unique<Launched>();
-      step.ids.copy_(ids.view({b, 1}), /*non_blocking=*/true);
+      // (ids of a row that was not finite are -1 until the host reads them: the step looks up 0)
+      step.ids.copy_(ids.view({b, 1}).clamp_min(0), /*non_blocking=*/true);
       step.start.copy_(at::tensor(start, ids_options).pin_memory(), /*non_blocking=*/true);
       if (!step.graph) {
         step.graph = std::make_unique<DecodeGraph>(m.device,
@@ -281,7 +373,14 @@ GenerateResult CausalLM::generate(const std::vector<std::vector<int64_t>>& promp
       }
       cur->copied.synchronize();
       ++r.decode_steps;
-      if (take(cur->host, cur->filled)) break;  // (more was true: take ends no more than ends but by eos)
+      bool all_done = false;
+      try {
+        all_done = take(cur->host, cur->filled);  // (more was true: take ends no more than ends but by eos)
+      } catch (...) {
+        if (ahead) ahead->copied.synchronize();  // its buffers are freed as the error unwinds
+        throw;
+      }
+      if (all_done) break;
       cur = std::move(ahead);
     }
     r.decode_ms = ms_since(t0);

@@ -222,6 +222,13 @@ at::Tensor start_on_host(const char* op, const at::Tensor& start, int64_t t, int
 void check_write(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
                  const at::Tensor& v, const at::Tensor& start) {
   check_cache(op, k_cache, v_cache);
+  checks::no_internal_overlap(op, "k_cache", k_cache);
+  checks::no_internal_overlap(op, "v_cache", v_cache);
+  if (checks::concrete(k_cache) && checks::concrete(v_cache)) {
+    const at::MemOverlapStatus both = at::get_overlap_status(k_cache, v_cache);
+    TORCH_CHECK(both != at::MemOverlapStatus::Full && both != at::MemOverlapStatus::Partial, op,
+                ": k_cache and v_cache share memory; each is written in place, so they must not");
+  }
   checks::defined(op, "k", k);
   checks::defined(op, "v", v);
   TORCH_CHECK(k.dim() == 4, op, ": expected k of shape [B, Hkv, T, D], but got ", k.sym_sizes());

@@ -47,6 +47,19 @@ inline void same_shape(const char* op, const char* name, const at::Tensor& t, co
   }
 }
 
+// Memory can only be compared for real tensors with concrete sizes (not Meta/fake ones).
+inline bool concrete(const at::Tensor& t) {
+  return !t.is_meta() && !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
+}
+
+// A tensor an op writes in place must not have elements that share memory (an expanded tensor
+// would take every row's values in one place), as ATen's in-place ops refuse.
+inline void no_internal_overlap(const char* op, const char* name, const at::Tensor& t) {
+  if (!concrete(t)) return;
+  TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", name,
+              " has elements that share memory (e.g. an expanded tensor); it is written in place, so it must not");
+}
+
 // An out= tensor must match ref exactly (no resizing) and must not share memory with an input
 // partially; being the very same tensor as an input is fine (elementwise ops read before write).
 inline void out_tensor(const char* op, const at::Tensor& out, const at::Tensor& ref,
@@ -55,10 +68,6 @@ inline void out_tensor(const char* op, const at::Tensor& out, const at::Tensor& 
   same_dtype(op, "out", out, "the result", ref);
   same_device(op, "out", out, "the inputs", ref);
   same_shape(op, "out", out, "the result", ref);
-  // Memory can only be compared for real tensors with concrete sizes (not Meta/fake ones).
-  auto concrete = [](const at::Tensor& t) {
-    return !t.is_meta() && !t.unsafeGetTensorImpl()->has_symbolic_sizes_strides();
-  };
   if (!concrete(out)) return;
   for (const auto& input : inputs) {
     if (!concrete(*input.second)) return;

@@ -1,7 +1,14 @@
-// customops-run's errors as the user reads them: one line, without torch's C++ backtrace.
+// customops-run's errors as the user reads them: one line, without torch's C++ backtrace, and
+// what the user gave quoted so that it cannot garble the terminal or flood it.
 #include <c10/util/Exception.h>
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <exception>
+#include <functional>
+#include <iostream>
+#include <sstream>
 #include <string>
 
 #include "runner/runner.h"
@@ -21,6 +28,27 @@ size_t utf8_length(const std::string& s, size_t i) {
 }
 
 }  // namespace
+
+std::string quoted(const std::string& text, size_t max_bytes) {
+  std::string out = "'";
+  size_t i = 0;
+  for (; i < text.size() && i < max_bytes;) {
+    const size_t n = utf8_length(text, i);
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (n == 0 || (n == 1 && (c < 0x20 || c == 0x7f || c == '\\' || c == '\''))) {
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "\\x%02x", c);
+      out += hex;
+      ++i;
+    } else {
+      out.append(text, i, n);
+      i += n;
+    }
+  }
+  out += "'";
+  if (i < text.size()) out += "... (" + std::to_string(text.size()) + " bytes)";
+  return out;
+}
 
 std::string message_of(const std::exception& e) {
   const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
@@ -46,6 +74,54 @@ std::string message_of(const std::exception& e) {
   }
   while (!line.empty() && line.back() == ' ') line.pop_back();
   return line;
+}
+
+void without_backtraces(const std::function<void()>& fn) {
+  std::cerr.flush();
+  std::fflush(stderr);
+  FILE* capture = std::tmpfile();
+  const int saved = capture ? dup(2) : -1;
+  if (saved < 0 || dup2(fileno(capture), 2) < 0) {  // nowhere to capture: run as is
+    if (saved >= 0) close(saved);
+    if (capture) std::fclose(capture);
+    return fn();
+  }
+  std::string error;  // fn's error, as main words it
+  auto restore = [&] {
+    std::cerr.flush();
+    std::fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    std::string text;
+    std::rewind(capture);
+    char buffer[4096];
+    for (size_t n; (n = std::fread(buffer, 1, sizeof buffer, capture)) > 0;) text.append(buffer, n);
+    std::fclose(capture);
+    std::istringstream lines(text);
+    std::string line, kept;
+    bool trace = false;
+    while (std::getline(lines, line)) {
+      if (line.rfind("Exception raised from ", 0) == 0) {
+        trace = true;
+      } else if (!(trace && (line.empty() || line.rfind("frame #", 0) == 0))) {
+        trace = false;
+        const bool repeated = line.rfind("Error: ", 0) == 0 && !error.empty() && error.find(line.substr(7)) != std::string::npos;
+        if (!repeated) kept += line + "\n";
+      }
+    }
+    std::cerr << kept;
+  };
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    error = message_of(e);
+    restore();
+    throw;
+  } catch (...) {
+    restore();
+    throw;
+  }
+  restore();
 }
 
 }  // namespace customops::runner

@@ -5,6 +5,7 @@
 #include <customops/tokenizer.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <iostream>
 #include <limits>
@@ -57,7 +58,7 @@ std::vector<int64_t> parse_ids(const std::string& text, const std::string& where
     } catch (const std::exception&) {
       used = 0;
     }
-    if (used != word.size() || used == 0) throw UserError(where + ": '" + word + "' is not a token id (an integer)");
+    if (used != word.size() || used == 0) throw UserError(where + ": " + quoted(word) + " is not a token id (an integer)");
     ids.push_back(v);
   }
   if (ids.empty()) throw UserError(where + " holds no ids");
@@ -69,15 +70,23 @@ T parse_number(const std::string& flag, const std::string& value) {
   try {
     size_t used = 0;
     T v;
-    if constexpr (std::is_floating_point_v<T>) {
-      v = static_cast<T>(std::stod(value, &used));
+    if constexpr (std::is_floating_point_v<T>) {  // strtod, not stod: a subnormal or a huge value is a value
+      char* end = nullptr;
+      v = static_cast<T>(std::strtod(value.c_str(), &end));
+      used = static_cast<size_t>(end - value.c_str());
+    } else if constexpr (std::is_unsigned_v<T>) {  // stoull takes "-1" as 2^64 - 1
+      v = value.find('-') == std::string::npos ? static_cast<T>(std::stoull(value, &used)) : 0;
     } else {
       v = static_cast<T>(std::stoll(value, &used));
     }
     if (used == value.size()) return v;
   } catch (const std::exception&) {
   }
-  throw UsageError(flag + " expects a number, got '" + value + "'");
+  if constexpr (std::is_unsigned_v<T>) {
+    throw UsageError(flag + " expects an integer in [0, " + std::to_string(std::numeric_limits<T>::max()) + "], got " +
+                     quoted(value));
+  }
+  throw UsageError(flag + " expects a number, got " + quoted(value));
 }
 
 }  // namespace
@@ -137,6 +146,7 @@ int generate_main(int argc, char** argv) {
     std::ifstream in(*prompts_file);
     std::string line;
     for (int n = 1; std::getline(in, line); ++n) given.emplace_back(line, *prompts_file + " line " + std::to_string(n));
+    if (given.empty()) throw UserError("the prompts file " + *prompts_file + " holds no prompts (it is empty)");
   }
   if (given.empty()) throw UsageError("generate expects --prompt \"ID ...\" (or \"TEXT\" with --tokenizer) or --prompts FILE");
   std::unique_ptr<Tokenizer> tokenizer;
@@ -150,17 +160,11 @@ int generate_main(int argc, char** argv) {
   if (!tokenizer) {
     for (const auto& [text, where] : given) prompts.push_back(parse_ids(text, where));
   }
-  require_regular_file(package, "the package");
-  verify_package(package);
-
-  std::optional<c10::Device> dev;
-  if (device) {
-    try {
-      dev = c10::Device(*device);
-    } catch (const std::exception&) {
-      throw UsageError("--device expects cpu, cuda or cuda:N, got '" + *device + "'");
-    }
-  }
+  // The package's device, checked against --device as the plain runner checks it.
+  Options po;
+  po.package = package;
+  po.device = device;
+  const c10::Device dev = pick_device(po, read_metadata(po)["AOTI_DEVICE_KEY"]);
   std::unique_ptr<CausalLM> lm;
   try {
     lm = std::make_unique<CausalLM>(package, dev);
@@ -168,9 +172,6 @@ int generate_main(int argc, char** argv) {
     throw UserError(e.what());
   } catch (const std::exception& e) {
     throw UserError("cannot load " + package + ": " + message_of(e));
-  }
-  if (dev && dev->type() != lm->device().type()) {
-    throw UserError(package + " was compiled for " + lm->device().str() + ", not " + dev->str());
   }
   if (tokenizer) {
     if (tokenizer->vocab_size() > lm->vocab_size()) {
@@ -189,13 +190,15 @@ int generate_main(int argc, char** argv) {
   }
   GenerateResult r;
   try {
-    if (warmup) {  // two new ids: a prefill and a decode step, which captures the CUDA graph
-      GenerateOptions w = o;
-      w.max_new_tokens = 2;
-      w.stop_at_eos = false;
-      lm->generate(prompts, w);
-    }
-    r = lm->generate(prompts, o);
+    without_backtraces([&] {
+      if (warmup) {  // two new ids: a prefill and a decode step, which captures the CUDA graph
+        GenerateOptions w = o;
+        w.max_new_tokens = 2;
+        w.stop_at_eos = false;
+        lm->generate(prompts, w);
+      }
+      r = lm->generate(prompts, o);
+    });
   } catch (const std::invalid_argument& e) {
     throw UserError(e.what());
   }

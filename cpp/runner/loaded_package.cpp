@@ -3,6 +3,7 @@
 // device. The process must have libcustomops.so loaded (customops-run links it), so that the proxy
 // executor finds every customops:: schema when the package loads.
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <customops/package.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
 #include <cerrno>
@@ -84,7 +85,7 @@ LoadedPackage::LoadedPackage(const std::string& path, const std::string& model_n
   // The generated model checks its inputs' dtypes, shapes, strides and devices only when this is
   // set (read once, on the first run); without it a wrong shape reads out of bounds.
   if (check_inputs) setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", /*overwrite=*/0);
-  verify_package(path_);
+  customops::verify_package(path_);
   scratch_ = std::make_unique<ScratchDir>();
   try {
     loader_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(

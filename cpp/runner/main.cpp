@@ -97,15 +97,17 @@ int run(const Options& o) {
       throw UserError(run_error(o, e.what(), inputs.size(), spec_inputs));
     }
   };
-  for (int i = 0; i < o.warmup; ++i) run_once();
   double total_ms = 0, best_ms = 0;
-  for (int i = 0; i < o.runs; ++i) {
-    auto start = std::chrono::steady_clock::now();
-    run_once();
-    double ms = ms_since(start);
-    total_ms += ms;
-    best_ms = i == 0 ? ms : std::min(best_ms, ms);
-  }
+  without_backtraces([&] {
+    for (int i = 0; i < o.warmup; ++i) run_once();
+    for (int i = 0; i < o.runs; ++i) {
+      auto start = std::chrono::steady_clock::now();
+      run_once();
+      double ms = ms_since(start);
+      total_ms += ms;
+      best_ms = i == 0 ? ms : std::min(best_ms, ms);
+    }
+  });
   write_outputs(o.outputs, outputs);
 
   if (o.time) {

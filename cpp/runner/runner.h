@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -40,6 +41,14 @@ int generate_main(int argc, char** argv);
 // joined, and with '?' for bytes that would garble a terminal (an error about a corrupt file can
 // quote the file's bytes).
 std::string message_of(const std::exception& e);
+// text in single quotes for an error message: a control character, a quote, a backslash or a byte
+// that is not UTF-8 as \xNN, and cut after max_bytes (then its length follows).
+std::string quoted(const std::string& text, size_t max_bytes = 40);
+// Runs fn with this process's stderr (fd 2) going to a temporary file, then writes what came there
+// back without torch's C++ backtraces: an AOTInductor model prints every error it raises,
+// backtrace included, before it returns the failure that customops-run reports in one line (the
+// model's own "Error: ..." line is left out too where that line repeats fn's error).
+void without_backtraces(const std::function<void()>& fn);
 
 // ---- args.cpp
 struct Options {
@@ -60,10 +69,6 @@ std::string option_value(int argc, char** argv, int& i);
 void require_regular_file(const std::string& path, const std::string& what);
 // The package's metadata (AOTI_DEVICE_KEY etc.), read without loading the model.
 std::unordered_map<std::string, std::string> read_metadata(const Options& o);
-// Checks every stored member of the package against the CRC-32 its zip directory records. The
-// loader's zip reader (miniz, built without CRC checks) would unpack a damaged model library, and
-// running it crashes the process (bit flips in a package gave SIGSEGV and SIGILL).
-void verify_package(const std::string& path);
 // The device to run on: the package's, checked against --device and against this process.
 c10::Device pick_device(const Options& o, const std::string& package_device);
 
@@ -86,7 +91,7 @@ class ScratchDir;
 // A package loaded onto a device, to be run any number of times.
 class LoadedPackage {
  public:
-  // Checks the package (verify_package), then loads model_name from it onto device; a UserError
+  // Checks the package (customops::verify_package), then loads model_name from it onto device; a UserError
   // where either fails. check_inputs: the model checks its inputs' dtypes, shapes and strides.
   LoadedPackage(const std::string& path, const std::string& model_name, const c10::Device& device,
                 bool check_inputs);

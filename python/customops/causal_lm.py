@@ -45,17 +45,26 @@ def _family(model: nn.Module) -> str:
     cfg = getattr(model, "config", None)
     family = FAMILIES.get(getattr(cfg, "model_type", None))
     inner = getattr(model, "model", None)
-    if family is None or not hasattr(model, "lm_head") or not hasattr(inner, "layers"):
+    if family is None:
         kind = getattr(cfg, "model_type", type(model).__name__)
         raise ValueError(f"customops.export.package_causal_lm: {kind!r} is not a causal LM of a family it knows "
                          f"(a Hugging Face *ForCausalLM of {', '.join(sorted(FAMILIES))})")
+    if not hasattr(model, "lm_head") or not hasattr(inner, "layers"):
+        raise ValueError(f"customops.export.package_causal_lm: {type(model).__name__} has no LM head (it is the bare "
+                         f"decoder); pass the *ForCausalLM model, whose forward gives logits")
     return family
 
 
 def _check_window(model: nn.Module, max_seq_len: int) -> None:
+    """Refuses a sliding window that a sequence of max_seq_len tokens would reach (the package's
+    attention has none). Qwen2 and Qwen3 slide only in the layers their layer_types name
+    "sliding_attention"; Mistral in every layer where it has a window."""
     cfg = model.config
-    window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-    if window is not None and max_seq_len > window:
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if window is None or (types is not None and "sliding_attention" not in types):
+        return
+    if max_seq_len > window:
         raise ValueError(f"customops.export.package_causal_lm: the model attends within a sliding window of {window} "
                          f"tokens, which the package does not implement yet: max_seq_len ({max_seq_len}) must be at "
                          f"most the window (then the window never applies)")
@@ -109,6 +118,48 @@ def _linear(linear: nn.Linear, x: Tensor, *, norm: nn.Module | None = None, resi
                         constant_weight=True)
 
 
+class _Rotary(nn.Module):
+    """The model's rotary embedding, computed per sequence as Hugging Face computes it for that
+    sequence alone. Most rope types have fixed frequencies. Two change them with the sequence's
+    length (the largest position of the call, plus one): "longrope" takes its long factors past
+    original_max_position_embeddings and "dynamic" (NTK) grows its base past max_position_embeddings.
+    Hugging Face decides both by the largest position in the whole batch (and, for "dynamic", by
+    what the module saw before); here each sequence's own length decides, so that a prompt's ids
+    never depend on its batch-mates, and the package needs no data-dependent branch."""
+
+    def __init__(self, rotary: nn.Module):
+        super().__init__()
+        self.config = rotary.config
+        self.rope_type = rotary.rope_type
+        self.scaling = rotary.attention_scaling
+        # the frequencies the module was built with (a forward on a long sequence may have changed inv_freq)
+        inv_freq = getattr(rotary, "original_inv_freq", rotary.inv_freq)
+        self.register_buffer("inv_freq", inv_freq.detach().clone().float(), persistent=False)
+        params = getattr(self.config, "rope_parameters", None) or {}
+        if self.rope_type == "longrope":
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            self.threshold = params["original_max_position_embeddings"]
+            long_inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](self.config, inv_freq.device, seq_len=self.threshold + 1)
+            self.register_buffer("long_inv_freq", long_inv_freq.float(), persistent=False)
+        elif self.rope_type == "dynamic":
+            self.threshold = rotary.original_max_seq_len
+
+    def forward(self, positions: Tensor, lengths: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and sin [B, T, rotary dims] of positions [B, T], for sequences of lengths [B]."""
+        inv_freq = self.inv_freq[None]  # [1 or B, dims / 2]
+        if self.rope_type == "longrope":
+            inv_freq = torch.where((lengths > self.threshold)[:, None], self.long_inv_freq[None], inv_freq)
+        elif self.rope_type == "dynamic":
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            grown, _ = ROPE_INIT_FUNCTIONS["dynamic"](self.config, positions.device, seq_len=lengths[:, None])
+            inv_freq = torch.where((lengths > self.threshold)[:, None], grown.float(), inv_freq)
+        freqs = positions[:, :, None].float() * inv_freq[:, None, :]  # [B, T, dims / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
 class CachedCausalLM(nn.Module):
     """``model`` (a Hugging Face *ForCausalLM of the Llama family) with a static KV cache; see the
     module's docstring for the forward."""
@@ -122,7 +173,7 @@ class CachedCausalLM(nn.Module):
         self.embed = model.model.embed_tokens
         self.layers = nn.ModuleList(DecodeLayer(layer) for layer in model.model.layers)
         self.norm = model.model.norm
-        self.rotary = model.model.rotary_emb
+        self.rotary = _Rotary(model.model.rotary_emb)
         self.lm_head = model.lm_head
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -139,7 +190,7 @@ class CachedCausalLM(nn.Module):
         steps = torch.arange(t, device=input_ids.device)
         positions = start[:, None] + steps  # [B, T]
         h = self.embed(input_ids)
-        cos, sin = self.rotary(h, positions)  # [B, T, D]
+        cos, sin = self.rotary(positions, start + count, h.dtype)  # [B, T, rotary dims]
         lengths = start + t  # each sequence's filled length once the T new tokens are written
         for i, layer in enumerate(self.layers):
             qkv = _linear(layer.qkv, h, norm=layer.input_norm)

@@ -14,6 +14,7 @@ process runs the package once libcustomops.so is loaded, e.g.::
 
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 from typing import Any, Sequence
@@ -98,15 +99,18 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
     ``T`` ids are the sequence's own; prompts of different lengths are right-padded) and returns
     the float32 logits of each sequence's last new token, ``[B, vocab]``
     (:class:`customops.causal_lm.CachedCausalLM`). Its metadata names the family, ``max_batch``,
-    ``max_seq_len``, the vocabulary size, bos/eos/pad ids, the dtype, head dim, kv heads and layers, and
-    the customops and torch versions.
+    ``max_seq_len``, the vocabulary size, the bos and pad ids and every eos id (comma-separated;
+    ``generation_config``'s, else the config's, as Hugging Face's ``generate`` takes them; ids
+    outside the vocabulary are left out with a warning), the dtype, head dim, kv heads and layers,
+    and the customops and torch versions. Rope types whose frequencies depend on the sequence's
+    length ("dynamic", "longrope") are computed for each sequence from its own length.
 
     Args:
         model: A Hugging Face ``*ForCausalLM`` of those families, on the device and in the dtype the
             package is for (put it in eval mode; it is not modified).
         path: Where to write the package (``.pt2``).
-        max_batch: Most sequences a call takes.
-        max_seq_len: Most tokens (prompt and generated) a sequence holds.
+        max_batch: Most sequences a call takes (an integer >= 1).
+        max_seq_len: Most tokens (prompt and generated) a sequence holds (an integer >= 2).
         optimize: Call customops ops (rms_norm, rope, silu_mul) in the graph; always on (the
             package's layers are customops' own), kept for the signature's symmetry with
             :func:`package`.
@@ -114,16 +118,32 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
 
     Returns:
         The package's path, as a string.
+
+    Raises:
+        ValueError: for a model of another family, without an LM head or on the meta device, an
+            activation other than SwiGLU's, a sliding window that max_seq_len would reach, or sizes
+            that are not integers in range.
     """
     import torch.fx.experimental._config as fx_config
 
     from .causal_lm import CachedCausalLM
 
-    if max_batch < 1 or max_seq_len < 2:
-        raise ValueError(f"customops.export.package_causal_lm: max_batch must be >= 1 and max_seq_len >= 2, "
-                         f"got {max_batch} and {max_seq_len}")
+    def size(name, value, least):
+        try:
+            v = operator.index(value)  # an int, not a float or a bool
+        except TypeError:
+            v = None
+        if v is None or isinstance(value, bool) or v < least:
+            raise ValueError(f"customops.export.package_causal_lm: {name} must be an integer >= {least}, got {value!r}")
+        return v
+
+    max_batch, max_seq_len = size("max_batch", max_batch, 1), size("max_seq_len", max_seq_len, 2)
+    param = next(model.parameters(), None)
+    if param is None or param.device.type == "meta":
+        raise ValueError("customops.export.package_causal_lm: the model's weights are on the meta device (not loaded); "
+                         "load them (e.g. from_pretrained, or to_empty and load_state_dict) first")
     lm = CachedCausalLM(model, max_batch=max_batch, max_seq_len=max_seq_len).eval()
-    device = next(model.parameters()).device
+    device = param.device
     cfg = model.config
     b = torch.export.Dim("batch", min=1, max=max_batch) if max_batch > 1 else None  # a Dim needs min < max
     t = torch.export.Dim("tokens", min=1, max=max_seq_len)
@@ -131,19 +151,26 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
                torch.zeros(min(2, max_batch), dtype=torch.long, device=device),
                torch.full((min(2, max_batch),), 2, dtype=torch.long, device=device))
 
-    def token(name):
-        v = getattr(cfg, name, None)
+    def tokens(name):
+        """The ids of a special token as Hugging Face's generate takes them (generation_config's,
+        else the config's), those inside the vocabulary, comma-separated (eos may list several)."""
+        v = getattr(getattr(model, "generation_config", None), name, None)
         if v is None:
-            v = getattr(getattr(model, "generation_config", None), name, None)
-        v = v[0] if isinstance(v, (list, tuple)) and v else v
-        return "" if v is None else str(int(v))
+            v = getattr(cfg, name, None)
+        ids = [int(i) for i in (v if isinstance(v, (list, tuple)) else [] if v is None else [v])]
+        outside = [i for i in ids if not 0 <= i < cfg.vocab_size]
+        if outside:
+            warnings.warn(f"customops.export.package_causal_lm: {name} {outside} is outside the vocabulary "
+                          f"[0, {cfg.vocab_size}); the package leaves it out", stacklevel=3)
+        return ",".join(str(i) for i in ids if i not in outside)
 
     configs = dict(inductor_configs or {})
     configs["aot_inductor.metadata"] = {
         **configs.get("aot_inductor.metadata", {}),
-        "customops_causal_lm": "1", "family": lm.family, "max_batch": str(max_batch),
-        "max_seq_len": str(max_seq_len), "vocab_size": str(cfg.vocab_size), "bos_token_id": token("bos_token_id"),
-        "eos_token_id": token("eos_token_id"), "pad_token_id": token("pad_token_id"),
+        # "2": the format (T = 1 in the token dimension's declared range, eos a list of ids)
+        "customops_causal_lm": "2", "family": lm.family, "max_batch": str(max_batch),
+        "max_seq_len": str(max_seq_len), "vocab_size": str(cfg.vocab_size), "bos_token_id": tokens("bos_token_id"),
+        "eos_token_id": tokens("eos_token_id"), "pad_token_id": tokens("pad_token_id"),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": device.type,
         "head_dim": str(lm.head_dim), "kv_heads": str(lm.n_kv), "layers": str(len(lm.layers))}
     with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):

@@ -21,7 +21,6 @@ import aoti_models as M
 from conftest import DEVICES
 
 HERE = Path(__file__).resolve().parent
-CONSUMER_SRC = HERE.parent / "cpp" / "consumer"
 PYTHON_LIBS = ("libpython", "libtorch_python")
 
 
@@ -395,25 +394,6 @@ def test_runner_explains_a_cuda_package_without_cuda(packages, tmp_path):
 
 
 # ---- a find_package(customops) consumer --------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def consumer(request, tmp_path_factory) -> Path:
-    """tests/cpp/consumer configured against the installed customops and built (incrementally,
-    in pytest's cache folder, or in a temporary one under -p no:cacheprovider); returns its build
-    folder."""
-    if shutil.which("cmake") is None:
-        pytest.skip("cmake is not installed")
-    cache = getattr(request.config, "cache", None)
-    build = Path(cache.mkdir("customops-consumer")) if cache is not None else tmp_path_factory.mktemp("consumer")
-    prefix = ";".join([customops.cmake_prefix_path, torch.utils.cmake_prefix_path])
-    configure = ["cmake", "-S", CONSUMER_SRC, "-B", build, f"-DCMAKE_PREFIX_PATH={prefix}", "-DCMAKE_BUILD_TYPE=Release"]
-    if shutil.which("ninja") and not (build / "CMakeCache.txt").exists():
-        configure += ["-G", "Ninja"]
-    for cmd in (configure, ["cmake", "--build", build, "--target", "run_package", "run_package_without_customops"]):
-        r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900)
-        assert r.returncode == 0, f"{' '.join(map(str, cmd))}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
-    return build
-
 
 def test_consumer_runs_the_package(package, consumer):
     inputs_file, inputs = package.write_inputs(5, "consumer-inputs.pt")

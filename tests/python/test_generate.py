@@ -1,9 +1,16 @@
 """Generation without Python: a Hugging Face Llama packaged with its KV cache
 (customops.export.package_causal_lm) agrees with Hugging Face's eager forward at every position,
-and ``customops-run generate`` gives the ids of ``model.generate``; bad input gets one line and a
-non-zero exit. One small float32 model, packaged once (about 20 s here)."""
+and ``customops-run generate`` and the C++ API (customops::CausalLM, through the consumer program
+generate_api) give the ids of ``model.generate``; bad input gets one line and a non-zero exit, a
+damaged package or logits that are not finite an error, never ids. Small float32 models, each
+packaged once (about 10 s here). The packages run with torch's input checks on, in this process
+as in the runner."""
 
 from __future__ import annotations
+
+import os
+import re
+import zipfile
 
 import pytest
 import torch
@@ -12,61 +19,28 @@ import customops
 
 transformers = pytest.importorskip("transformers")
 
+import causal_lms as lms  # noqa: E402
+from causal_lms import MAX_BATCH, MAX_SEQ_LEN, VOCAB  # noqa: E402
 from conftest import DEVICES  # noqa: E402
-from test_aoti import clean_env, run  # noqa: E402  (the runner's environment: no Python on its path)
+from test_aoti import run  # noqa: E402  (the runner's environment: no Python on its path)
 
-MAX_BATCH, MAX_SEQ_LEN, VOCAB = 2, 24, 256
-
-
-def _model(**config):
-    cfg = transformers.LlamaConfig(**{**dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                             num_key_value_heads=2, num_hidden_layers=2, vocab_size=VOCAB,
-                                             max_position_embeddings=256, attn_implementation="sdpa"), **config})
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # well-separated logits: greedy ids do not hinge on rounding
-        model.lm_head.weight.mul_(20)
-    return model
-
-
-@pytest.fixture(scope="module")
-def packaged(tmp_path_factory):
-    model = _model()
-    path = customops.export.package_causal_lm(model, tmp_path_factory.mktemp("lm") / "llama.pt2",
-                                              max_batch=MAX_BATCH, max_seq_len=MAX_SEQ_LEN)
-    return model, path
-
-
-def _prompts(*lengths, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
-def _hf_generate(model, prompt, n):
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
-
-
-def _generate(path, *args):
-    return run([customops.runner_path(), "generate", path, *args])
+# The packages loaded in this process check their inputs as customops-run's and CausalLM's do (read
+# when a package first runs): a decode step's one token must be inside the declared range.
+os.environ["AOTI_RUNTIME_CHECK_INPUTS"] = "1"
 
 
 def _generates_hf_greedy_ids(model, path, prompts, n):
     """customops-run generate of prompts (one batch) against model.generate of each; the run."""
-    args = [a for p in prompts for a in ("--prompt", " ".join(map(str, p)))]
-    r = _generate(path, *args, "--max-new-tokens", str(n))
+    r = lms.generate(path, *lms.prompt_args(prompts), "--max-new-tokens", str(n))
     assert r.returncode == 0, r.stderr
-    got = [list(map(int, line.split())) for line in r.stdout.splitlines()]
-    assert got == [_hf_generate(model, p, n) for p in prompts]
+    assert lms.ids_of(r.stdout) == [lms.hf_generate(model, p, n) for p in prompts]
     return r
 
 
 def test_teacher_forced_logits_match_hugging_face_at_every_position(packaged):
     model, path = packaged
     lm = torch._inductor.aoti_load_package(path)
-    ids = torch.tensor(_prompts(MAX_SEQ_LEN, MAX_SEQ_LEN))
+    ids = torch.tensor(lms.prompts(MAX_SEQ_LEN, MAX_SEQ_LEN))
     with torch.no_grad():
         want = model(ids).logits
     longs = dict(dtype=torch.long)
@@ -84,7 +58,7 @@ def test_teacher_forced_logits_match_hugging_face_at_every_position(packaged):
 def test_a_failed_call_leaves_nothing_the_next_call_reads(packaged):
     model, path = packaged
     lm = torch._inductor.aoti_load_package(path)
-    ids = torch.tensor(_prompts(6))
+    ids = torch.tensor(lms.prompts(6))
     longs = dict(dtype=torch.long)
     with pytest.raises(Exception):  # too many tokens for the cache: the package's own input check
         lm(torch.zeros(1, MAX_SEQ_LEN + 1, **longs), torch.zeros(1, **longs), torch.ones(1, **longs))
@@ -96,12 +70,12 @@ def test_a_failed_call_leaves_nothing_the_next_call_reads(packaged):
 
 def test_runner_generates_hugging_face_greedy_ids_for_a_batch_of_unequal_prompts(packaged):
     model, path = packaged
-    r = _generates_hf_greedy_ids(model, path, _prompts(9, 4), 8)
+    r = _generates_hf_greedy_ids(model, path, lms.prompts(9, 4), 8)
     assert "prefill: 13 tokens" in r.stderr and "ms/token" in r.stderr, r.stderr
     assert "CUDA graph" not in r.stderr  # a CPU package
     # the timed call without the warm-up call before it: the same ids
-    args = [a for p in _prompts(9, 4) for a in ("--prompt", " ".join(map(str, p)))]
-    cold = _generate(path, *args, "--max-new-tokens", "8", "--no-warmup")
+    args = [a for p in lms.prompts(9, 4) for a in ("--prompt", " ".join(map(str, p)))]
+    cold = lms.generate(path, *args, "--max-new-tokens", "8", "--no-warmup")
     assert cold.returncode == 0 and cold.stdout == r.stdout, cold.stderr
 
 
@@ -109,59 +83,68 @@ def test_runner_fills_the_cache_to_max_seq_len(packaged, tmp_path):
     model, path = packaged
     # a prompt one short of the cache: its first new id is decoded into the last position, and
     # the sequence ends there, however many new ids were asked for
-    prompt = _prompts(MAX_SEQ_LEN - 1)[0]
+    prompt = lms.prompts(MAX_SEQ_LEN - 1)[0]
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(" ".join(map(str, prompt)) + "\n")
-    r = _generate(path, "--prompts", prompts, "--max-new-tokens", "5", "--ignore-eos")
+    r = lms.generate(path, "--prompts", prompts, "--max-new-tokens", "5", "--ignore-eos")
     assert r.returncode == 0, r.stderr
-    assert list(map(int, r.stdout.split())) == _hf_generate(model, prompt, 2)
-    full = _prompts(MAX_SEQ_LEN)[0]
-    r = _generate(path, "--prompt", " ".join(map(str, full)), "--max-new-tokens", "5")
+    assert list(map(int, r.stdout.split())) == lms.hf_generate(model, prompt, 2)
+    full = lms.prompts(MAX_SEQ_LEN)[0]
+    r = lms.generate(path, "--prompt", " ".join(map(str, full)), "--max-new-tokens", "5")
     assert r.returncode == 0, r.stderr
-    assert list(map(int, r.stdout.split())) == _hf_generate(model, full, 1)
+    assert list(map(int, r.stdout.split())) == lms.hf_generate(model, full, 1)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_runner_stops_a_sequence_at_its_eos_while_the_other_goes_on(device, tmp_path):
-    """The eos id is one the first prompt's greedy ids reach at its third new id: that line ends
-    there and the other prompt's goes on, as model.generate gives them. On CUDA the runner queues
-    each decode step before it reads the step before (a CUDA graph, head dim 64), so the ended
-    sequence is fed one more id, which must not show."""
-    model = _model(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+def test_runner_stops_a_sequence_at_any_of_its_eos_ids_while_the_other_goes_on(device, tmp_path):
+    """The model's generation_config lists three eos ids, one of which the first prompt's greedy ids
+    reach at its third new id: that line ends there and the other prompt's goes on, as
+    model.generate gives them (which takes generation_config's ids, not the config's: the config's
+    eos is one the second prompt reaches, and must not end it). The pad id is outside the
+    vocabulary (padding is written to the cache, never read: any id of the vocabulary pads). On CUDA
+    the runner queues each decode step before it reads the step before (a CUDA graph, head dim 64),
+    so the ended sequence is fed one more id, which must not show."""
+    model = lms.llama(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
     if device == "cuda":
         model = model.to("cuda", torch.bfloat16)
     model.generation_config.eos_token_id = model.config.eos_token_id = None
     for seed in range(2, 20):  # prompts whose first's greedy ids reach an id the other's never do
-        prompts = _prompts(9, 4, seed=seed)
-        free = [_hf_generate(model, p, 8) for p in prompts]
+        prompts = lms.prompts(9, 4, seed=seed)
+        free = [lms.hf_generate(model, p, 8) for p in prompts]
         eos = next((i for i in free[0][2:] if i not in free[0][:2] and i not in free[1]), None)
         if eos is not None:
             break
     else:
         pytest.fail(f"no prompts among 18 seeds whose greedy ids end one sequence only: {free}")
-    model.generation_config.eos_token_id = model.config.eos_token_id = eos
-    path = customops.export.package_causal_lm(model, tmp_path / "llama-eos.pt2", max_batch=MAX_BATCH,
-                                              max_seq_len=MAX_SEQ_LEN)
+    never = [i for i in range(3, VOCAB) if i not in free[0] + free[1]][:2]
+    model.generation_config.eos_token_id = [never[0], eos, never[1]]
+    model.config.eos_token_id = next(i for i in free[1] if i != eos)
+    model.generation_config.pad_token_id = model.config.pad_token_id = VOCAB + 44
+    with pytest.warns(UserWarning, match=rf"pad_token_id \[{VOCAB + 44}\] is outside the vocabulary"):
+        path = customops.export.package_causal_lm(model, tmp_path / "llama-eos.pt2", max_batch=MAX_BATCH,
+                                                  max_seq_len=MAX_SEQ_LEN)
+    info = dict(line.split(": ", 1) for line in run([customops.runner_path(), "--info", path]).stdout.splitlines())
+    assert info["eos_token_id"] == f"{never[0]},{eos},{never[1]}" and info["pad_token_id"] == "", info
     r = _generates_hf_greedy_ids(model, path, prompts, 8)
     first, second = (line.split() for line in r.stdout.splitlines())
     assert first[-1] == str(eos) and len(first) < 8 and len(second) == 8, r.stdout
     assert ("CUDA graph" in r.stderr) == (device == "cuda"), r.stderr
     # a prompt one short of the cache beside a short one: the first ends when the cache is full
     # (which the CUDA loop knows ahead: no step past it), the second goes on
-    full = _prompts(MAX_SEQ_LEN - 1)[0]
-    r = _generate(path, "--prompt", " ".join(map(str, full)), "--prompt", " ".join(map(str, prompts[1])),
+    full = lms.prompts(MAX_SEQ_LEN - 1)[0]
+    r = lms.generate(path, "--prompt", " ".join(map(str, full)), "--prompt", " ".join(map(str, prompts[1])),
                   "--max-new-tokens", "4")
     assert r.returncode == 0, r.stderr
     assert [list(map(int, line.split())) for line in r.stdout.splitlines()] == [
-        _hf_generate(model, full, 2), _hf_generate(model, prompts[1], 4)]
+        lms.hf_generate(model, full, 2), lms.hf_generate(model, prompts[1], 4)]
 
 
 def test_seeded_sampling_is_reproducible(packaged):
     _, path = packaged
-    prompt = " ".join(map(str, _prompts(5)[0]))
+    prompt = " ".join(map(str, lms.prompts(5)[0]))
     args = ["--prompt", prompt, "--prompt", prompt, "--max-new-tokens", "10", "--temperature", "3", "--top-k", "50",
             "--top-p", "0.95", "--ignore-eos"]
-    a, b, c = (_generate(path, *args, "--seed", s) for s in ("7", "7", "8"))
+    a, b, c = (lms.generate(path, *args, "--seed", s) for s in ("7", "7", "8"))
     assert a.returncode == b.returncode == c.returncode == 0, a.stderr + c.stderr
     assert a.stdout == b.stdout
     assert a.stdout != c.stdout  # 20 draws at temperature 3 from ~50 ids
@@ -180,7 +163,7 @@ def test_seeded_sampling_is_reproducible(packaged):
 def test_runner_says_what_is_wrong(packaged, args, error):
     import re
 
-    r = _generate(packaged[1], *args)
+    r = lms.generate(packaged[1], *args)
     assert r.returncode in (1, 2), r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and re.search(error, lines[0]), r.stderr
@@ -189,11 +172,11 @@ def test_runner_says_what_is_wrong(packaged, args, error):
 def test_runner_rejects_bad_prompt_files_and_packages(packaged, tmp_path):
     bad = tmp_path / "prompts.txt"
     bad.write_text("5 6\n\n7\n")
-    r = _generate(packaged[1], "--prompts", bad)
+    r = lms.generate(packaged[1], "--prompts", bad)
     assert r.returncode == 1 and "prompts.txt line 2 holds no ids" in r.stderr, r.stderr
     not_lm = tmp_path / "not.pt2"
     not_lm.write_bytes(b"not a zip file")
-    r = _generate(not_lm, "--prompt", "5")
+    r = lms.generate(not_lm, "--prompt", "5")
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
@@ -224,17 +207,17 @@ def test_runner_generates_text_through_a_sentencepiece_tokenizer(packaged, tmp_p
     sp, model_file = _tokenizer(tmp_path)
     texts = ["the quick brown fox", "jumps over\\ the lazy dog."]
     opts = ["--max-new-tokens", "12", "--ignore-eos"]
-    r = _generate(packaged[1], "--tokenizer", model_file, *[a for t in texts for a in ("--prompt", t)], *opts)
+    r = lms.generate(packaged[1], "--tokenizer", model_file, *[a for t in texts for a in ("--prompt", t)], *opts)
     assert r.returncode == 0, r.stderr
-    ids = _generate(packaged[1], *[a for t in texts for a in ("--prompt", " ".join(map(str, [1] + sp.encode(t))))],
+    ids = lms.generate(packaged[1], *[a for t in texts for a in ("--prompt", " ".join(map(str, [1] + sp.encode(t))))],
                     *opts)
     assert ids.returncode == 0, ids.stderr
     want = [sp.decode(list(map(int, line.split()))).replace("\\", "\\\\").replace("\n", "\\n")
             for line in ids.stdout.splitlines()]
     assert r.stdout.splitlines() == want and len(want) == 2
     # --no-bos: the prompt's own ids only
-    nobos = _generate(packaged[1], "--tokenizer", model_file, "--prompt", texts[0], "--no-bos", *opts)
-    direct = _generate(packaged[1], "--prompt", " ".join(map(str, sp.encode(texts[0]))), *opts)
+    nobos = lms.generate(packaged[1], "--tokenizer", model_file, "--prompt", texts[0], "--no-bos", *opts)
+    direct = lms.generate(packaged[1], "--prompt", " ".join(map(str, sp.encode(texts[0]))), *opts)
     assert nobos.stdout == sp.decode(list(map(int, direct.stdout.split()))).replace("\\", "\\\\") + "\n"
 
 
@@ -250,7 +233,7 @@ def test_runner_says_what_is_wrong_with_a_tokenizer(packaged, tmp_path):
         (["--tokenizer", model_file, "--prompts", empty], "prompts.txt line 2 is empty"),
         (["--prompt", "5", "--no-bos"], "--no-bos is for text prompts"),
     ]:
-        r = _generate(packaged[1], *args)
+        r = lms.generate(packaged[1], *args)
         lines = r.stderr.strip().splitlines()
         assert r.returncode in (1, 2) and len(lines) == 1 and error in lines[0], r.stderr
 
@@ -282,13 +265,58 @@ def test_cached_module_matches_hugging_face_for_each_family(family):
 
     lm = CachedCausalLM(model, max_batch=2, max_seq_len=16)
     assert not [n for n in lm.state_dict() if any(w in n for w in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))]
-    ids = torch.tensor(_prompts(10, 10))
+    ids = torch.tensor(lms.prompts(10, 10))
     longs = dict(dtype=torch.long)
     with torch.no_grad():
         want = model(ids).logits
         got = [lm(ids[:, :6], torch.zeros(2, **longs), torch.full((2,), 6, **longs))]
         got += [lm(ids[:, t:t + 1], torch.full((2,), t, **longs), torch.ones(2, **longs)) for t in range(6, 10)]
     torch.testing.assert_close(torch.stack(got, 1), want[:, 5:], atol=1e-4, rtol=1e-4)
+
+
+def _greedy(lm, prompts, n):
+    """n greedy new ids a prompt from the cached module (eager), its prompts in one right-padded batch."""
+    longs = dict(dtype=torch.long)
+    lengths = torch.tensor([len(p) for p in prompts])
+    ids = torch.tensor([p + [0] * (int(lengths.max()) - len(p)) for p in prompts])
+    out = []
+    with torch.no_grad():
+        nxt = lm(ids, torch.zeros(len(prompts), **longs), lengths).argmax(-1)
+        for _ in range(n - 1):
+            out.append(nxt)
+            nxt = lm(nxt[:, None], lengths, torch.ones(len(prompts), **longs)).argmax(-1)
+            lengths = lengths + 1
+    return torch.stack(out + [nxt], 1).tolist()
+
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0 + i / 8 for i in range(8)],
+         long_factor=[2.0 + i for i in range(8)], original_max_position_embeddings=8),
+    dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0),
+], ids=["longrope", "dynamic"])
+def test_a_rope_that_depends_on_the_length_follows_each_sequence_s_own(rope):
+    """Hugging Face decides "longrope"'s long factors (past original_max_position_embeddings) and
+    "dynamic"'s grown base (past max_position_embeddings) by the largest position of the whole
+    batch; the cached module by each sequence's own length. In a batch of a prompt past the
+    threshold and one below it that crosses it while decoding, each gets the greedy ids it gets
+    alone from Hugging Face (from a fresh rotary state: "dynamic" keeps what it grew to)."""
+    from customops.causal_lm import CachedCausalLM
+
+    model = lms.llama(rope_parameters=rope, max_position_embeddings=64 if rope["rope_type"] == "longrope" else 8)
+    with torch.no_grad():  # sharp attention, so that the rotation's frequencies decide the ids
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30)
+            layer.self_attn.k_proj.weight.mul_(30)
+    rotary = model.model.rotary_emb
+    fresh = rotary.original_inv_freq.clone()
+
+    def alone(prompt, n):
+        rotary.inv_freq, rotary.max_seq_len_cached = fresh.clone(), rotary.original_max_seq_len
+        return lms.hf_generate(model, prompt, n)
+
+    ps = lms.prompts(12, 4, seed=3)
+    want = [alone(p, 8) for p in ps]
+    assert _greedy(CachedCausalLM(model, max_batch=2, max_seq_len=24), ps, 8) == want
 
 
 def test_each_product_of_the_exported_graph_is_one_fused_linear():
@@ -298,7 +326,7 @@ def test_each_product_of_the_exported_graph_is_one_fused_linear():
     rotation and cache write are one rope_cache_write."""
     from customops.causal_lm import CachedCausalLM
 
-    lm = CachedCausalLM(_model(), max_batch=1, max_seq_len=16)
+    lm = CachedCausalLM(lms.llama(), max_batch=1, max_seq_len=16)
     longs = dict(dtype=torch.long)
     with torch.no_grad():
         ep = torch.export.export(lm, (torch.tensor([[5, 6, 7]]), torch.zeros(1, **longs), torch.full((1,), 3, **longs)))
@@ -311,7 +339,7 @@ def test_each_product_of_the_exported_graph_is_one_fused_linear():
 
 
 def test_package_causal_lm_refuses_an_activation_it_does_not_compute(tmp_path):
-    model = _model()
+    model = lms.llama()
     model.config.hidden_act = "gelu"
     with pytest.raises(ValueError, match="package_causal_lm: the MLP's activation is 'gelu'"):
         customops.export.package_causal_lm(model, tmp_path / "x.pt2")
@@ -321,33 +349,33 @@ def test_package_metadata_names_the_model(packaged):
     r = run([customops.runner_path(), "--info", packaged[1]])
     assert r.returncode == 0, r.stderr
     meta = dict(line.split(": ", 1) for line in r.stdout.splitlines())
-    assert meta["customops_causal_lm"] == "1" and meta["family"] == "llama"
+    assert meta["customops_causal_lm"] == "2" and meta["family"] == "llama"
     assert (meta["max_batch"], meta["max_seq_len"], meta["vocab_size"]) == ("2", "24", "256")
     assert meta["eos_token_id"] == "2" and meta["customops_version"] == customops.__version__
 
 
 def test_package_points_a_causal_lm_at_package_causal_lm(tmp_path):
     with pytest.raises(TypeError, match="package_causal_lm"):
-        customops.export.package(_model(), (torch.zeros(1, 4, dtype=torch.long),), tmp_path / "x.pt2")
+        customops.export.package(lms.llama(), (torch.zeros(1, 4, dtype=torch.long),), tmp_path / "x.pt2")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not customops.build_info()["cuda"], reason="needs CUDA")
 def test_cuda_bfloat16_package_generates_hugging_face_greedy_ids(tmp_path):
     # head dim 64, which cache_attention's kernel takes: the runner replays decode from a CUDA graph
-    model = _model(hidden_size=128, num_attention_heads=2, num_key_value_heads=1).to("cuda", torch.bfloat16)
+    model = lms.llama(hidden_size=128, num_attention_heads=2, num_key_value_heads=1).to("cuda", torch.bfloat16)
     path = customops.export.package_causal_lm(model, tmp_path / "llama-cuda.pt2", max_batch=MAX_BATCH,
                                               max_seq_len=MAX_SEQ_LEN)
     lm = torch._inductor.aoti_load_package(path)
-    ids = torch.tensor(_prompts(12, 12), device="cuda")
+    ids = torch.tensor(lms.prompts(12, 12), device="cuda")
     longs = dict(dtype=torch.long, device="cuda")
     with torch.no_grad():
         want = model(ids).logits.float()
     got = lm(ids[:, :8].contiguous(), torch.zeros(2, **longs), torch.full((2,), 8, **longs))
     torch.testing.assert_close(got, want[:, 7], atol=0.5, rtol=5e-2)  # bf16 through 2 layers and a x20 head
-    r = _generates_hf_greedy_ids(model, path, _prompts(9, 4), 8)
+    r = _generates_hf_greedy_ids(model, path, lms.prompts(9, 4), 8)
     assert "CUDA graph" in r.stderr, r.stderr  # decode steps replayed from the graph
-    args = [a for p in _prompts(9, 4) for a in ("--prompt", " ".join(map(str, p)))]
-    launched = _generate(path, *args, "--max-new-tokens", "8", "--no-cuda-graph")
+    args = [a for p in lms.prompts(9, 4) for a in ("--prompt", " ".join(map(str, p)))]
+    launched = lms.generate(path, *args, "--max-new-tokens", "8", "--no-cuda-graph")
     assert launched.returncode == 0 and launched.stdout == r.stdout, launched.stderr
     assert "CUDA graph" not in launched.stderr
 
@@ -469,13 +497,26 @@ def test_cache_write_writes_each_sequence_at_its_start_in_place(device):
         customops.cache_write(k_cache, v_cache, k, v, start[:1])
     with pytest.raises(RuntimeError, match="customops::cache_write is not differentiable"):
         customops.cache_write(k_cache, v_cache, k.requires_grad_(), v, start)
+    k = k.detach()
+    # written in place: an expanded cache would take every sequence's rows in one place, and a
+    # cache passed as both would take v over k (ATen's in-place ops refuse both alike)
+    expanded = torch.zeros(1, 2, 8, 4, device=device).expand(3, 2, 8, 4)
+    cos, sin = (torch.ones(2, 3, 4, device=device) for _ in range(2))
+    for write in (lambda kc, vc: customops.cache_write(kc, vc, k, v, start),
+                  lambda kc, vc: customops.rope_cache_write(kc, vc, k, k, v, cos, sin, start)):
+        with pytest.raises(RuntimeError, match="k_cache has elements that share memory"):
+            write(expanded, v_cache)
+        with pytest.raises(RuntimeError, match="v_cache has elements that share memory"):
+            write(k_cache, expanded)
+        with pytest.raises(RuntimeError, match="k_cache and v_cache share memory"):
+            write(k_cache, k_cache)
     if device == "cpu":
         with pytest.raises(RuntimeError, match=r"customops::cache_write: start\[1\] is 6; its 3 new positions must fit"):
-            customops.cache_write(k_cache, v_cache, k.detach(), v, torch.tensor([0, 6]))
+            customops.cache_write(k_cache, v_cache, k, v, torch.tensor([0, 6]))
     else:  # read on the device: rows past the cache are not written
         before = k_cache.clone()
-        customops.cache_write(k_cache, v_cache, k.detach(), v, torch.tensor([0, 6], device=device))
-        torch.testing.assert_close(k_cache[1, :, 6:8], k[1, :, :2].detach(), atol=0, rtol=0)
+        customops.cache_write(k_cache, v_cache, k, v, torch.tensor([0, 6], device=device))
+        torch.testing.assert_close(k_cache[1, :, 6:8], k[1, :, :2], atol=0, rtol=0)
         torch.testing.assert_close(k_cache[1, :, :6], before[1, :, :6], atol=0, rtol=0)
 
 
