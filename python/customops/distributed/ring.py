@@ -16,11 +16,19 @@ is seen whole by its head chunk and not at all by its tail chunk (keys of the fi
 from a higher rank only by the tail chunk (queries of the second half only).
 :func:`shard_sequence` and :func:`gather_sequence` make and undo that layout.
 
+Before the first transfer the ranks all-gather a few integers (shapes, dtypes and arguments) and,
+where they differ, every rank raises the same error: a ring of unequal shards would transfer
+buffers of different sizes (one rank aborts in the transfer, another reads an unfilled buffer) or
+compute different attentions without an error.
+
 This is a composite of customops ops and ``torch.distributed`` point-to-point calls, not an op:
 its autograd is a ``torch.autograd.Function`` (eager; under ``torch.compile`` it breaks the graph).
 """
 
 from __future__ import annotations
+
+import struct
+import sys
 
 import torch
 import torch.distributed as dist
@@ -187,6 +195,59 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)  # attention's; any other is len(_DTYPES)
+
+
+def _is_dtensor(t) -> bool:
+    dtensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor here (nor the second it takes)
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
+def _agree(q, k, v, causal, scale, seq_dim, group) -> None:
+    """Raises the same ValueError on every rank of group where the ranks called with different
+    shapes, dtypes or arguments (one all-gather of a few integers); after it, a check that depends
+    on these alone raises on every rank or on none."""
+    def shape(t):
+        return [t.dim(), *t.shape[:4]] + [0] * (4 - min(t.dim(), 4))
+
+    def dtype(t):
+        return _DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES)
+
+    def show_shape(n):
+        return n[1:1 + min(n[0], 4)] + (["..."] if n[0] > 4 else [])
+
+    def show_dtype(n):
+        return _DTYPES[n[0]] if n[0] < len(_DTYPES) else "a dtype attention does not take"
+
+    def show_scale(n):
+        return struct.unpack("<d", struct.pack("<q", n[1]))[0] if n[0] else None
+
+    fields = [(f"{name}'s shape", shape(t), show_shape) for name, t in zip("qkv", (q, k, v))]
+    fields += [(f"{name}'s dtype", [dtype(t)], show_dtype) for name, t in zip("qkv", (q, k, v))]
+    fields += [
+        ("causal", [int(bool(causal))], lambda n: bool(n[0])),
+        ("scale", [0, 0] if scale is None else [1, struct.unpack("<q", struct.pack("<d", float(scale)))[0]],
+         show_scale),
+        ("seq_dim", [int(seq_dim)], lambda n: n[0]),
+        ("whether a gradient is needed (q, k or v requires grad, in grad mode)",
+         [int(torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))], lambda n: bool(n[0])),
+        ("whether q, k and v are DTensors", [sum(_is_dtensor(t) for t in (q, k, v))],
+         lambda n: ("none", "one", "two", "all")[n[0]]),
+    ]
+    mine = torch.tensor([i for _, ints, _ in fields for i in ints], dtype=torch.int64, device=q.device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    every = torch.stack(every).tolist()
+    at = 0
+    for name, ints, show in fields:
+        values = [row[at:at + len(ints)] for row in every]
+        for r, value in enumerate(values):
+            if value != values[0]:
+                raise ValueError(f"customops.ring_attention: ranks disagree on {name}: rank 0 has "
+                                 f"{show(values[0])}, rank {r} has {show(value)}")
+        at += len(ints)
+
+
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: float | None = None, group=None,
                    seq_dim: int = 2) -> tuple[Tensor, Tensor]:
     """:func:`customops.attention` over a sequence sharded across ``group``'s ranks.
@@ -200,7 +261,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sca
             of ``2 * world``), so ``S_local`` is even; without it, rank r holds chunk r.
         scale: Defaults to ``1 / sqrt(D)``.
         group: The process group (default: the whole world). Every rank calls with the same
-            shapes; the communication is point-to-point with the ring's neighbours.
+            shapes, dtypes and arguments (checked: else every rank raises the same ValueError); the
+            communication is point-to-point with the ring's neighbours.
         seq_dim: The sequence dim of q, k and v: 2 or 1.
 
     Returns:
@@ -208,11 +270,20 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, sca
         ``return_lse=True`` on the whole sequence gives them (``lse`` ``[B, Hq, S_local]``, or
         ``[B, S_local, Hq]`` with ``seq_dim=1``). Differentiable in q, k and v through both.
     """
-    if seq_dim not in (1, 2):
-        raise ValueError(f"customops.ring_attention: seq_dim must be 2 ([B, H, S, D]) or 1 ([B, S, H, D]), not {seq_dim}")
     if not dist.is_initialized():
         raise RuntimeError("customops.ring_attention: torch.distributed is not initialized "
                            "(call torch.distributed.init_process_group first)")
+    _agree(q, k, v, causal, scale, seq_dim, group)  # every check below then raises on every rank or on none
+    if any(_is_dtensor(t) for t in (q, k, v)):
+        # Not taken apart here: a DTensor sharded on the sequence holds contiguous chunks (rank r
+        # the r-th), which its placement cannot tell from shard_sequence's causal layout (chunks r
+        # and 2 * world - 1 - r), so its local tensors would give a wrong causal result without
+        # an error. The caller knows which layout its shards hold.
+        raise TypeError("customops.ring_attention takes each rank's shard as a plain tensor, not a DTensor: pass "
+                        "DTensor.to_local() of shards in shard_sequence's layout (with causal, chunks r and "
+                        "2 * world - 1 - r of 2 * world, not a Shard placement's chunk r)")
+    if seq_dim not in (1, 2):
+        raise ValueError(f"customops.ring_attention: seq_dim must be 2 ([B, H, S, D]) or 1 ([B, S, H, D]), not {seq_dim}")
     if seq_dim == 1:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     if causal and q.shape[2] % 2:

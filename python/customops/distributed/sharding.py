@@ -23,6 +23,9 @@ the arguments', None where an argument is not a tensor (or is None).
 
 - linear_cross_entropy shards on rows with a "sum" loss (Partial, as the weight's gradient); a
   "mean" is replicated. A vocabulary-sharded weight has no rule yet (DTensor gathers it).
+- cache_attention, cache_write and rope_cache_write shard on batch (where the caches hold exactly
+  the batch's rows) and on heads (cache_attention only where the mesh divides the key/value heads,
+  as attention). The writes keep the caches where they are (see _in_place).
 
 merge_attention is composite (its pointwise ATen ops have DTensor's own rules).
 
@@ -43,6 +46,48 @@ R, P = Replicate(), Partial()
 def _spec_or_none(x, placement):
     """placement for a tensor argument, None for an absent one."""
     return None if x is None else placement
+
+
+def _in_place(op):
+    """register_sharding for an op that writes arguments in place (``Tensor(a!)``). DTensor runs the
+    op on the local tensors it passes, so a written argument must keep its placement (a
+    redistributed copy would take the write): only the rule's strategies that leave every written
+    argument as it is stay, and where none does the error names them (DTensor's own is "min() arg
+    is an empty sequence"). A written keyword argument (out=) also joins the key of DTensor's cache
+    of sharding decisions, which register_sharding makes of the positional tensors only: a second
+    muladd.out with out placed otherwise took the first call's decision, and wrote out as if it
+    were placed so."""
+    written = {a.name: a.kwarg_only for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+
+    def register(rule):
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._op_schema import OpStrategy
+
+        register_sharding(op)(rule)
+        prop = DTensor._op_dispatcher.sharding_propagator
+        strategies = prop.op_strategy_funcs[op]
+        info = prop.op_to_schema_info[op]
+        info.static_kwargkey = (info.static_kwargkey or []) + [n for n, kwarg in written.items() if kwarg]
+
+        def keep_in_place(op_schema):
+            names = [a.name for a in op._schema.arguments[:len(op_schema.args_schema)]] + list(op_schema.kwargs_schema)
+            values = [*op_schema.args_schema, *op_schema.kwargs_schema.values()]
+            tensors = [(n, v.strategies[0].output_spec.placements) for n, v in zip(names, values)
+                       if isinstance(v, OpStrategy)]  # in the order of OpSpec.input_specs
+            held = [(i, n, p) for i, (n, p) in enumerate(tensors) if n in written]
+            out = strategies(op_schema)
+            out.strategies = [s for s in out.strategies if all(s.input_specs[i].placements == p for i, _, p in held)]
+            if not out.strategies:
+                which, placed = " and ".join(n for _, n, _ in held), " and ".join(str(tuple(p)) for _, _, p in held)
+                raise ValueError(f"{op} writes {which} in place, placed {placed}, and none of its sharding rules "
+                                 f"(customops.distributed.sharding) takes that placement with the others "
+                                 f"redistributed to match: redistribute {which} first")
+            return out
+
+        prop.op_strategy_funcs[op] = keep_in_place
+        return rule
+
+    return register
 
 
 # ---- pointwise ---------------------------------------------------------------------------------
@@ -67,9 +112,9 @@ def _muladd(a, b, c):
     return _pointwise(1, [a, b], extra=1)
 
 
-@register_sharding(_ops.muladd.out)
+@_in_place(_ops.muladd.out)
 def _muladd_out(a, b, c, out=None):
-    # out is written in place: it must already be placed as the result (DTensor raises otherwise)
+    # the result is out, in out's placement: any Shard or Replicate (a and b follow it), never Partial
     return [(outs, ins + [outs[0]]) for outs, ins in _pointwise(1, [a, b], extra=1)]
 
 
@@ -271,7 +316,14 @@ def _linear_cross_entropy_backward(grad_loss, grad_hidden, grad_weight, grad_bia
 # all-reduces of one value a row (a max, then sums) give the whole row's log-sum-exp, the target's
 # logit from the rank that holds it and, with label smoothing, the row's logit sum. The backward
 # runs the backward op on each shard with the whole row's log-sum-exp: the softmax of a shard is
-# exp(x - lse) there. Other placements go the way of the rules above.
+# exp(x - lse) there. A rank may hold no class (DTensor splits unevenly: 9 classes on 4 ranks are
+# 3, 3, 3 and 0): its log-sum-exp is -inf, and it joins the same all-reduces. Other placements go
+# the way of the rules above.
+#
+# A target outside [0, V) gives its row a NaN loss and gradient on every device, as the CUDA
+# kernels do: the CPU op's error would come only from the ranks that hold the row (the others then
+# wait in the next collective until the timeout), and an error on every rank would cost an
+# all-reduce and a host sync per call, which torch.compile cannot trace either.
 
 _SENTINEL = -1  # the local target of a row whose target another rank holds: never a class index
 
@@ -290,20 +342,28 @@ def _vocab_mesh_dim(logits, target):
     return dims[0]
 
 
+def _outside(t, ignore_index, vocab):
+    """which targets count and lie outside the vocabulary"""
+    return (t != ignore_index) & ((t < 0) | (t >= vocab))
+
+
 def _vocab_local(logits, target, mesh_dim, ignore_index):
     """(local logits x, local targets t with rows placed as logits', t in this rank's classes,
-    which rows count (t != ignore_index), which of those have their target here, the whole
-    vocabulary)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
+    which rows count (t != ignore_index), which of those have their target here, which lie outside
+    the vocabulary, the whole vocabulary)."""
     rows = list(logits.placements)
     rows[mesh_dim] = R
-    _, offset = compute_local_shape_and_global_offset(logits.shape, logits.device_mesh, logits.placements)
+    vocab = logits.shape[-1]
+    # The first class of this rank's shard, as torch.chunk (DTensor's Shard) cuts them, from the
+    # rank's coordinate: compute_local_shape_and_global_offset reads it off an index tensor, a
+    # data-dependent int that torch.compile cannot trace.
+    chunk = -(-vocab // logits.device_mesh.size(mesh_dim))
+    offset = torch.sym_min(vocab, chunk * logits.device_mesh.get_local_rank(mesh_dim))
     x, t = logits._local_tensor, _local_as(target, rows)
-    local = t - offset[-1]
+    local = t - offset
     valid = t != ignore_index
     mine = valid & (local >= 0) & (local < x.shape[-1])
-    return x, t, local, valid, mine, logits.shape[-1]
+    return x, t, local, valid, mine, _outside(t, ignore_index, vocab), vocab
 
 
 def _local_as(t, placements):
@@ -330,6 +390,28 @@ def _without_handler(op, args, kwargs):
         handlers[op] = handler
 
 
+def _by_rules(op, args, kwargs):
+    """op (cross_entropy or its backward) through the rules, a target outside the vocabulary giving
+    NaN rows in its first output on the CPU too (the op raises there, on the ranks holding the row
+    only; the CUDA one gives NaN)."""
+    from torch.distributed.tensor import DTensor
+
+    args = _args(op, args, kwargs)
+    names = [a.name for a in op._schema.arguments]
+    logits, target, ignore_index = (args[names.index(n)] for n in ("logits", "target", "ignore_index"))
+    if logits.device.type != "cpu" or not isinstance(target, DTensor):
+        return _without_handler(op, tuple(args), {})
+    vocab, t = logits.shape[-1], target._local_tensor
+    args[names.index("target")] = _wrap(torch.where(_outside(t, ignore_index, vocab), ignore_index, t),
+                                        target.device_mesh, target.placements, target.shape)
+    out = _without_handler(op, tuple(args), {})
+    first = out[0] if isinstance(out, tuple) else out
+    bad = _outside(_local_as(target, first.placements), ignore_index, vocab)  # placed as first's rows
+    bad = bad.reshape(bad.shape + (1,) * (first.ndim - bad.ndim))
+    first = _wrap(torch.where(bad, torch.nan, first._local_tensor), first.device_mesh, first.placements, first.shape)
+    return (first, *out[1:]) if isinstance(out, tuple) else first
+
+
 def _wrap(t, mesh, placements, shape):
     """a local result as a DTensor, from inside DTensor's dispatch (as its own handlers do: no
     DTensor.from_local, an autograd function, there)."""
@@ -353,13 +435,18 @@ def _cross_entropy_vocab_parallel(op, args, kwargs):
     logits, target, ignore_index, label_smoothing = _args(op, args, kwargs)
     mesh_dim = _vocab_mesh_dim(logits, target)
     if mesh_dim is None:
-        return _without_handler(op, args, kwargs)
+        return _by_rules(op, args, kwargs)
     group = (logits.device_mesh, mesh_dim)
-    x, t, local, valid, mine, vocab = _vocab_local(logits, target, mesh_dim, ignore_index)
-    _, lse_r = op(x, torch.where(mine, local, _SENTINEL), _SENTINEL, 0.0)
+    x, t, local, valid, mine, outside, vocab = _vocab_local(logits, target, mesh_dim, ignore_index)
+    if x.shape[-1]:
+        _, lse_r = op(x, torch.where(mine, local, _SENTINEL), _SENTINEL, 0.0)
+        picked = x.gather(-1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1).to(lse_r.dtype)
+    else:  # no class here (the op takes none): the log-sum-exp of nothing
+        lse_r = torch.full(t.shape, -math.inf, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32,
+                           device=x.device)
+        picked = torch.zeros_like(lse_r)
     top = funcol.all_reduce(lse_r, "max", group)
     top = torch.where(torch.isfinite(top), top, 0.0)
-    picked = x.gather(-1, torch.where(mine, local, 0).unsqueeze(-1)).squeeze(-1).to(lse_r.dtype)
     parts = [torch.exp(lse_r - top), torch.where(mine, picked, 0.0)]
     if label_smoothing:
         parts.append(x.sum(-1, dtype=lse_r.dtype))
@@ -368,13 +455,6 @@ def _cross_entropy_vocab_parallel(op, args, kwargs):
     loss = lse - (1 - label_smoothing) * sums[1]
     if label_smoothing:
         loss = loss - label_smoothing * sums[2] / vocab
-    # A target outside the vocabulary is on no rank: as the op, an error on the CPU and NaN (no
-    # device sync) elsewhere, never the loss of a row without its target.
-    outside = valid & ((t < 0) | (t >= vocab))
-    if x.device.type == "cpu" and bool(outside.any()):
-        i = int(outside.nonzero()[0, 0])
-        raise RuntimeError(f"customops::cross_entropy: target holds {int(t.flatten()[i])} at local row {i}, outside "
-                           f"[0, {vocab}) and not ignore_index ({ignore_index})")
     loss = torch.where(valid, torch.where(outside, torch.nan, loss), 0.0)
     return _wrap_rows(loss, logits, mesh_dim), _wrap_rows(lse, logits, mesh_dim)
 
@@ -383,8 +463,8 @@ def _cross_entropy_backward_vocab_parallel(op, args, kwargs):
     grad_loss, grad_lse, logits, target, lse, ignore_index, label_smoothing = _args(op, args, kwargs)
     mesh_dim = _vocab_mesh_dim(logits, target)
     if mesh_dim is None:
-        return _without_handler(op, args, kwargs)
-    x, t, local, valid, mine, vocab = _vocab_local(logits, target, mesh_dim, ignore_index)
+        return _by_rules(op, args, kwargs)
+    x, t, local, valid, mine, outside, vocab = _vocab_local(logits, target, mesh_dim, ignore_index)
     rows = list(logits.placements)
     rows[mesh_dim] = R
 
@@ -392,6 +472,8 @@ def _cross_entropy_backward_vocab_parallel(op, args, kwargs):
         return None if g is None else _local_as(g, rows)
 
     grad_loss, grad_lse, lse = local_rows(grad_loss), local_rows(grad_lse), local_rows(lse)
+    if not x.shape[-1]:  # no class here (the op takes none), and every collective above joined
+        return _wrap(torch.empty_like(x), logits.device_mesh, logits.placements, logits.shape)
     # The op gives a row whose target it holds (g_loss + g_lse) p - g_loss ((1 - e) onehot + e / V_local),
     # and an ignored row g_lse p. A row whose target another rank holds needs (g_loss + g_lse) p -
     # g_loss e / V: its g_loss goes in with g_lse; the e / V terms are set right after.
@@ -404,6 +486,7 @@ def _cross_entropy_backward_vocab_parallel(op, args, kwargs):
     if label_smoothing and grad_loss is not None:
         fix = label_smoothing * (grad_loss / x.shape[-1] - g_loss / vocab)
         grad = grad + fix.unsqueeze(-1).to(grad.dtype)
+    grad = torch.where(outside.unsqueeze(-1), torch.nan, grad)
     return _wrap(grad, logits.device_mesh, logits.placements, logits.shape)
 
 
@@ -451,4 +534,43 @@ def _attention_backward(grad_out, grad_lse, q, k, v, out_, lse, causal, scale):
     out = [([R] * 3, args(R)), ([Shard(0)] * 3, args(Shard(0)))]
     if _heads_divide(k):
         out.append(([Shard(1)] * 3, args(Shard(1))))
+    return out
+
+
+# ---- static KV cache ---------------------------------------------------------------------------
+#
+# Batch: sequence b on the rank that holds cache row b, so only where the caches hold exactly the
+# batch's rows (B == Bc: the chunks of B and of Bc then line up); a cache with more rows than the
+# batch is redistributed by DTensor for cache_attention, and refused by the writes (see _in_place).
+# Heads: cache_attention where the mesh divides the key/value heads, as attention; the writes on
+# any heads (k and v have the caches' heads; rope rotates each of q's heads alone).
+
+def _batch_aligned(x, cache) -> bool:
+    return x.shape[0] == cache.shape[0]
+
+
+@register_sharding(_ops.cache_attention.default)
+def _cache_attention(q, k_cache, v_cache, lengths, scale=None):
+    out = [([R, R], [R, R, R, R, None])]
+    if _batch_aligned(q, k_cache):
+        out.append(([Shard(0)] * 2, [Shard(0)] * 4 + [None]))
+    if _heads_divide(k_cache):
+        out.append(([Shard(1)] * 2, [Shard(1)] * 3 + [R, None]))
+    return out
+
+
+@_in_place(_ops.cache_write.default)
+def _cache_write(k_cache, v_cache, k, v, start):
+    out = [([], [R] * 5), ([], [Shard(1)] * 4 + [R])]
+    if _batch_aligned(k, k_cache):
+        out.append(([], [Shard(0)] * 5))
+    return out
+
+
+@_in_place(_ops.rope_cache_write.default)
+def _rope_cache_write(k_cache, v_cache, q, k, v, cos, sin, start):
+    out = [([R], [R] * 8), ([Shard(1)], [Shard(1)] * 5 + [R] * 3)]
+    if _batch_aligned(k, k_cache):
+        cs = Shard(0) if cos.ndim == 3 and cos.shape[0] != 1 else R  # cos and sin [T, R] or [B, T, R]
+        out.append(([Shard(0)], [Shard(0)] * 5 + [cs, cs, Shard(0)]))
     return out
