@@ -113,21 +113,21 @@ double ms_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 }
 
-// The next id of each row of logits [B, vocab], on their device, or -1 for a row that is not all
-// finite (NaN or inf: damaged weights, or a model that overflows its dtype), which the host turns
-// into an error: argmax would return an id for it as if it were a token.
-at::Tensor sample(const at::Tensor& logits, const GenerateOptions& o, at::Generator& gen) {
-  const at::Tensor finite = logits.isfinite().all(-1);
-  at::Tensor ids;
+// The next id of each row of logits [B, vocab], on their device: (ids, the same ids with -1 where a
+// row's largest logit is not finite). That is NaN anywhere in the row (max propagates it), +inf, or
+// -inf everywhere: damaged weights, or a model that overflows its dtype; argmax would give an id
+// for it as if it were a token, and the host turns the -1 into an error. (A -inf among finite
+// logits is an id of probability 0, which neither greedy nor sampling picks.) The ids alone are
+// always in the vocabulary, for a step queued before the host has read them.
+std::pair<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const GenerateOptions& o, at::Generator& gen) {
+  auto [top, ids] = logits.max(-1, /*keepdim=*/true);
+  const at::Tensor finite = top.isfinite();
   // A temperature whose reciprocal overflows float (below about 3e-39) defines the argmax's
   // distribution; dividing the float32 logits by it would give 0 * inf = NaN.
-  if (o.temperature <= 0 || 1 / o.temperature > std::numeric_limits<float>::max()) {
-    ids = logits.argmax(-1);
-  } else {
-    // zeros in a row that is not finite (multinomial on CUDA asserts on the device for NaN); the
-    // row's max subtracted first, so that a small temperature does not overflow a logit to inf
-    at::Tensor l = at::where(finite.unsqueeze(-1), logits, 0);
-    l = (l - std::get<0>(l.max(-1, /*keepdim=*/true))) / o.temperature;
+  if (o.temperature > 0 && 1 / o.temperature <= std::numeric_limits<float>::max()) {
+    // the row's max subtracted first, so that a small temperature does not overflow a logit to
+    // inf; zeros in a row that is not finite (multinomial on CUDA asserts on the device for NaN)
+    at::Tensor l = at::where(finite, logits - top, 0) / o.temperature;
     const double inf = std::numeric_limits<double>::infinity();
     if (o.top_k > 0 && o.top_k < l.size(-1)) {
       at::Tensor kth = std::get<0>(l.topk(o.top_k, -1)).narrow(-1, o.top_k - 1, 1);
@@ -140,9 +140,9 @@ at::Tensor sample(const at::Tensor& logits, const GenerateOptions& o, at::Genera
       at::Tensor drop = (probs.cumsum(-1) - probs) > o.top_p;
       l = at::full_like(l, -inf).scatter(-1, order, sorted.masked_fill(drop, -inf));
     }
-    ids = at::multinomial(l.softmax(-1), 1, /*replacement=*/false, gen).squeeze(-1);
+    ids = at::multinomial(l.softmax(-1), 1, /*replacement=*/false, gen);
   }
-  return ids.masked_fill(finite.logical_not(), -1);
+  return {ids.squeeze(-1), at::where(finite, ids, -1).squeeze(-1)};
 }
 
 at::Generator make_generator(const c10::Device& device, uint64_t seed) {
@@ -272,7 +272,7 @@ GenerateResult CausalLM::generate(const std::vector<std::vector<int64_t>>& promp
   at::Generator gen = make_generator(m.device, o.seed);
   auto run = [&](const at::Tensor& ids, const std::vector<int64_t>& start, const at::Tensor& count) {
     std::vector<at::Tensor> inputs = {ids.to(m.device), at::tensor(start, ids_options).to(m.device), count.to(m.device)};
-    return sample(m.loader->run(inputs).at(0), o, gen).cpu();  // .cpu() waits for the device
+    return sample(m.loader->run(inputs).at(0), o, gen).second.cpu();  // .cpu() waits for the device
   };
 
   auto t0 = std::chrono::steady_clock::now();
@@ -342,18 +342,19 @@ GenerateResult CausalLM::generate(const std::vector<std::vector<int64_t>>& promp
     };
     auto launch = [&](const at::Tensor& ids, const std::vector<int64_t>& start, std::vector<int64_t> filled) {
       auto l = std::make_unique<Launched>();
-      // (ids of a row that was not finite are -1 until the host reads them: the step looks up 0)
-      step.ids.copy_(ids.view({b, 1}).clamp_min(0), /*non_blocking=*/true);
+      step.ids.copy_(ids.view({b, 1}), /*non_blocking=*/true);
       step.start.copy_(at::tensor(start, ids_options).pin_memory(), /*non_blocking=*/true);
-      if (!step.graph) {
+      const bool first = !step.graph;
+      if (first) {
         step.graph = std::make_unique<DecodeGraph>(m.device,
                                                    [&] { return m.loader->run({step.ids, step.start, step.count}); });
-        l->ids = sample(step.graph->first().at(0), o, gen);
-      } else {
-        l->ids = sample(step.graph->replay().at(0), o, gen);
       }
+      // the ids the next step reads (in the vocabulary), and for the host the same ids marked
+      // where the logits were not finite
+      auto [next_ids, marked] = sample((first ? step.graph->first() : step.graph->replay()).at(0), o, gen);
+      l->ids = next_ids;
       l->host = at::empty({b}, ids_options.pinned_memory(true));
-      l->host.copy_(l->ids, /*non_blocking=*/true);
+      l->host.copy_(marked, /*non_blocking=*/true);
       l->copied.record(stream);
       l->filled = std::move(filled);
       return l;

@@ -34,7 +34,11 @@ def prompts(*lengths, seed=1):
 
 
 def hf_generate(model, prompt, n):
-    """model.generate's n greedy new ids for prompt alone (fewer where an eos id ends it)."""
+    """model.generate's n greedy new ids for prompt alone (fewer where an eos id ends it), from a
+    fresh rotary state ("dynamic" rope keeps the frequencies it grew to for the next call)."""
+    rotary = model.model.rotary_emb
+    if hasattr(rotary, "original_inv_freq"):
+        rotary.inv_freq, rotary.max_seq_len_cached = rotary.original_inv_freq.clone(), rotary.original_max_seq_len
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=n, do_sample=False,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device))

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 import causal_lms as lms  # noqa: E402
 from causal_lms import MAX_BATCH, MAX_SEQ_LEN, VOCAB, api, api_error, generate, one_line_error  # noqa: E402
+from conftest import DEVICES  # noqa: E402
 from test_aoti import run  # noqa: E402
 
 POISONED_ID = 7  # its embedding is NaN in the poisoned package
@@ -79,6 +80,31 @@ def test_logits_that_are_not_finite_end_the_call_instead_of_giving_ids(poisoned,
         api_error(api(consumer, poisoned, *args), "runtime_error", "logits for prompt 1 are not finite")
     r = generate(poisoned, "--prompt", " ".join(map(str, good)), "--max-new-tokens", "4", "--ignore-eos")
     assert r.returncode == 0 and len(r.stdout.split()) == 4, r.stderr
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_generated_id_whose_logits_are_not_finite_ends_the_call(device, consumer, tmp_path):
+    """The model's greedy ids reach an id whose embedding is NaN: the step after it has NaN logits.
+    On CUDA that step is replayed from the graph with the next one already queued behind it, fed
+    the NaN step's ids before the host reads them (the -1 that marks them must not reach the
+    embedding): the call ends with the error, the device still usable."""
+    model = lms.llama(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    if device == "cuda":
+        model = model.to("cuda", torch.bfloat16)
+    model.generation_config.eos_token_id = model.config.eos_token_id = None
+    prompt = lms.prompts(6, seed=4)[0]
+    free = lms.hf_generate(model, prompt, 8)
+    at = next(j for j in range(2, 8) if free[j] not in free[:j] + prompt)  # first reached there
+    with torch.no_grad():
+        model.model.embed_tokens.weight[free[at]] = float("nan")
+    path = customops.export.package_causal_lm(model, tmp_path / "nan.pt2", max_batch=MAX_BATCH,
+                                              max_seq_len=MAX_SEQ_LEN)
+    args = ["--prompt", " ".join(map(str, prompt)), "--max-new-tokens", "8"]
+    error = rf"logits for prompt 0 are not finite \(NaN or inf\) at its new id {at + 2}"
+    one_line_error(generate(path, *args), error)
+    api_error(api(consumer, path, *args), "runtime_error", error)
+    r = generate(path, *args[:2], "--max-new-tokens", str(at + 1))  # ends at the id: never reads its logits
+    assert r.returncode == 0 and lms.ids_of(r.stdout) == [free[:at + 1]], r.stderr
 
 
 def test_metadata_that_is_not_a_number_or_an_older_format_is_named(packaged, consumer, tmp_path):
