@@ -222,13 +222,6 @@ at::Tensor start_on_host(const char* op, const at::Tensor& start, int64_t t, int
 void check_write(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
                  const at::Tensor& v, const at::Tensor& start) {
   check_cache(op, k_cache, v_cache);
-  checks::no_internal_overlap(op, "k_cache", k_cache);
-  checks::no_internal_overlap(op, "v_cache", v_cache);
-  if (checks::concrete(k_cache) && checks::concrete(v_cache)) {
-    const at::MemOverlapStatus both = at::get_overlap_status(k_cache, v_cache);
-    TORCH_CHECK(both != at::MemOverlapStatus::Full && both != at::MemOverlapStatus::Partial, op,
-                ": k_cache and v_cache share memory; each is written in place, so they must not");
-  }
   checks::defined(op, "k", k);
   checks::defined(op, "v", v);
   TORCH_CHECK(k.dim() == 4, op, ": expected k of shape [B, Hkv, T, D], but got ", k.sym_sizes());
@@ -245,6 +238,14 @@ void check_write(const char* op, const at::Tensor& k_cache, const at::Tensor& v_
   TORCH_SYM_CHECK(k.sym_size(2).sym_le(k_cache.sym_size(2)), op, ": k has ", k.sym_size(2),
                   " new positions a sequence, more than the cache's ", k_cache.sym_size(2));
   check_positions(op, "start", start, k.sym_size(0), k_cache);
+  // written in place: like ATen's in-place ops, no element of a cache shares memory with another
+  checks::no_internal_overlap(op, "k_cache", k_cache);
+  checks::no_internal_overlap(op, "v_cache", v_cache);
+  if (checks::concrete(k_cache) && checks::concrete(v_cache)) {
+    const at::MemOverlapStatus both = at::get_overlap_status(k_cache, v_cache);
+    TORCH_CHECK(both != at::MemOverlapStatus::Full && both != at::MemOverlapStatus::Partial, op,
+                ": k_cache and v_cache share memory; each is written in place, so they must not");
+  }
 }
 
 }  // namespace

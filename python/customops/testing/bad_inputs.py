@@ -177,39 +177,45 @@ def _cache_attention_bad_inputs(device):
 
 def _cache_write_bad_inputs(device):
     op = "customops::cache_write"
-    kc, k = torch.zeros(2, 2, 6, 8, device=device), torch.randn(2, 2, 3, 8, device=device)
+    kc, vc, k = (torch.zeros(2, 2, 6, 8, device=device), torch.zeros(2, 2, 6, 8, device=device),
+                 torch.randn(2, 2, 3, 8, device=device))
     s = torch.tensor([0, 3], device=device)
     cases = [
-        (Sample((kc, kc, k, k.double(), s)), rf"{op}: expected v to have the dtype of k_cache"),
-        (Sample((kc, kc, k[:, :1], k[:, :1], s)), rf"{op}: expected k of shape \[B, Hkv, T, D\] with the cache's"),
-        (Sample((kc[:1], kc[:1], k, k, s)), rf"{op}: the cache holds 1 sequences, fewer than k's batch \(2\)"),
-        (Sample((kc, kc, k, k, s.int())), rf"{op}: expected start of dtype int64"),
-        (Sample((kc, kc, k, k, s[:1])), rf"{op}: expected start of shape \[B\] = \[2\]"),
-        (Sample((kc, kc, torch.randn(2, 2, 7, 8, device=device), torch.randn(2, 2, 7, 8, device=device), s)),
+        (Sample((kc, vc, k, k.double(), s)), rf"{op}: expected v to have the dtype of k_cache"),
+        (Sample((kc, vc, k[:, :1], k[:, :1], s)), rf"{op}: expected k of shape \[B, Hkv, T, D\] with the cache's"),
+        (Sample((kc[:1], vc[:1], k, k, s)), rf"{op}: the cache holds 1 sequences, fewer than k's batch \(2\)"),
+        (Sample((kc, vc, k, k, s.int())), rf"{op}: expected start of dtype int64"),
+        (Sample((kc, vc, k, k, s[:1])), rf"{op}: expected start of shape \[B\] = \[2\]"),
+        (Sample((kc, vc, torch.randn(2, 2, 7, 8, device=device), torch.randn(2, 2, 7, 8, device=device), s)),
          rf"{op}: k has 7 new positions a sequence, more than the cache's 6"),
-        (Sample((kc, kc[..., :4], k, k, s)), rf"{op}: expected v_cache to have the shape of k_cache"),
+        (Sample((kc, vc[..., :4], k, k, s)), rf"{op}: expected v_cache to have the shape of k_cache"),
+        # written in place: caches whose elements share memory, or that share it with each other
+        (Sample((kc[:1].expand(2, -1, -1, -1), vc, k, k, s)), rf"{op}: k_cache has elements that share memory"),
+        (Sample((kc, kc, k, k, s)), rf"{op}: k_cache and v_cache share memory"),
     ]
     if torch.device(device).type == "cpu":  # on CUDA start is read on the device: rows outside are not written
-        cases.append((Sample((kc, kc, k, k, torch.tensor([0, 4], device=device))),
+        cases.append((Sample((kc, vc, k, k, torch.tensor([0, 4], device=device))),
                       rf"{op}: start\[1\] is 4; its 3 new positions must fit in the cache's 6"))
     return cases
 
 
 def _rope_cache_write_bad_inputs(device):
     op = "customops::rope_cache_write"
-    kc = torch.zeros(2, 2, 6, 8, device=device)
+    kc, vc = torch.zeros(2, 2, 6, 8, device=device), torch.zeros(2, 2, 6, 8, device=device)
     q, k, c = torch.randn(2, 4, 3, 8, device=device), torch.randn(2, 2, 3, 8, device=device), torch.randn(3, 8, device=device)
     s = torch.tensor([0, 3], device=device)
     cases = [
-        (Sample((kc, kc, q, k.double(), k, c, c, s)), rf"{op}: expected k to have the dtype of q"),
-        (Sample((kc, kc, q, k, k, c[:2], c[:2], s)), rf"{op}: expected cos of shape \[S, R\] or \[B, S, R\] with S = 3"),
-        (Sample((kc, kc, q, k, k.double(), c, c, s)), rf"{op}: expected v to have the dtype of k_cache"),
-        (Sample((kc[:, :1], kc[:, :1], q, k, k, c, c, s)), rf"{op}: expected k of shape \[B, Hkv, T, D\] with the cache's"),
-        (Sample((kc, kc, q, k, k, c, c, s.int())), rf"{op}: expected start of dtype int64"),
-        (Sample((kc, kc, q.clone().requires_grad_(), k, k, c, c, s)), rf"{op} is not differentiable"),
+        (Sample((kc, vc, q, k.double(), k, c, c, s)), rf"{op}: expected k to have the dtype of q"),
+        (Sample((kc, vc, q, k, k, c[:2], c[:2], s)), rf"{op}: expected cos of shape \[S, R\] or \[B, S, R\] with S = 3"),
+        (Sample((kc, vc, q, k, k.double(), c, c, s)), rf"{op}: expected v to have the dtype of k_cache"),
+        (Sample((kc[:, :1], vc[:, :1], q, k, k, c, c, s)), rf"{op}: expected k of shape \[B, Hkv, T, D\] with the cache's"),
+        (Sample((kc, vc, q, k, k, c, c, s.int())), rf"{op}: expected start of dtype int64"),
+        (Sample((kc, vc, q.clone().requires_grad_(), k, k, c, c, s)), rf"{op} is not differentiable"),
+        (Sample((kc, vc[:1].expand(2, -1, -1, -1), q, k, k, c, c, s)), rf"{op}: v_cache has elements that share memory"),
+        (Sample((kc, kc, q, k, k, c, c, s)), rf"{op}: k_cache and v_cache share memory"),
     ]
     if torch.device(device).type == "cpu":  # on CUDA start is read on the device: rows outside are not written
-        cases.append((Sample((kc, kc, q, k, k, c, c, torch.tensor([0, 4], device=device))),
+        cases.append((Sample((kc, vc, q, k, k, c, c, torch.tensor([0, 4], device=device))),
                       rf"{op}: start\[1\] is 4; its 3 new positions must fit in the cache's 6"))
     return cases
 
