@@ -9,9 +9,8 @@ tests and the matrix use is importable from here.
 from .checks import (_call, _grad_inputs, _loss, _outputs, check_autograd, check_bad_inputs, check_compile,
                      check_correctness, check_export, check_gradcheck, check_meta, check_opcheck, export,
                      opcheck_samples)
-from .core import (FLOAT_DTYPES, ROUNDED_ONCE, SUMMED_THEN_ROUNDED, OpInfo, Sample, _to64, clone_sample, devices,
-                   with_written)
-from .fuzz import FuzzSource
+from .core import (FLOAT_DTYPES, ROUNDED_ONCE, SUMMED_THEN_ROUNDED, FuzzSource, OpInfo, Sample, _to64, clone_sample,
+                   devices, with_written)
 from .references import (_add_rms_norm_ref, _attention_ref, _cache_attention_ref, _cache_write_ref,
                          _rope_cache_write_ref, _cross_entropy_ref, _linear_cross_entropy_ref, _merge_attention_ref, _mul_ref, _muladd_ref,
                          _rms_norm_ref, _rope_ref, _scale_clamp_ref, _silu_mul_ref, _silu_ref, _swiglu_ref)

@@ -1,18 +1,15 @@
 """The op table's types and what every part of customops.testing shares: :class:`Sample`,
-:class:`OpInfo` (one row of the table), the dtypes and tolerances rows use, copying samples, and
-the devices to test.
+:class:`OpInfo` (one row of the table), :class:`FuzzSource` (what a row's fuzz maker draws from),
+the dtypes and tolerances rows use, copying samples, and the devices to test.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch.utils._pytree import tree_map
-
-if TYPE_CHECKING:
-    from .fuzz import FuzzSource
 
 
 FLOAT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -28,6 +25,33 @@ ROUNDED_ONCE = {
 # A sum (over a row, or over keys) in float32 before the final rounding: a little looser.
 SUMMED_THEN_ROUNDED = {**ROUNDED_ONCE, torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3),
                        torch.bfloat16: (2e-2, 1.6e-2)}
+
+
+class FuzzSource(Protocol):
+    """What a row's ``fuzz`` maker draws from; tests/python/test_fuzz.py implements it with
+    hypothesis, so a failing case shrinks to a small one. Sizes are 0, 1, small odd numbers or a
+    few thousand; every tensor comes in a drawn layout (contiguous, transposed, sliced with a step,
+    expanded with stride 0, offset into its storage, channels-last) and, unless ``values`` says
+    otherwise, holds NaN, +-inf, huge, tiny and denormal values among normal ones. ``gradients``
+    is true when the sample is for a gradient check: makers then keep off the points where the op
+    is not differentiable (eps = 0 on a row of one element, clamp bounds that tie)."""
+
+    gradients: bool
+
+    def choice(self, options: Sequence): ...
+
+    def size(self, most: int | None = None) -> int: ...
+
+    def shape(self, min_rank: int = 0, max_rank: int = 5, most: int | None = None) -> tuple[int, ...]: ...
+
+    # values: "any" (NaN and inf too), "finite" (huge, tiny, denormal), "nonfinite" (NaN, inf, tiny
+    # and denormal but nothing huge: for ops ill-conditioned in huge inputs, as softmax's near-ties
+    # are) or "normal" (randn only);
+    # writable=False allows expanded layouts, whose elements share memory.
+    def tensor(self, shape, dtype, device, values: str = "any", writable: bool = False) -> torch.Tensor: ...
+
+    # int64 class indices in [0, high), some of them ignore_index
+    def index(self, shape, high: int, device, ignore_index: int | None = None) -> torch.Tensor: ...
 
 
 @dataclasses.dataclass
@@ -69,7 +93,7 @@ class OpInfo:
     # inputs are huge, the fuzz suite allows an error of a few float32 ulps of the largest one.
     cancels: bool = False
     # Draws one random sample from a FuzzSource (the property-based suite, test_fuzz.py).
-    fuzz: Callable[["FuzzSource", torch.device, torch.dtype], Sample] | None = None
+    fuzz: Callable[[FuzzSource, torch.device, torch.dtype], Sample] | None = None
     # Positions of the arguments the op writes in place (cache_write, rope_cache_write): the checks
     # take their new values (copies) as outputs after what it returns, and the reference returns
     # them there too.

@@ -1,42 +1,15 @@
-"""Fuzz makers of the op table: each draws one sample from a :class:`FuzzSource` (the property-based
+"""Fuzz makers of the op table: each draws one sample from a :class:`~.core.FuzzSource` (the property-based
 suite, tests/python/test_fuzz.py, implements it with hypothesis), with the error the op must raise
 where the draw is one it rejects.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from typing import Callable
 
 import torch
 
 from .core import Sample
-
-
-class FuzzSource(Protocol):
-    """What a row's ``fuzz`` maker draws from; tests/python/test_fuzz.py implements it with
-    hypothesis, so a failing case shrinks to a small one. Sizes are 0, 1, small odd numbers or a
-    few thousand; every tensor comes in a drawn layout (contiguous, transposed, sliced with a step,
-    expanded with stride 0, offset into its storage, channels-last) and, unless ``values`` says
-    otherwise, holds NaN, +-inf, huge, tiny and denormal values among normal ones. ``gradients``
-    is true when the sample is for a gradient check: makers then keep off the points where the op
-    is not differentiable (eps = 0 on a row of one element, clamp bounds that tie)."""
-
-    gradients: bool
-
-    def choice(self, options: Sequence): ...
-
-    def size(self, most: int | None = None) -> int: ...
-
-    def shape(self, min_rank: int = 0, max_rank: int = 5, most: int | None = None) -> tuple[int, ...]: ...
-
-    # values: "any" (NaN and inf too), "finite" (huge, tiny, denormal), "nonfinite" (NaN, inf, tiny
-    # and denormal but nothing huge: for ops ill-conditioned in huge inputs, as softmax's near-ties
-    # are) or "normal" (randn only);
-    # writable=False allows expanded layouts, whose elements share memory.
-    def tensor(self, shape, dtype, device, values: str = "any", writable: bool = False) -> torch.Tensor: ...
-
-    # int64 class indices in [0, high), some of them ignore_index
-    def index(self, shape, high: int, device, ignore_index: int | None = None) -> torch.Tensor: ...
 
 
 def _half(dtype) -> bool:
