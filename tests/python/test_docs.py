@@ -56,9 +56,11 @@ def _runs_here(lang: str, tag: str) -> bool | None:
 # Runs a document's blocks in order in one process: Python blocks in one namespace, shell blocks
 # in the same folder.
 DRIVER = textwrap.dedent('''
-    import json, subprocess, sys, traceback
+    import json, subprocess, sys, traceback, types
     blocks = json.load(open(sys.argv[1]))
-    ns = {"__name__": "__docs__"}
+    # the blocks' module, importable by name (torch.compile imports the module of the code it traces)
+    module = sys.modules["__docs__"] = types.ModuleType("__docs__")
+    ns = module.__dict__
     for where, lang, code in blocks:
         print(f"=== {where} ({lang})", flush=True)
         if lang == "python":
