@@ -1,11 +1,15 @@
-// customops::Tokenizer (customops/tokenizer.h) over SentencePiece's processor, or, in a build
-// without SentencePiece (CUSTOMOPS_WITH_SENTENCEPIECE undefined), a class that says so.
+// customops::Tokenizer and customops::TextStream (customops/tokenizer.h): the facade over the
+// formats of generate/text_backend.h, and the SentencePiece one (in a build without SentencePiece,
+// CUSTOMOPS_WITH_SENTENCEPIECE undefined, a loader that says so).
 #include "customops/tokenizer.h"
 
 #include <filesystem>
+#include <fstream>
 #include <stdexcept>
 #include <string>
 #include <system_error>
+
+#include "generate/text_backend.h"
 
 #ifdef CUSTOMOPS_WITH_SENTENCEPIECE
 #include <sentencepiece_processor.h>
@@ -13,80 +17,152 @@
 
 namespace customops {
 
+namespace text {
+
 #ifdef CUSTOMOPS_WITH_SENTENCEPIECE
 
-struct Tokenizer::Impl {
-  sentencepiece::SentencePieceProcessor sp;
+namespace {
+
+class SentencePiece final : public Backend {
+ public:
+  explicit SentencePiece(const std::string& path) {
+    const auto status = sp_.Load(path);
+    if (!status.ok()) throw std::invalid_argument(path + " is not a SentencePiece model (" + status.ToString() + ")");
+  }
+
+  std::vector<int64_t> encode(const std::string& text) const override {
+    std::vector<int> ids;
+    const auto status = sp_.Encode(text, &ids);
+    if (!status.ok()) throw std::invalid_argument("cannot tokenize the text: " + status.ToString());
+    return {ids.begin(), ids.end()};
+  }
+
+  std::string decode(const std::vector<int64_t>& ids) const override {
+    std::vector<int> narrow(ids.begin(), ids.end());
+    std::string text;
+    const auto status = sp_.Decode(narrow, &text);
+    if (!status.ok()) throw std::invalid_argument("cannot detokenize the ids: " + status.ToString());
+    return text;
+  }
+
+  int64_t vocab_size() const override { return sp_.GetPieceSize(); }
+  std::optional<int64_t> bos_id() const override { return id_or_none(sp_.bos_id()); }
+  std::optional<int64_t> eos_id() const override { return id_or_none(sp_.eos_id()); }
+
+ private:
+  static std::optional<int64_t> id_or_none(int id) { return id < 0 ? std::nullopt : std::optional<int64_t>(id); }
+  sentencepiece::SentencePieceProcessor sp_;
 };
 
-bool Tokenizer::available() { return true; }
+}  // namespace
 
-Tokenizer::Tokenizer(const std::string& model_path) : impl_(new Impl) {
+bool sentencepiece_available() { return true; }
+std::unique_ptr<Backend> load_sentencepiece(const std::string& path) { return std::make_unique<SentencePiece>(path); }
+
+#else  // no SentencePiece in this build
+
+bool sentencepiece_available() { return false; }
+std::unique_ptr<Backend> load_sentencepiece(const std::string&) {
+  throw std::runtime_error(
+      "this build of customops reads no SentencePiece model: SentencePiece was not found when it was built "
+      "(Debian: apt-get install libsentencepiece-dev, then rebuild customops)");
+}
+
+#endif
+
+}  // namespace text
+
+namespace {
+
+// Whether a file holds JSON (a tokenizer.json) rather than a SentencePiece model (protobuf).
+bool is_json(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  char c = 0;
+  while (f.get(c) && (c == ' ' || c == '\t' || c == '\n' || c == '\r')) {
+  }
+  return f && c == '{';
+}
+
+}  // namespace
+
+struct Tokenizer::Impl {
+  std::unique_ptr<text::Backend> backend;
+};
+
+bool Tokenizer::available(const std::string& format) {
+  if (format == "sentencepiece") return text::sentencepiece_available();
+  if (format == "tokenizer.json") return text::tokenizer_json_available();
+  return false;
+}
+
+Tokenizer::Tokenizer(const std::string& path) : impl_(new Impl) {
+  namespace fs = std::filesystem;
   std::error_code ec;
-  if (!std::filesystem::is_regular_file(model_path, ec)) {
-    throw std::invalid_argument("tokenizer not found: " + model_path);
+  auto file = [&](const fs::path& p) { return fs::is_regular_file(p, ec); };
+  fs::path model = path, config;
+  if (fs::is_directory(model, ec)) {  // save_pretrained's folder
+    if (file(model / "tokenizer.json")) {
+      model /= "tokenizer.json";
+    } else if (file(model / "tokenizer.model")) {
+      model /= "tokenizer.model";
+    } else {
+      throw std::invalid_argument(path + " holds neither a tokenizer.json nor a tokenizer.model");
+    }
+  } else if (!file(model)) {
+    throw std::invalid_argument("tokenizer not found: " + path);
   }
-  const auto status = impl_->sp.Load(model_path);
-  if (!status.ok()) {
-    throw std::invalid_argument(model_path + " is not a SentencePiece model (" + status.ToString() + ")");
+  if (is_json(model.string())) {
+    if (file(model.parent_path() / "tokenizer_config.json")) config = model.parent_path() / "tokenizer_config.json";
+    impl_->backend = text::load_tokenizer_json(model.string(), config.string());
+  } else {
+    impl_->backend = text::load_sentencepiece(model.string());
   }
 }
 
-std::vector<int64_t> Tokenizer::encode(const std::string& text) const {
-  std::vector<int> ids;
-  const auto status = impl_->sp.Encode(text, &ids);
-  if (!status.ok()) throw std::invalid_argument("cannot tokenize the text: " + status.ToString());
-  return {ids.begin(), ids.end()};
-}
+Tokenizer::~Tokenizer() = default;
+
+std::vector<int64_t> Tokenizer::encode(const std::string& text) const { return impl_->backend->encode(text); }
 
 std::string Tokenizer::decode(const std::vector<int64_t>& ids) const {
-  std::vector<int> narrow;
-  narrow.reserve(ids.size());
   for (const int64_t id : ids) {
     if (id < 0 || id >= vocab_size()) {
       throw std::invalid_argument("id " + std::to_string(id) + " is outside the tokenizer's vocabulary of " +
                                   std::to_string(vocab_size()));
     }
-    narrow.push_back(static_cast<int>(id));
   }
-  std::string text;
-  const auto status = impl_->sp.Decode(narrow, &text);
-  if (!status.ok()) throw std::invalid_argument("cannot detokenize the ids: " + status.ToString());
-  return text;
+  return impl_->backend->decode(ids);
 }
 
-int64_t Tokenizer::vocab_size() const { return impl_->sp.GetPieceSize(); }
+int64_t Tokenizer::vocab_size() const { return impl_->backend->vocab_size(); }
+std::optional<int64_t> Tokenizer::bos_id() const { return impl_->backend->bos_id(); }
+std::optional<int64_t> Tokenizer::eos_id() const { return impl_->backend->eos_id(); }
 
-std::optional<int64_t> Tokenizer::bos_id() const {
-  const int id = impl_->sp.bos_id();
-  return id < 0 ? std::nullopt : std::optional<int64_t>(id);
+// A window of ids is decoded with the ids before them (SentencePiece drops the space of a text's
+// first piece, so an id decoded alone may lose it), and what the window adds to the text of its
+// first ids is the new text, once it does not end in U+FFFD (an incomplete character).
+TextStream::TextStream(const Tokenizer& tokenizer) : tokenizer_(tokenizer) {}
+
+std::string TextStream::push(int64_t id) {
+  ids_.push_back(id);
+  const std::string text = tokenizer_.decode(ids_);
+  static const std::string incomplete = "\xEF\xBF\xBD";
+  const bool ends_incomplete = text.size() >= 3 && text.compare(text.size() - 3, 3, incomplete) == 0;
+  if (text.size() <= prefix_.size() || ends_incomplete || text.compare(0, prefix_.size(), prefix_) != 0) return {};
+  std::string added = text.substr(prefix_.size());
+  // the next window: the ids not yet in the text's prefix before this push, and these
+  ids_.erase(ids_.begin(), ids_.begin() + static_cast<std::ptrdiff_t>(read_));
+  read_ = ids_.size();
+  prefix_ = tokenizer_.decode(ids_);
+  return added;
 }
 
-std::optional<int64_t> Tokenizer::eos_id() const {
-  const int id = impl_->sp.eos_id();
-  return id < 0 ? std::nullopt : std::optional<int64_t>(id);
+std::string TextStream::finish() {
+  const std::string text = tokenizer_.decode(ids_);
+  std::string rest = text.compare(0, prefix_.size(), prefix_) == 0 ? text.substr(prefix_.size()) : text;
+  ids_.clear();
+  read_ = 0;
+  prefix_.clear();
+  return rest;
 }
-
-#else  // no SentencePiece in this build
-
-struct Tokenizer::Impl {};
-
-bool Tokenizer::available() { return false; }
-
-Tokenizer::Tokenizer(const std::string&) {
-  throw std::runtime_error(
-      "this build of customops has no tokenizer: SentencePiece was not found when it was built "
-      "(Debian: apt-get install libsentencepiece-dev, then rebuild customops)");
-}
-
-std::vector<int64_t> Tokenizer::encode(const std::string&) const { return {}; }
-std::string Tokenizer::decode(const std::vector<int64_t>&) const { return {}; }
-int64_t Tokenizer::vocab_size() const { return 0; }
-std::optional<int64_t> Tokenizer::bos_id() const { return std::nullopt; }
-std::optional<int64_t> Tokenizer::eos_id() const { return std::nullopt; }
-
-#endif
-
-Tokenizer::~Tokenizer() = default;
 
 }  // namespace customops

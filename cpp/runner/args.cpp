@@ -75,7 +75,8 @@ Options parse_args(int argc, char** argv) {
     } else if (a == "--version") {
       std::cout << "customops-run " << customops::version() << " (torch " << customops::torch_version()
                 << (customops::has_cuda() ? ", CUDA kernels" : ", CPU kernels only")
-                << (customops::Tokenizer::available() ? ", SentencePiece tokenizer" : "") << ")\n";
+                << (customops::Tokenizer::available("tokenizer.json") ? ", tokenizer.json" : "")
+                << (customops::Tokenizer::available("sentencepiece") ? ", SentencePiece tokenizer" : "") << ")\n";
       std::exit(0);
     } else if (a == "--device") {
       o.device = value();

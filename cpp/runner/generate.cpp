@@ -20,7 +20,7 @@ namespace customops::runner {
 namespace {
 
 constexpr const char* kGenerateUsage = R"(usage: customops-run generate PACKAGE.pt2 (--prompt "ID ID ..." | --prompts FILE) [options]
-       customops-run generate PACKAGE.pt2 --tokenizer tokenizer.model (--prompt "TEXT" | --prompts FILE) [options]
+       customops-run generate PACKAGE.pt2 --tokenizer TOKENIZER (--prompt "TEXT" | --prompts FILE) [options]
 
 Generates from a causal-LM package (customops.export.package_causal_lm), with no Python: prefills
 every prompt in one run, decodes until each has produced the package's eos id or --max-new-tokens
@@ -31,7 +31,9 @@ new text, with backslash and newline written as \\ and \n.
 
   --prompt "ID ..."      one prompt (repeat for several; they form one batch)
   --prompts FILE         one prompt a line (no empty lines)
-  --tokenizer FILE       a SentencePiece model (tokenizer.model): text in and out
+  --tokenizer PATH       text in and out: a tokenizer.json (byte-level BPE: Llama-3, Qwen2/3,
+                         Mistral-Nemo, GPT-2), a SentencePiece tokenizer.model, or a folder that
+                         save_pretrained wrote (its tokenizer.json or tokenizer.model)
   --no-bos               with --tokenizer: do not put the bos id before each prompt
   --max-new-tokens N     at most N new ids per prompt (default: 32)
   --temperature T        0 (default): greedy; otherwise sample from softmax(logits / T)

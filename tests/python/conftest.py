@@ -20,7 +20,7 @@ CONSUMER_SRC = Path(__file__).resolve().parent.parent / "cpp" / "consumer"
 def consumer(request, tmp_path_factory) -> Path:
     """tests/cpp/consumer configured against the installed customops and built (incrementally,
     in pytest's cache folder, or in a temporary one under -p no:cacheprovider); returns its build
-    folder (run_package, run_package_without_customops, generate_api)."""
+    folder (run_package, run_package_without_customops, generate_api, tokenize_api)."""
     if shutil.which("cmake") is None:
         pytest.skip("cmake is not installed")
     cache = getattr(request.config, "cache", None)
@@ -29,7 +29,7 @@ def consumer(request, tmp_path_factory) -> Path:
     configure = ["cmake", "-S", CONSUMER_SRC, "-B", build, f"-DCMAKE_PREFIX_PATH={prefix}", "-DCMAKE_BUILD_TYPE=Release"]
     if shutil.which("ninja") and not (build / "CMakeCache.txt").exists():
         configure += ["-G", "Ninja"]
-    targets = ["run_package", "run_package_without_customops", "generate_api"]
+    targets = ["run_package", "run_package_without_customops", "generate_api", "tokenize_api"]
     for cmd in (configure, ["cmake", "--build", build, "--target", *targets]):
         r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, f"{' '.join(map(str, cmd))}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
