@@ -122,14 +122,19 @@ def test_encode_is_tokenizers_encode_on_random_characters(trained, consumer, tmp
         assert list(map(int, line.split())) == tok.encode(text, add_special_tokens=False).ids, repr(text)
 
 
+def _id_sequences(tok, seed, texts, random_seqs, longest):
+    """The ids of `texts` corpus texts, then `random_seqs` sequences of random ids (up to `longest`)."""
+    rng = random.Random(seed)
+    n = tok.get_vocab_size()
+    seqs = [tok.encode(t, add_special_tokens=False).ids for t in _corpus(texts, seed=seed + 1)]
+    return seqs + [[rng.randrange(n) for _ in range(rng.randint(1, longest))] for _ in range(random_seqs)]
+
+
 def test_decode_is_tokenizers_decode_of_any_ids(trained, consumer, tmp_path):
     """Any ids, those that give bytes that are not UTF-8 too (each maximal bad run one U+FFFD, as
     Rust's from_utf8_lossy), special tokens skipped."""
     tok, path, _ = trained
-    rng = random.Random(2)
-    n = tok.get_vocab_size()
-    seqs = [tok.encode(t, add_special_tokens=False).ids for t in _corpus(50, seed=3)]
-    seqs += [[rng.randrange(n) for _ in range(rng.randint(1, 30))] for _ in range(200)]
+    seqs = _id_sequences(tok, 2, texts=50, random_seqs=200, longest=30)
     got = _api(consumer, path, "decode", [" ".join(map(str, s)) for s in seqs], tmp_path)
     for ids, line in zip(seqs, got):
         assert bytes.fromhex(line).decode() == tok.decode(ids, skip_special_tokens=True), ids
@@ -137,10 +142,7 @@ def test_decode_is_tokenizers_decode_of_any_ids(trained, consumer, tmp_path):
 
 def test_a_text_stream_never_splits_a_character(trained, consumer, tmp_path):
     tok, path, _ = trained
-    rng = random.Random(4)
-    n = tok.get_vocab_size()
-    seqs = [tok.encode(t, add_special_tokens=False).ids for t in _corpus(40, seed=5)]
-    seqs += [[rng.randrange(n) for _ in range(rng.randint(1, 40))] for _ in range(100)]
+    seqs = _id_sequences(tok, 4, texts=40, random_seqs=100, longest=40)
     got = _api(consumer, path, "stream", [" ".join(map(str, s)) for s in seqs], tmp_path)
     for ids, line in zip(seqs, got):
         pushed, finished = line.split(";")
