@@ -7,7 +7,8 @@
 //   auto r = lm.generate({{1, 15043, 29892}}, o);      // r.ids[0]: the new ids of prompt 0
 //
 // Each call prefills every prompt in one run of the package (prompts of different lengths are
-// right-padded in one batch), then decodes one token a run until every sequence has produced one
+// right-padded in one batch), as a client of customops::Engine (customops/engine.h, which serves
+// requests that come and go), then decodes one token a run until every sequence has produced one
 // of its eos ids or max_new_tokens ids (or filled the package's max_seq_len). Sampling (greedy, or
 // temperature with top-k / top-p) runs on the package's device; a seed makes it reproducible.
 // The package's KV cache is its own state: every call starts its sequences at position 0, so a
@@ -77,6 +78,7 @@ class CUSTOMOPS_API CausalLM {
   c10::Device device() const;
 
  private:
+  friend class Engine;  // runs the package (customops/engine.h)
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

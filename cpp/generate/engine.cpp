@@ -1,0 +1,522 @@
+// customops::Engine (customops/engine.h): continuous batching over a causal-LM package.
+//
+// The package's forward is (input_ids [B, T], start [B], count [B]) -> logits [B, vocab] of each
+// row's last new token; row i reads and writes row i of the KV cache, so a request's slot is its
+// row, and a step runs rows 0 to the highest slot in use. A row writes its T ids at positions
+// start to start + T - 1 of its cache, the ids past its count as padding that no query reads
+// (attention is causal and reads each row's filled part) and that its next ids overwrite; a free
+// slot's row is such padding at position 0 (the next request in that slot prefills from 0). A step
+// is planned on the host (plan), launched (launch: its inputs copied, the package run, its ids
+// sampled on the device and copied to pinned host memory) and taken (take: the host waits for its
+// ids, streams them to their requests and ends the ones that stop). On CUDA a decode step (T = 1)
+// replays its batch size's CUDA graph, and the next decode step is launched before the host waits
+// for this one's ids, fed them on the device: the GPU does not idle while the host reads, decides
+// and launches. That next step assumes no sequence ends but by its counts, which the host knows
+// ahead; a sequence that ends at an eos or stop id, or is cancelled, gets one more id that nobody
+// takes, written to its own slot past its end.
+#include "customops/engine.h"
+
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <iostream>
+#include <limits>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+
+#include "generate/causal_lm_impl.h"
+
+namespace customops {
+
+using Clock = std::chrono::steady_clock;
+
+const char* to_string(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::none: return "none";
+    case FinishReason::stop: return "stop";
+    case FinishReason::length: return "length";
+    case FinishReason::cancelled: return "cancelled";
+    case FinishReason::error: return "error";
+  }
+  return "none";
+}
+
+// ---- a request, as its client and the engine share it -------------------------------------------
+
+struct Request::State {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<int64_t> ids;  // sampled, not yet returned by next()
+  FinishReason reason = FinishReason::none;
+  std::string error;
+  Times times;
+  int64_t prompt_tokens = 0;
+  std::atomic<bool> cancelled{false};  // read by the engine at its next step
+
+  void push(int64_t id) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!times.first_id) times.first_id = Clock::now();
+    ids.push_back(id);
+    cv.notify_all();
+  }
+  void finish(FinishReason why, std::string message = {}) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (reason != FinishReason::none) return;
+    reason = why;
+    error = std::move(message);
+    times.finished = Clock::now();
+    cv.notify_all();
+  }
+};
+
+Request::Request(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+Request::Update Request::next(std::optional<std::chrono::milliseconds> timeout) {
+  State& s = *state_;
+  std::unique_lock<std::mutex> lock(s.mu);
+  auto ready = [&] { return !s.ids.empty() || s.reason != FinishReason::none; };
+  if (timeout) {
+    s.cv.wait_for(lock, *timeout, ready);
+  } else {
+    s.cv.wait(lock, ready);
+  }
+  Update u;
+  u.ids.swap(s.ids);
+  u.finished = s.reason != FinishReason::none;
+  u.reason = s.reason;
+  u.error = s.error;
+  return u;
+}
+
+void Request::cancel() { state_->cancelled = true; }
+
+int64_t Request::prompt_tokens() const { return state_->prompt_tokens; }
+
+Request::Times Request::times() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->times;
+}
+
+// ---- the engine ---------------------------------------------------------------------------------
+
+namespace {
+
+struct Seq {
+  std::shared_ptr<Request::State> state;
+  std::vector<int64_t> prompt;
+  RequestOptions o;
+  std::optional<at::Generator> gen;  // sampling requests, made at admission on the package's device
+  int64_t slot = -1;
+  int64_t fed = 0;        // prompt ids planned into the cache
+  int64_t filled = 0;     // positions planned into the cache (prompt and fed-back ids)
+  int64_t taken = 0;      // new ids taken
+  int64_t in_flight = 0;  // launched steps whose id for this sequence is not taken yet
+  int64_t last = -1;      // the last id taken
+  bool done = false;
+
+  bool prefilling() const { return fed < static_cast<int64_t>(prompt.size()); }
+  Sampling sampling() const { return {o.temperature, o.top_k, o.top_p}; }
+};
+
+// One launched step: what each row samples, and the ids coming back.
+struct Launched {
+  int64_t rows = 0, t = 0;
+  std::vector<std::shared_ptr<Seq>> sampled;  // per row: the sequence whose next id it samples, or none
+  std::vector<int64_t> filled;                // per row: that sequence's filled length with this step's ids in
+  at::Tensor ids;                             // the sampled ids on the device (in the vocabulary)
+  at::Tensor host;                            // the same, -1 where not finite, on the host once `ready`
+  std::optional<c10::Event> ready;            // CUDA: recorded after the copy to host
+};
+
+}  // namespace
+
+struct Engine::Impl {
+  CausalLM::Impl& m;
+  EngineOptions options;
+
+  std::mutex mu;  // guards incoming, stats and the thread's flags
+  std::condition_variable cv;
+  std::deque<std::shared_ptr<Seq>> incoming;
+  bool stopping = false;
+  std::thread thread;
+  Stats stats;
+
+  // the engine thread's own (or step()'s caller's)
+  std::deque<std::shared_ptr<Seq>> waiting;
+  std::vector<std::shared_ptr<Seq>> slots;  // [max_batch], none where free
+  std::unique_ptr<Launched> ahead;          // a step launched, not taken
+
+  Impl(CausalLM::Impl& lm, EngineOptions o) : m(lm), options(o), slots(lm.max_batch) {}
+
+  int64_t running() const {
+    return std::count_if(slots.begin(), slots.end(), [](const auto& s) { return s != nullptr; });
+  }
+
+  void end(const std::shared_ptr<Seq>& s, FinishReason why, std::string message = {}) {
+    s->done = true;
+    s->state->finish(why, std::move(message));
+    if (s->slot >= 0 && slots[s->slot] == s) slots[s->slot] = nullptr;
+  }
+
+  // Takes what was submitted and admits waiting requests into free slots, lowest first; ends the
+  // cancelled ones.
+  void admit() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      while (!incoming.empty()) {
+        waiting.push_back(std::move(incoming.front()));
+        incoming.pop_front();
+      }
+    }
+    for (auto& s : slots) {
+      if (s && s->state->cancelled) end(s, FinishReason::cancelled);
+    }
+    for (int64_t slot = 0; slot < m.max_batch && !waiting.empty(); ++slot) {
+      if (slots[slot]) continue;
+      std::shared_ptr<Seq> s;
+      while (!waiting.empty() && !s) {
+        s = std::move(waiting.front());
+        waiting.pop_front();
+        if (s->state->cancelled) {
+          end(s, FinishReason::cancelled);
+          s = nullptr;
+        }
+      }
+      if (!s) break;
+      s->slot = slot;
+      if (s->o.temperature > 0) s->gen = make_generator(m.device, s->o.seed);
+      slots[slot] = s;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    stats.running = running();
+    stats.waiting = static_cast<int64_t>(waiting.size());
+  }
+
+  // The rows up to the highest slot in use.
+  int64_t rows() const {
+    for (int64_t r = m.max_batch; r > 0; --r) {
+      if (slots[r - 1]) return r;
+    }
+    return 0;
+  }
+
+  // Plans and launches the next step from the host's state: each decoding sequence feeds its last
+  // id, each prefilling one its next chunk. nullptr where no request holds a slot.
+  std::unique_ptr<Launched> launch_planned() {
+    const int64_t b = rows();
+    if (b == 0) return nullptr;
+    int64_t t = 1;
+    bool prefill = false;
+    for (int64_t r = 0; r < b; ++r) {
+      if (slots[r] && slots[r]->prefilling()) {
+        prefill = true;
+        t = std::max<int64_t>(t, static_cast<int64_t>(slots[r]->prompt.size()) - slots[r]->fed);
+      }
+    }
+    if (prefill) {
+      t = std::min(t, std::max<int64_t>(1, options.token_budget / b));
+      // every row's t positions must fit in its cache
+      for (int64_t r = 0; r < b; ++r) {
+        if (slots[r]) t = std::min(t, m.max_seq_len - slots[r]->filled);
+      }
+    }
+    auto l = std::make_unique<Launched>();
+    l->rows = b;
+    l->t = t;
+    l->sampled.resize(b);
+    l->filled.resize(b);
+    std::vector<int64_t> ids(b * t, m.pad), start(b, 0), count(b, 1);
+    for (int64_t r = 0; r < b; ++r) {
+      auto& s = slots[r];
+      if (!s) continue;
+      start[r] = s->filled;
+      if (s->prefilling()) {
+        count[r] = std::min<int64_t>(t, static_cast<int64_t>(s->prompt.size()) - s->fed);
+        std::copy_n(s->prompt.begin() + s->fed, count[r], ids.begin() + r * t);
+        s->fed += count[r];
+        if (!s->prefilling()) l->sampled[r] = s;  // the prompt's last chunk: its first new id
+      } else {
+        ids[r * t] = s->last;
+        l->sampled[r] = s;
+      }
+      s->filled += count[r];
+      l->filled[r] = s->filled;
+      if (l->sampled[r]) ++s->in_flight;
+    }
+    const auto opts = at::TensorOptions().dtype(at::kLong);
+    run(*l, at::tensor(ids, opts).view({b, t}), start, count);
+    return l;
+  }
+
+  // Launches the decode step after `cur` (a decode step of CUDA graphs, not taken yet) fed cur's
+  // ids on the device, for the sequences that go on unless an eos or stop id ends them. nullptr
+  // where none does, or where a request waits for a slot (the next step plans its admission).
+  std::unique_ptr<Launched> launch_ahead(const Launched& cur) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!incoming.empty() || !waiting.empty()) return nullptr;
+    }
+    // a prefilling sequence's next chunk is planned on the host (the next step is not a decode step)
+    for (const auto& s : slots) {
+      if (s && s->prefilling()) return nullptr;
+    }
+    int64_t b = 0;
+    for (int64_t r = 0; r < cur.rows; ++r) {
+      const auto& s = cur.sampled[r];
+      if (s && !s->done && !s->state->cancelled && s->taken + s->in_flight < s->o.max_new_tokens &&
+          s->filled < m.max_seq_len) {
+        b = r + 1;
+      }
+    }
+    if (b == 0) return nullptr;
+    auto l = std::make_unique<Launched>();
+    l->rows = b;
+    l->t = 1;
+    l->sampled.resize(b);
+    l->filled.resize(b);
+    std::vector<int64_t> start(b, 0);
+    for (int64_t r = 0; r < b; ++r) {
+      const auto& s = cur.sampled[r];
+      if (!s || s->done || s->state->cancelled || s->taken + s->in_flight >= s->o.max_new_tokens ||
+          s->filled >= m.max_seq_len) {
+        continue;  // a free row: padding at position 0 of its own slot
+      }
+      start[r] = s->filled++;
+      l->filled[r] = s->filled;
+      l->sampled[r] = s;
+      ++s->in_flight;
+    }
+    run(*l, cur.ids.narrow(0, 0, b).view({b, 1}), start, std::vector<int64_t>(b, 1));
+    return l;
+  }
+
+  // Runs the package on one step's inputs and samples each row's next id (on the device; the copy
+  // to the host is waited for in take).
+  void run(Launched& l, const at::Tensor& ids, const std::vector<int64_t>& start, const std::vector<int64_t>& count) {
+    const auto opts = at::TensorOptions().dtype(at::kLong);
+    at::Tensor logits;
+#ifdef CUSTOMOPS_WITH_CUDA
+    if (l.t == 1 && m.graphs && options.cuda_graph) {
+      auto& step = m.steps[l.rows];
+      if (!step.ids.defined()) {
+        const auto on_device = opts.device(m.device);
+        step.ids = at::empty({l.rows, 1}, on_device);
+        step.start = at::empty({l.rows}, on_device);
+        step.count = at::ones({l.rows}, on_device);
+      }
+      step.ids.copy_(ids, /*non_blocking=*/true);
+      step.start.copy_(at::tensor(start, opts).pin_memory(), /*non_blocking=*/true);
+      if (!step.graph) {
+        step.graph =
+            std::make_unique<DecodeGraph>(m.device, [&] { return m.loader->run({step.ids, step.start, step.count}); });
+        logits = step.graph->first().at(0);
+      } else {
+        logits = step.graph->replay().at(0);
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      ++stats.graph_steps;
+    }
+#endif
+    if (!logits.defined()) {
+      logits = m.loader->run({ids.to(m.device), at::tensor(start, opts).to(m.device), at::tensor(count, opts).to(m.device)})
+                   .at(0);
+    }
+    // every row greedy, then the rows that sample drawn from their own generators
+    auto [next, marked] = sample(logits, Sampling{}, nullptr);
+    for (int64_t r = 0; r < l.rows; ++r) {
+      const auto& s = l.sampled[r];
+      if (s && s->gen) {
+        auto [row, row_marked] = sample(logits.narrow(0, r, 1), s->sampling(), &*s->gen);
+        next.narrow(0, r, 1).copy_(row);
+        marked.narrow(0, r, 1).copy_(row_marked);
+      }
+    }
+    l.ids = next;
+    if (m.device.is_cpu()) {
+      l.host = marked;
+    } else {
+      l.host = at::empty({l.rows}, opts.pinned_memory(true));
+      l.host.copy_(marked, /*non_blocking=*/true);
+      l.ready.emplace(m.device.type());
+      l.ready->record(c10::impl::getDeviceGuardImpl(m.device.type())->getStream(m.device));
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    ++stats.steps;
+  }
+
+  // Waits for a launched step's ids and gives each to its request; ends the sequences that stop.
+  void take(Launched& l) {
+    if (l.ready) l.ready->synchronize();
+    auto ids = l.host.accessor<int64_t, 1>();
+    for (int64_t r = 0; r < l.rows; ++r) {
+      const auto& s = l.sampled[r];
+      if (!s) continue;
+      --s->in_flight;
+      if (s->done) continue;  // ended by an earlier step; this id was launched ahead
+      if (s->state->cancelled) {
+        end(s, FinishReason::cancelled);
+        continue;
+      }
+      if (ids[r] < 0) {
+        end(s, FinishReason::error,
+            "the package's logits are not finite (NaN or inf) at its new id " + std::to_string(s->taken + 1) +
+                ": the package's weights are damaged, or the model overflows its dtype");
+        continue;
+      }
+      s->last = ids[r];
+      ++s->taken;
+      s->state->push(s->last);
+      const bool stop = (s->o.stop_at_eos && std::find(m.eos.begin(), m.eos.end(), s->last) != m.eos.end()) ||
+                        std::find(s->o.stop_ids.begin(), s->o.stop_ids.end(), s->last) != s->o.stop_ids.end();
+      if (stop) {
+        end(s, FinishReason::stop);
+      } else if (s->taken >= s->o.max_new_tokens || l.filled[r] >= m.max_seq_len) {
+        end(s, FinishReason::length);
+      }
+    }
+  }
+
+  bool step() {
+    std::unique_ptr<Launched> cur = std::move(ahead);
+    try {
+      if (!cur) {
+        admit();
+        cur = launch_planned();
+        if (!cur) return false;
+      }
+      if (cur->t == 1 && cur->ready) ahead = launch_ahead(*cur);
+      take(*cur);
+    } catch (...) {
+      fail(std::current_exception());
+      throw;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    stats.running = running();
+    return true;
+  }
+
+  // The package failed to run: every request holding a slot ends with the error (their caches
+  // are whatever the failed run left), and a step launched ahead is finished first.
+  void fail(std::exception_ptr error) {
+    std::string message = "the package failed to run";
+    try {
+      std::rethrow_exception(error);
+    } catch (const std::exception& e) {
+      message += std::string(": ") + e.what();
+    } catch (...) {
+    }
+    if (ahead && ahead->ready) {
+      try {
+        ahead->ready->synchronize();
+      } catch (...) {
+      }
+    }
+    ahead.reset();
+    for (auto& s : slots) {
+      if (s) end(s, FinishReason::error, message);
+    }
+    for (auto& s : slots) {
+      if (s) s->in_flight = 0;
+    }
+  }
+
+  // Ends every request, in a slot or waiting, as cancelled (the engine is going away).
+  void cancel_all() {
+    if (ahead && ahead->ready) ahead->ready->synchronize();
+    ahead.reset();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      while (!incoming.empty()) {
+        waiting.push_back(std::move(incoming.front()));
+        incoming.pop_front();
+      }
+    }
+    for (auto& s : slots) {
+      if (s) end(s, FinishReason::cancelled);
+    }
+    for (auto& s : waiting) end(s, FinishReason::cancelled);
+    waiting.clear();
+  }
+};
+
+Engine::Engine(CausalLM& lm, EngineOptions options) : impl_(new Impl(*lm.impl_, options)) {
+  if (options.token_budget < 1) throw std::invalid_argument("token_budget must be at least 1");
+}
+
+Engine::~Engine() {
+  stop();
+  try {
+    impl_->cancel_all();
+  } catch (...) {
+  }
+}
+
+std::shared_ptr<Request> Engine::submit(std::vector<int64_t> prompt, const RequestOptions& o) {
+  auto& m = impl_->m;
+  if (o.max_new_tokens < 1) throw std::invalid_argument("max_new_tokens must be at least 1");
+  check_sampling({o.temperature, o.top_k, o.top_p});
+  check_prompt(prompt, m.max_seq_len, m.vocab, "the prompt");
+  auto state = std::make_shared<Request::State>();
+  state->times.submitted = Clock::now();
+  state->prompt_tokens = static_cast<int64_t>(prompt.size());
+  auto s = std::make_shared<Seq>();
+  s->state = state;
+  s->prompt = std::move(prompt);
+  s->o = o;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->incoming.push_back(s);
+    ++impl_->stats.waiting;
+    impl_->cv.notify_all();
+  }
+  return std::make_shared<Request>(state);
+}
+
+bool Engine::step() { return impl_->step(); }
+
+void Engine::start() {
+  auto& i = *impl_;
+  if (i.thread.joinable()) return;
+  i.stopping = false;
+  i.thread = std::thread([&i] {
+    for (;;) {
+      {
+        std::unique_lock<std::mutex> lock(i.mu);
+        // (waiting, slots and ahead are this thread's own)
+        i.cv.wait(lock, [&] { return i.stopping || !i.incoming.empty() || !i.waiting.empty() || i.rows() > 0 || i.ahead; });
+        if (i.stopping) break;
+      }
+      try {
+        i.step();
+      } catch (const std::exception& e) {
+        std::cerr << "customops::Engine: " << e.what() << "\n";  // the requests in flight ended with it
+      }
+    }
+    try {
+      i.cancel_all();
+    } catch (...) {
+    }
+  });
+}
+
+void Engine::stop() {
+  auto& i = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(i.mu);
+    i.stopping = true;
+    i.cv.notify_all();
+  }
+  if (i.thread.joinable()) i.thread.join();
+}
+
+Engine::Stats Engine::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->stats;
+}
+
+}  // namespace customops
