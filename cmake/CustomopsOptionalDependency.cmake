@@ -1,13 +1,17 @@
-# customops_optional_dependency(TARGET NAME DESCRIPTION HEADER h... LIBRARY lib... INSTALL "debian packages"):
-# an optional part of TARGET that needs system headers and libraries, switched by the cache variable
+# customops_optional_dependency(TARGET NAME DESCRIPTION HEADER h... LIBRARY lib... PKGCONFIG module...
+#                               INSTALL "debian packages"):
+# an optional part of TARGET that needs system headers and libraries (or pkg-config modules, whose
+# compile definitions come with them), switched by the cache variable
 # CUSTOMOPS_WITH_<NAME> (ON, OFF or AUTO: when found). Where every header and library is found, TARGET
 # compiles with CUSTOMOPS_WITH_<NAME> defined and links them, privately; else a status line says
 # what is skipped and what to install (a FATAL_ERROR where the variable is ON).
 #
 #   customops_optional_dependency(customops_text TOKENIZER_JSON "tokenizer.json"
 #     HEADER pcre2.h utf8proc.h LIBRARY pcre2-8 utf8proc INSTALL "libpcre2-dev libutf8proc-dev")
+#   customops_optional_dependency(customops_run SERVE "customops-run serve"
+#     HEADER nlohmann/json.hpp PKGCONFIG cpp-httplib INSTALL "libcpp-httplib-dev nlohmann-json3-dev")
 function(customops_optional_dependency target name description)
-  cmake_parse_arguments(PARSE_ARGV 3 arg "" "INSTALL" "HEADER;LIBRARY")
+  cmake_parse_arguments(PARSE_ARGV 3 arg "" "INSTALL" "HEADER;LIBRARY;PKGCONFIG")
   set(switch CUSTOMOPS_WITH_${name})
   set(CUSTOMOPS_HAS_${name} OFF PARENT_SCOPE)
   if(${switch} STREQUAL "OFF")
@@ -33,6 +37,18 @@ function(customops_optional_dependency target name description)
       list(APPEND libs ${CUSTOMOPS_${id}_LIBRARY})
     else()
       list(APPEND missing lib${lib})
+    endif()
+  endforeach()
+  foreach(module IN LISTS arg_PKGCONFIG)
+    string(MAKE_C_IDENTIFIER "${module}" id)
+    find_package(PkgConfig QUIET)
+    if(PkgConfig_FOUND)
+      pkg_check_modules(CUSTOMOPS_PC_${id} QUIET IMPORTED_TARGET ${module})
+    endif()
+    if(CUSTOMOPS_PC_${id}_FOUND)
+      list(APPEND libs PkgConfig::CUSTOMOPS_PC_${id})
+    else()
+      list(APPEND missing "${module} (pkg-config)")
     endif()
   endforeach()
   if(missing)

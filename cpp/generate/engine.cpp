@@ -151,7 +151,10 @@ struct Engine::Impl {
   std::vector<std::shared_ptr<Seq>> slots;  // [max_batch], none where free
   std::unique_ptr<Launched> ahead;          // a step launched, not taken
 
-  Impl(CausalLM::Impl& lm, EngineOptions o) : m(lm), options(o), slots(lm.max_batch) {}
+  Impl(CausalLM::Impl& lm, EngineOptions o)
+      : m(lm), options(o), slots(o.max_batch > 0 ? std::min(o.max_batch, lm.max_batch) : lm.max_batch) {}
+
+  int64_t max_slots() const { return static_cast<int64_t>(slots.size()); }
 
   int64_t running() const {
     return std::count_if(slots.begin(), slots.end(), [](const auto& s) { return s != nullptr; });
@@ -176,7 +179,7 @@ struct Engine::Impl {
     for (auto& s : slots) {
       if (s && s->state->cancelled) end(s, FinishReason::cancelled);
     }
-    for (int64_t slot = 0; slot < m.max_batch && !waiting.empty(); ++slot) {
+    for (int64_t slot = 0; slot < max_slots() && !waiting.empty(); ++slot) {
       if (slots[slot]) continue;
       std::shared_ptr<Seq> s;
       while (!waiting.empty() && !s) {
@@ -199,7 +202,7 @@ struct Engine::Impl {
 
   // The rows up to the highest slot in use.
   int64_t rows() const {
-    for (int64_t r = m.max_batch; r > 0; --r) {
+    for (int64_t r = max_slots(); r > 0; --r) {
       if (slots[r - 1]) return r;
     }
     return 0;
@@ -444,8 +447,10 @@ struct Engine::Impl {
   }
 };
 
-Engine::Engine(CausalLM& lm, EngineOptions options) : impl_(new Impl(*lm.impl_, options)) {
+Engine::Engine(CausalLM& lm, EngineOptions options) {
   if (options.token_budget < 1) throw std::invalid_argument("token_budget must be at least 1");
+  if (options.max_batch < 0) throw std::invalid_argument("max_batch must be at least 0");
+  impl_ = std::make_unique<Impl>(*lm.impl_, options);
 }
 
 Engine::~Engine() {

@@ -17,6 +17,7 @@ namespace {
 constexpr const char* kUsage = R"(usage: customops-run [options] PACKAGE.pt2 INPUTS.pt OUTPUTS.pt
        customops-run --info PACKAGE.pt2
        customops-run generate PACKAGE.pt2 --prompt "ID ID ..." [options]   (see generate --help)
+       customops-run serve PACKAGE.pt2 --tokenizer PATH [options]       (see serve --help)
 
 Runs an AOTInductor package that may call customops operators, without Python.
 
@@ -76,7 +77,11 @@ Options parse_args(int argc, char** argv) {
       std::cout << "customops-run " << customops::version() << " (torch " << customops::torch_version()
                 << (customops::has_cuda() ? ", CUDA kernels" : ", CPU kernels only")
                 << (customops::Tokenizer::available("tokenizer.json") ? ", tokenizer.json" : "")
-                << (customops::Tokenizer::available("sentencepiece") ? ", SentencePiece tokenizer" : "") << ")\n";
+                << (customops::Tokenizer::available("sentencepiece") ? ", SentencePiece tokenizer" : "")
+#ifdef CUSTOMOPS_WITH_SERVE
+                << ", serve"
+#endif
+                << ")\n";
       std::exit(0);
     } else if (a == "--device") {
       o.device = value();

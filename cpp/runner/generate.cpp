@@ -93,6 +93,29 @@ T parse_number(const std::string& flag, const std::string& value) {
 
 }  // namespace
 
+std::unique_ptr<CausalLM> load_causal_lm(const std::string& package, const std::optional<std::string>& device) {
+  // The package's device, checked against --device as the plain runner checks it.
+  Options po;
+  po.package = package;
+  po.device = device;
+  const c10::Device dev = pick_device(po, read_metadata(po)["AOTI_DEVICE_KEY"]);
+  try {
+    return std::make_unique<CausalLM>(package, dev);
+  } catch (const std::invalid_argument& e) {
+    throw UserError(e.what());
+  } catch (const std::exception& e) {
+    throw UserError("cannot load " + package + ": " + message_of(e));
+  }
+}
+
+void check_tokenizer(const Tokenizer& tokenizer, const CausalLM& lm) {
+  if (tokenizer.vocab_size() > lm.vocab_size()) {
+    throw UserError("the tokenizer's vocabulary (" + std::to_string(tokenizer.vocab_size()) +
+                    " ids) is larger than the package's (" + std::to_string(lm.vocab_size()) +
+                    "): it is not this model's tokenizer");
+  }
+}
+
 int generate_main(int argc, char** argv) {
   std::string package;
   std::vector<std::pair<std::string, std::string>> given;  // (prompt, where it came from)
@@ -162,25 +185,9 @@ int generate_main(int argc, char** argv) {
   if (!tokenizer) {
     for (const auto& [text, where] : given) prompts.push_back(parse_ids(text, where));
   }
-  // The package's device, checked against --device as the plain runner checks it.
-  Options po;
-  po.package = package;
-  po.device = device;
-  const c10::Device dev = pick_device(po, read_metadata(po)["AOTI_DEVICE_KEY"]);
-  std::unique_ptr<CausalLM> lm;
-  try {
-    lm = std::make_unique<CausalLM>(package, dev);
-  } catch (const std::invalid_argument& e) {
-    throw UserError(e.what());
-  } catch (const std::exception& e) {
-    throw UserError("cannot load " + package + ": " + message_of(e));
-  }
+  std::unique_ptr<CausalLM> lm = load_causal_lm(package, device);
   if (tokenizer) {
-    if (tokenizer->vocab_size() > lm->vocab_size()) {
-      throw UserError("the tokenizer's vocabulary (" + std::to_string(tokenizer->vocab_size()) +
-                      " ids) is larger than the package's (" + std::to_string(lm->vocab_size()) +
-                      "): it is not this model's tokenizer");
-    }
+    check_tokenizer(*tokenizer, *lm);
     const std::optional<int64_t> bos_id = lm->bos_token_id() ? lm->bos_token_id() : tokenizer->bos_id();
     for (const auto& [text, where] : given) {
       if (text.empty()) throw UserError(where + " is empty");

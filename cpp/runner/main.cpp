@@ -128,6 +128,7 @@ int main(int argc, char** argv) {
   using namespace customops::runner;
   try {
     if (argc > 1 && std::string(argv[1]) == "generate") return generate_main(argc - 1, argv + 1);
+    if (argc > 1 && std::string(argv[1]) == "serve") return serve_main(argc - 1, argv + 1);
     return run(parse_args(argc, argv));
   } catch (const UsageError& e) {
     std::cerr << "customops-run: " << e.what() << "\n";

@@ -1,7 +1,8 @@
 // Internal to customops-run: what its parts share. args.cpp reads the command line and main.cpp
 // runs it; package_checks.cpp checks a package before it is loaded; tensor_io.cpp reads inputs and
 // writes outputs; loaded_package.cpp loads and runs a package without knowing the command line (a
-// C++ API for running packages, or a decode loop, builds on it); errors.cpp words errors.
+// C++ API for running packages, or a decode loop, builds on it); errors.cpp words errors;
+// generate.cpp and serve.cpp are the generate and serve commands.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -21,6 +22,11 @@ namespace torch::inductor {
 class AOTIModelPackageLoader;
 }  // namespace torch::inductor
 
+namespace customops {
+class CausalLM;
+class Tokenizer;
+}  // namespace customops
+
 namespace customops::runner {
 
 // An error the user can act on; main prints "customops-run: <message>" and exits with status 1.
@@ -35,6 +41,15 @@ struct UsageError : UserError {
 // ---- generate.cpp
 // customops-run generate ARGS (argv[0] is "generate"): its own command line and run.
 int generate_main(int argc, char** argv);
+// The causal-LM package at package loaded onto its device (checked against device, as --device),
+// and a UserError that says what is wrong where it cannot be.
+std::unique_ptr<CausalLM> load_causal_lm(const std::string& package, const std::optional<std::string>& device);
+// A UserError where the tokenizer cannot be the model's (its vocabulary is larger).
+void check_tokenizer(const Tokenizer& tokenizer, const CausalLM& lm);
+
+// ---- serve.cpp
+// customops-run serve ARGS (argv[0] is "serve"): an OpenAI-compatible HTTP server.
+int serve_main(int argc, char** argv);
 
 // ---- errors.cpp
 // A c10::Error or std::exception as one line: without the C++ backtrace torch appends, its lines

@@ -29,7 +29,8 @@ def consumer(request, tmp_path_factory) -> Path:
     configure = ["cmake", "-S", CONSUMER_SRC, "-B", build, f"-DCMAKE_PREFIX_PATH={prefix}", "-DCMAKE_BUILD_TYPE=Release"]
     if shutil.which("ninja") and not (build / "CMakeCache.txt").exists():
         configure += ["-G", "Ninja"]
-    targets = ["run_package", "run_package_without_customops", "generate_api", "tokenize_api", "engine_api"]
+    targets = ["run_package", "run_package_without_customops", "generate_api", "tokenize_api", "engine_api",
+               "chat_template_api"]
     for cmd in (configure, ["cmake", "--build", build, "--target", *targets]):
         r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, f"{' '.join(map(str, cmd))}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"

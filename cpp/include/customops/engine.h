@@ -83,6 +83,7 @@ class CUSTOMOPS_API Request {
 };
 
 struct EngineOptions {
+  int64_t max_batch = 0;  // the slots to use, at most the package's max_batch (0: all of them)
   // A step's rows times its chunk length at most this (a decode step of every slot always runs):
   // the tokens a step computes, padding included.
   int64_t token_budget = 2048;

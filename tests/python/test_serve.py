@@ -1,0 +1,296 @@
+"""customops-run serve against the official openai client, on 127.0.0.1: a small Llama packaged with
+4 slots, and a byte-level BPE tokenizer trained here with tokenizers (Llama-3's pre-tokenizer and
+special tokens, bos put by its post-processor) saved by save_pretrained with Llama-3.1's real chat
+template. Completions and chat, streaming and not, give Hugging Face's greedy generate on the same
+text; concurrent clients, some cancelled mid-stream, each get their result alone; every bad request
+gets OpenAI's error JSON with its status; the server stays healthy, and stops cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+import customops
+
+openai = pytest.importorskip("openai")
+tokenizers = pytest.importorskip("tokenizers")
+transformers = pytest.importorskip("transformers")
+
+from test_aoti import run  # noqa: E402
+
+if "serve" not in run([customops.runner_path(), "--version"]).stdout:
+    pytest.skip("customops-run was built without serve (Debian: libcpp-httplib-dev nlohmann-json3-dev pkg-config)",
+                allow_module_level=True)
+
+KEY, NAME, MAX_BATCH, MAX_SEQ_LEN, MAX_BODY = "test-key", "tiny-llama", 4, 160, 100_000
+TEMPLATE = (Path(__file__).resolve().parent / "chat_templates" / "Llama-3.1-8B-Instruct.jinja").read_text()
+SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
+TEXTS = ["The quick brown fox", "Once upon a time, in a land far away,", "café Straße 🙂 12345",
+         "def f(x):\n    return x ** 2", "a", "Привет мир! こんにちは世界"]
+
+
+def _hf_tokenizer(folder: Path):
+    """A byte-level BPE tokenizer of Llama-3's design, saved by save_pretrained with Llama-3.1's chat
+    template; returns transformers' tokenizer read back from the folder."""
+    from test_tokenizer import LLAMA3, _corpus
+    from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = tokenizers.Tokenizer(models.BPE(ignore_merges=True))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=420, special_tokens=SPECIAL, show_progress=False,
+                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(300, seed=0) + TEXTS * 5, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                       special_tokens=[("<|begin_of_text|>", 0)])
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin_of_text|>",
+                                              eos_token="<|eot_id|>")
+    hf.chat_template = TEMPLATE
+    hf.save_pretrained(folder)
+    return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(server, Hugging Face model, tokenizer): customops-run serve on a free port of 127.0.0.1."""
+    import causal_lms
+
+    root = tmp_path_factory.mktemp("serve")
+    hf_tok = _hf_tokenizer(root / "tokenizer")
+    ids = hf_tok.convert_tokens_to_ids
+    model = causal_lms.llama(vocab_size=len(hf_tok), hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                             bos_token_id=ids("<|begin_of_text|>"), eos_token_id=ids("<|eot_id|>"))
+    model.generation_config.bos_token_id = ids("<|begin_of_text|>")
+    model.generation_config.eos_token_id = ids("<|eot_id|>")
+    path = customops.export.package_causal_lm(model, root / f"{NAME}.pt2", max_batch=MAX_BATCH,
+                                              max_seq_len=MAX_SEQ_LEN)
+    server = Server(path, root / "tokenizer", "--api-key", KEY, "--max-body", str(MAX_BODY), "--token-budget", "64")
+    yield server, model, hf_tok
+    server.stop()
+
+
+class Server:
+    def __init__(self, package, tokenizer, *args):
+        self.proc = subprocess.Popen([customops.runner_path(), "serve", package, "--tokenizer", tokenizer, "--port", "0",
+                                      *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = self.proc.stderr.readline()
+        m = re.search(r"on http://127\.0\.0\.1:(\d+) ", line)
+        assert m, line + self.proc.stderr.read() if self.proc.poll() is not None else line
+        self.url = f"http://127.0.0.1:{m.group(1)}"
+        self.stderr: list[str] = []
+        threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0, timeout=120, **kw)
+
+    def http(self, method, path, body=None, headers=None, key=True):
+        """(status, body as JSON or text) of a raw request."""
+        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        h = {"Content-Type": "application/json", **({"Authorization": f"Bearer {KEY}"} if key else {}), **(headers or {})}
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=h)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                status, text = r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            status, text = e.code, e.read().decode()
+        try:
+            return status, json.loads(text)
+        except json.JSONDecodeError:
+            return status, text
+
+    def metric(self, name):
+        _, text = self.http("GET", "/metrics")
+        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            return self.proc.wait(timeout=30)
+        return self.proc.returncode
+
+
+def hf_text(model, hf_tok, ids, n):
+    """Hugging Face's greedy continuation of ids: its text (special tokens left out), its length."""
+    from causal_lms import hf_generate
+
+    new = hf_generate(model, ids, n)
+    return hf_tok.decode(new, skip_special_tokens=True), len(new)
+
+
+def chat_ids(hf_tok, messages):
+    return hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def test_completions_are_hugging_face_greedy_generate(served):
+    server, model, hf_tok = served
+    client = server.client()
+    for text in TEXTS:
+        want, n = hf_text(model, hf_tok, hf_tok(text).input_ids, 12)
+        r = client.completions.create(model=NAME, prompt=text, max_tokens=12, temperature=0)
+        assert r.choices[0].text == want, text
+        assert r.choices[0].finish_reason == ("length" if n == 12 else "stop")
+        assert r.usage.prompt_tokens == len(hf_tok(text).input_ids) and r.usage.completion_tokens == n
+        assert r.model == NAME and r.object == "text_completion"
+        chunks = list(client.completions.create(model=NAME, prompt=text, max_tokens=12, temperature=0, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+        assert chunks[-1].usage.completion_tokens == n
+
+
+def test_chat_renders_the_template_and_is_hugging_face_greedy_generate(served):
+    server, model, hf_tok = served
+    client = server.client()
+    conversations = [
+        [{"role": "user", "content": "Hello there"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "café 🙂"},
+         {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "And then?"}],
+    ]
+    for messages in conversations:
+        ids = chat_ids(hf_tok, messages)
+        want, n = hf_text(model, hf_tok, ids, 10)
+        r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
+        assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == n
+        stream = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0,
+                                                stream=True)
+        chunks = list(stream)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+        assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_stop_strings_cut_the_text_before_them(served):
+    server, model, hf_tok = served
+    client = server.client()
+    text = TEXTS[1]
+    full, _ = hf_text(model, hf_tok, hf_tok(text).input_ids, 16)
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    assert stop.strip(), full
+    want = full[:full.index(stop)]
+    r = client.completions.create(model=NAME, prompt=text, max_tokens=16, temperature=0, stop=[stop, "never here"])
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    chunks = list(client.completions.create(model=NAME, prompt=text, max_tokens=16, temperature=0, stop=stop,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want
+
+
+def test_seeded_sampling_repeats(served):
+    server, _, _ = served
+    client = server.client()
+    args = dict(model=NAME, prompt=TEXTS[0], max_tokens=12, temperature=1.5, top_p=0.95, extra_body={"top_k": 50})
+    a, b, c = (client.completions.create(seed=s, **args).choices[0].text for s in (3, 3, 4))
+    assert a == b and a != c
+
+
+def test_concurrent_clients_each_get_their_result_alone(served):
+    """Twelve clients at once on four slots, prompts of different lengths, half streaming; three
+    streams are dropped after their first chunks. Every finished one is its result alone, and once
+    all are done no slot stays taken."""
+    server, model, hf_tok = served
+    prompts = [TEXTS[i % len(TEXTS)] * (1 + i % 3) for i in range(12)]
+    wants = [hf_text(model, hf_tok, hf_tok(p).input_ids, 8 + i % 5)[0] for i, p in enumerate(prompts)]
+
+    def one(i):
+        client = server.client()
+        args = dict(model=NAME, prompt=prompts[i], max_tokens=8 + i % 5, temperature=0)
+        if i % 2 == 0:
+            return client.completions.create(**args).choices[0].text
+        stream = client.completions.create(stream=True, **args)
+        if i % 4 == 1:  # a client that goes away after its first chunk
+            next(iter(stream))
+            stream.close()
+            return None
+        return "".join(c.choices[0].text for c in stream)
+
+    with ThreadPoolExecutor(12) as pool:
+        got = list(pool.map(one, range(12)))
+    for i, text in enumerate(got):
+        if i % 4 != 1:
+            assert text == wants[i], i
+    deadline = time.time() + 30
+    while server.metric("customops_requests_running") > 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert server.metric("customops_requests_running") == 0 and server.metric("customops_requests_waiting") == 0
+    assert server.http("GET", "/health") == (200, {"status": "ok"})
+
+
+@pytest.mark.parametrize("path,body,status,match", [
+    ("/v1/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, "must be a JSON object"),
+    ("/v1/completions", {"model": NAME}, 400, "prompt is required"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt must be a string"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature must be a number"),
+    ("/v1/completions", {"prompt": "hi", "temperature": 7}, 400, r"temperature must be in \[0, 2\]"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens must be at least 1"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens must be an integer"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p must be greater than 0"),
+    ("/v1/completions", {"prompt": "hi", "stop": [1]}, 400, "stop must be a string"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n is not supported"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream must be true or false"),
+    ("/v1/completions", {"prompt": "hi " * 400}, 400, f"more than the package's max_seq_len \\({MAX_SEQ_LEN}\\)"),
+    ("/v1/completions", {"prompt": [1, 10**6]}, 400, "outside the vocabulary"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 400, "'gpt-4' is not served here"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages must be a non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "role 'tool' is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "content must be a string"),
+    ("/v1/nowhere", {}, 404, "no such endpoint"),
+])
+def test_a_bad_request_gets_openai_error_json(served, path, body, status, match):
+    server, _, _ = served
+    got, out = server.http("POST", path, body)
+    assert got == status and isinstance(out, dict), (got, out)
+    assert set(out["error"]) == {"message", "type", "param", "code"} and re.search(match, out["error"]["message"]), out
+
+
+def test_the_api_key_and_the_body_limit(served):
+    server, _, _ = served
+    status, out = server.http("POST", "/v1/completions", {"prompt": "hi"}, key=False)
+    assert status == 401 and out["error"]["code"] == "invalid_api_key"
+    assert server.http("POST", "/v1/completions", {"prompt": "hi"}, headers={"Authorization": "Bearer no"})[0] == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    status, out = server.http("POST", "/v1/completions", {"prompt": "x" * (MAX_BODY + 10)})
+    assert status == 413 and "larger than" in out["error"]["message"]
+    assert server.http("GET", "/health", key=False) == (200, {"status": "ok"})  # open, as llama-server's
+    with pytest.raises(openai.BadRequestError, match="not served here"):
+        server.client().completions.create(model="other", prompt="hi", max_tokens=2)
+
+
+def test_models_tokenize_detokenize_and_metrics(served):
+    server, _, hf_tok = served
+    assert [m.id for m in server.client().models.list()] == [NAME]
+    text = TEXTS[2]
+    status, out = server.http("POST", "/tokenize", {"content": text})
+    assert status == 200 and out["tokens"] == hf_tok(text, add_special_tokens=False).input_ids
+    assert server.http("POST", "/tokenize", {"content": text, "add_special": True})[1]["tokens"] == hf_tok(text).input_ids
+    assert server.http("POST", "/detokenize", {"tokens": out["tokens"]}) == (200, {"content": text})
+    _, metrics = server.http("GET", "/metrics")
+    for name in ("customops_requests_total", "customops_prompt_tokens_total", "customops_generated_tokens_total",
+                 "customops_requests_running", "customops_requests_waiting",
+                 "customops_time_to_first_token_seconds_count", "customops_inter_token_latency_seconds_bucket"):
+        assert re.search(rf"^{name}(\{{[^}}]*\}})? \d", metrics, re.M), name
+    assert server.metric("customops_requests_total") > 0
+
+
+def test_sigterm_stops_the_server_cleanly(served, tmp_path):
+    server, _, _ = served
+    other = Server(server.proc.args[2], server.proc.args[4])
+    assert other.http("GET", "/health")[0] == 200
+    stream = other.client().completions.create(model=NAME, prompt="hi", max_tokens=100, stream=True)
+    next(iter(stream))
+    assert other.stop() == 0
+    time.sleep(0.2)
+    assert any("stopped" in line for line in other.stderr), other.stderr
