@@ -318,13 +318,16 @@ struct Metrics {
 // ---- text out, with stop strings ----------------------------------------------------------------
 
 // The text of a request's ids as they come: whole characters (TextStream), cut before the first
-// stop string, and holding back a tail that may be the start of one until the next ids show.
+// stop string, and holding back a tail that may be the start of one until the next ids show. An id
+// past the tokenizer's vocabulary (a model's vocabulary is often padded past its tokenizer's) has
+// no text.
 class TextOut {
  public:
-  TextOut(const Tokenizer& tokenizer, std::vector<std::string> stops) : stream_(tokenizer), stops_(std::move(stops)) {}
+  TextOut(const Tokenizer& tokenizer, std::vector<std::string> stops)
+      : stream_(tokenizer), stops_(std::move(stops)), vocab_(tokenizer.vocab_size()) {}
   std::string push(const std::vector<int64_t>& ids) {
     for (int64_t id : ids) {
-      if (!stopped_) pending_ += stream_.push(id);
+      if (!stopped_ && id < vocab_) pending_ += stream_.push(id);
     }
     return release(false);
   }
@@ -364,6 +367,7 @@ class TextOut {
 
   TextStream stream_;
   std::vector<std::string> stops_;
+  int64_t vocab_;
   std::string pending_;
   bool stopped_ = false;
 };

@@ -25,10 +25,12 @@ PYTHON_LIBS = ("libpython", "libtorch_python")
 
 
 def clean_env() -> dict:
-    """PATH only (plus the GPU selection, which is not Python's): no PYTHONPATH, PYTHONHOME, venv."""
+    """PATH only (plus the GPU selection and the library path, which are not Python's): no
+    PYTHONPATH, PYTHONHOME, venv."""
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin"}
-    if "CUDA_VISIBLE_DEVICES" in os.environ:
-        env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    for name in ("CUDA_VISIBLE_DEVICES", "LD_LIBRARY_PATH"):
+        if name in os.environ:
+            env[name] = os.environ[name]
     return env
 
 

@@ -27,6 +27,7 @@ openai = pytest.importorskip("openai")
 tokenizers = pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
+from conftest import DEVICES  # noqa: E402
 from test_aoti import run  # noqa: E402
 
 if "serve" not in run([customops.runner_path(), "--version"]).stdout:
@@ -62,9 +63,12 @@ def _hf_tokenizer(folder: Path):
     return transformers.AutoTokenizer.from_pretrained(folder)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """(server, Hugging Face model, tokenizer): customops-run serve on a free port of 127.0.0.1."""
+@pytest.fixture(scope="module", params=DEVICES)
+def served(request, tmp_path_factory):
+    """(server, Hugging Face model, tokenizer): customops-run serve on a free port of 127.0.0.1. On
+    CUDA the model is bfloat16 (decode steps replay CUDA graphs), and the greedy ids to match are
+    the package's own (customops-run generate of one prompt) where they are Hugging Face's on the
+    CPU."""
     import causal_lms
 
     root = tmp_path_factory.mktemp("serve")
@@ -74,9 +78,12 @@ def served(tmp_path_factory):
                              bos_token_id=ids("<|begin_of_text|>"), eos_token_id=ids("<|eot_id|>"))
     model.generation_config.bos_token_id = ids("<|begin_of_text|>")
     model.generation_config.eos_token_id = ids("<|eot_id|>")
+    if request.param == "cuda":
+        model = model.to("cuda", torch.bfloat16)
     path = customops.export.package_causal_lm(model, root / f"{NAME}.pt2", max_batch=MAX_BATCH,
                                               max_seq_len=MAX_SEQ_LEN)
     server = Server(path, root / "tokenizer", "--api-key", KEY, "--max-body", str(MAX_BODY), "--token-budget", "64")
+    server.package, server.device = path, request.param
     yield server, model, hf_tok
     server.stop()
 
@@ -121,11 +128,17 @@ class Server:
         return self.proc.returncode
 
 
-def hf_text(model, hf_tok, ids, n):
-    """Hugging Face's greedy continuation of ids: its text (special tokens left out), its length."""
-    from causal_lms import hf_generate
+def greedy_text(server, model, hf_tok, ids, n):
+    """The greedy continuation of ids alone, its text (special tokens left out) and its length:
+    Hugging Face's generate on the CPU, customops-run generate of the one prompt on CUDA."""
+    from causal_lms import generate, hf_generate
 
-    new = hf_generate(model, ids, n)
+    if server.device == "cpu":
+        new = hf_generate(model, ids, n)
+    else:
+        r = generate(server.package, "--max-new-tokens", str(n), "--prompt", " ".join(map(str, ids)))
+        assert r.returncode == 0, r.stderr
+        new = list(map(int, r.stdout.split()))
     return hf_tok.decode(new, skip_special_tokens=True), len(new)
 
 
@@ -137,7 +150,7 @@ def test_completions_are_hugging_face_greedy_generate(served):
     server, model, hf_tok = served
     client = server.client()
     for text in TEXTS:
-        want, n = hf_text(model, hf_tok, hf_tok(text).input_ids, 12)
+        want, n = greedy_text(server, model, hf_tok, hf_tok(text).input_ids, 12)
         r = client.completions.create(model=NAME, prompt=text, max_tokens=12, temperature=0)
         assert r.choices[0].text == want, text
         assert r.choices[0].finish_reason == ("length" if n == 12 else "stop")
@@ -160,7 +173,7 @@ def test_chat_renders_the_template_and_is_hugging_face_greedy_generate(served):
     ]
     for messages in conversations:
         ids = chat_ids(hf_tok, messages)
-        want, n = hf_text(model, hf_tok, ids, 10)
+        want, n = greedy_text(server, model, hf_tok, ids, 10)
         r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
         assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
         assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == n
@@ -176,7 +189,7 @@ def test_stop_strings_cut_the_text_before_them(served):
     server, model, hf_tok = served
     client = server.client()
     text = TEXTS[1]
-    full, _ = hf_text(model, hf_tok, hf_tok(text).input_ids, 16)
+    full, _ = greedy_text(server, model, hf_tok, hf_tok(text).input_ids, 16)
     stop = full[len(full) // 2:len(full) // 2 + 2]
     assert stop.strip(), full
     want = full[:full.index(stop)]
@@ -201,7 +214,7 @@ def test_concurrent_clients_each_get_their_result_alone(served):
     all are done no slot stays taken."""
     server, model, hf_tok = served
     prompts = [TEXTS[i % len(TEXTS)] * (1 + i % 3) for i in range(12)]
-    wants = [hf_text(model, hf_tok, hf_tok(p).input_ids, 8 + i % 5)[0] for i, p in enumerate(prompts)]
+    wants = [greedy_text(server, model, hf_tok, hf_tok(p).input_ids, 8 + i % 5)[0] for i, p in enumerate(prompts)]
 
     def one(i):
         client = server.client()
@@ -287,7 +300,7 @@ def test_models_tokenize_detokenize_and_metrics(served):
 
 def test_sigterm_stops_the_server_cleanly(served, tmp_path):
     server, _, _ = served
-    other = Server(server.proc.args[2], server.proc.args[4])
+    other = Server(server.package, server.proc.args[4])
     assert other.http("GET", "/health")[0] == 200
     stream = other.client().completions.create(model=NAME, prompt="hi", max_tokens=100, stream=True)
     next(iter(stream))

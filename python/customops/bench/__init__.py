@@ -5,7 +5,9 @@ forward (:mod:`.model`, with ``--fsdp`` under FSDP2); ``--ring`` times ring atte
 against one (:mod:`.ring`); ``--generate`` times text generation, Python's against
 ``customops-run generate`` (:mod:`.generate`); ``--decode`` times decode attention against a KV
 cache, customops' split-KV kernel against SDPA (:mod:`.decode`); ``--attention`` times attention
-against SDPA at the attention issue's shapes, forward and forward+backward (:mod:`.attention`).
+against SDPA at the attention issue's shapes, forward and forward+backward (:mod:`.attention`);
+``--serve`` times ``customops-run serve`` under concurrent clients against ``customops-run
+generate`` of the same batch (:mod:`.serve`).
 The families share :mod:`.timers` and :mod:`.common`.
 
 A family is a module whose ``main(argv) -> int`` parses its own options and runs it; a new family
@@ -24,6 +26,7 @@ FAMILIES = {
     "--generate": "customops.bench.generate",
     "--decode": "customops.bench.decode",
     "--attention": "customops.bench.attention",
+    "--serve": "customops.bench.serve",
 }
 
 

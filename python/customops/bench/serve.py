@@ -1,0 +1,247 @@
+"""``python -m customops bench --serve``: ``customops-run serve`` under load, against ``customops-run
+generate`` of the same batch and against the decode floor.
+
+The model is :mod:`.generate`'s (Llama-3.2-1B shapes on CUDA, a small config on CPU), packaged once
+with ``max_batch`` the largest concurrency. For each concurrency C the server runs with
+``--max-batch C`` and C streaming clients (threads, raw HTTP) each send ``--requests`` completions
+one after another: prompts of mixed lengths (token ids, a quarter to all of ``--prompt-len``), each
+``--new-tokens`` greedy tokens. Reported: output tokens/s over the wall time; time to first token
+(TTFT) and inter-token latency (ITL: a request's time from its first to its last token over its
+tokens after the first) at their p50 and p99 over the requests; and the largest gap between two
+chunks of a stream (a stall, such as a prefill chunk beside decoding rows). Beside them,
+``customops-run generate`` of C of the same prompts at once: its tokens/s (C x new tokens over its
+prefill and decode time), its decode ms/token and its prefill time, and the floor: the bytes a
+decode step of C rows reads at the copy speed measured here.
+
+The tokenizer is one made here whose every id decodes to one to three ASCII letters, so that each
+token is a chunk of text the server can send at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import re
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+import customops
+
+from .. import _cli
+from .common import pick_device, versions, write_json
+from .generate import _copy_speed, _model
+
+
+def _tokenizer_json(vocab_size: int, path: Path) -> None:
+    """A byte-level BPE tokenizer.json of vocab_size ids: the 256 bytes, then two- and three-letter
+    ASCII words (each a merge of a shorter one and a letter)."""
+    from tokenizers import pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {c: i for i, c in enumerate(sorted(alphabet))}
+    letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+    merges = []
+    words = [a + b for a in letters for b in letters] + [a + b + c for a in letters for b in letters for c in letters]
+    for w in words:
+        if len(vocab) >= vocab_size:
+            break
+        vocab[w] = len(vocab)
+        merges.append([w[:-1], w[-1]])
+    spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+            "post_processor": None, "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+                                                "use_regex": True},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": vocab, "merges": merges}}
+    path.write_text(json.dumps(spec))
+
+
+class _Server:
+    def __init__(self, package, tokenizer, max_batch):
+        self.proc = subprocess.Popen([customops.runner_path(), "serve", package, "--tokenizer", tokenizer, "--port",
+                                      "0", "--max-batch", str(max_batch)], stderr=subprocess.PIPE, text=True)
+        line = self.proc.stderr.readline()
+        m = re.search(r":(\d+) \(", line)
+        if not m:
+            raise RuntimeError(f"customops-run serve did not start: {line}{self.proc.stderr.read()}")
+        self.port = int(m.group(1))
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+def _stream(port, prompt, new_tokens) -> dict:
+    """One streamed completion: its TTFT, its token count and its chunks' arrival times."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    body = json.dumps({"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}})
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
+    times, usage = [], None
+    for raw in r:
+        line = raw.decode()
+        if not line.startswith("data: ") or line.startswith("data: [DONE]"):
+            continue
+        if '"usage":{' in line:
+            usage = json.loads(line[6:])["usage"]
+        elif '"text":""' not in line:
+            times.append(time.perf_counter())
+    conn.close()
+    return {"start": t0, "times": times, "tokens": usage["completion_tokens"]}
+
+
+def _load(port, prompts, concurrency, requests, new_tokens) -> dict:
+    results, errors = [], []
+    lock = threading.Lock()
+
+    def client(k):
+        for j in range(requests):
+            try:
+                res = _stream(port, prompts[(k * requests + j) % len(prompts)], new_tokens)
+            except Exception as e:  # noqa: BLE001
+                errors.append(str(e))
+                return
+            with lock:
+                results.append(res)
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(concurrency)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t
+    if errors:
+        raise RuntimeError(errors[0])
+    ttft = [r["times"][0] - r["start"] for r in results]
+    itl = [(r["times"][-1] - r["times"][0]) / (r["tokens"] - 1) for r in results if r["tokens"] > 1]
+    gaps = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
+
+    def pct(xs, q):
+        return statistics.quantiles(xs, n=100)[q - 1] if len(xs) > 1 else xs[0]
+
+    return {"tokens_per_s": sum(r["tokens"] for r in results) / wall, "ttft_p50_ms": pct(ttft, 50) * 1e3,
+            "ttft_p99_ms": pct(ttft, 99) * 1e3, "itl_p50_ms": pct(itl, 50) * 1e3, "itl_p99_ms": pct(itl, 99) * 1e3,
+            "max_gap_ms": max(gaps) * 1e3 if gaps else 0.0, "requests": len(results)}
+
+
+def _generate(package, prompts, new_tokens) -> dict:
+    cmd = [customops.runner_path(), "generate", package, "--max-new-tokens", str(new_tokens), "--ignore-eos"]
+    for p in prompts:
+        cmd += ["--prompt", " ".join(map(str, p))]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr.strip().splitlines()[-1])
+    prefill = float(re.search(r"prefill: \d+ tokens in ([\d.]+) ms", r.stderr).group(1))
+    decode = float(re.search(r"steps of \d+ sequence\(s\) in ([\d.]+) ms \(([\d.]+) ms/token", r.stderr).group(1))
+    per_token = float(re.search(r"\(([\d.]+) ms/token", r.stderr).group(1))
+    return {"tokens_per_s": len(prompts) * new_tokens / ((prefill + decode) / 1e3), "decode_ms": per_token,
+            "prefill_ms": prefill}
+
+
+def run(args) -> dict:
+    model = _model(args)
+    cfg = model.config
+    levels = [int(c) for c in args.concurrency.split(",")]
+    root = Path(tempfile.mkdtemp())
+    _tokenizer_json(cfg.vocab_size, root / "tokenizer.json")
+    t = time.perf_counter()
+    package = str(customops.export.package_causal_lm(model, root / "llama.pt2", max_batch=max(levels),
+                                                     max_seq_len=args.prompt_len + args.new_tokens))
+    notes = [f"package_causal_lm: {time.perf_counter() - t:.0f} s (max_batch {max(levels)})"]
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    speed = _copy_speed(args.device)
+    del model
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    g = torch.Generator().manual_seed(2)
+    rows = []
+    for c in levels:
+        n = max(c * args.requests, 1)
+        lengths = torch.randint(max(1, args.prompt_len // 4), args.prompt_len + 1, (n,), generator=g).tolist()
+        prompts = [torch.randint(1, cfg.vocab_size, (k,), generator=g).tolist() for k in lengths]
+        kv = 2 * cfg.num_hidden_layers * c * cfg.num_key_value_heads * cfg.head_dim * \
+            (statistics.mean(lengths) + args.new_tokens / 2) * 2
+        floor_ms = (weight_bytes + kv) / speed * 1e3
+        if not args.no_progress:
+            print(f"... concurrency {c}: customops-run generate, then serve", flush=True)
+        row = {"concurrency": c, "floor_ms": floor_ms, "floor_tokens_per_s": c / floor_ms * 1e3}
+        try:
+            row["generate"] = _generate(package, prompts[:c], args.new_tokens)
+            alone = _generate(package, prompts[:1], 1)  # the prefill of one prompt alone
+            row["prefill_alone_ms"] = alone["prefill_ms"]
+            server = _Server(package, root / "tokenizer.json", c)
+            try:
+                _load(server.port, prompts[:c], c, 1, 8)  # warm-up: the batch sizes' CUDA graphs
+                row["serve"] = _load(server.port, prompts, c, args.requests, args.new_tokens)
+            finally:
+                server.stop()
+        except Exception as e:  # noqa: BLE001  (reported; the other levels run)
+            row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        rows.append(row)
+        if not args.no_progress and "serve" in row:
+            print(f"    serve {row['serve']['tokens_per_s']:,.0f} tokens/s, generate "
+                  f"{row['generate']['tokens_per_s']:,.0f}", flush=True)
+    meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "versions": versions(args.device),
+            "layers": cfg.num_hidden_layers, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+            "requests": args.requests, "copy_gb_s": speed / 1e9}
+    return {"meta": meta, "rows": rows, "notes": notes}
+
+
+def print_report(report: dict) -> None:
+    m = report["meta"]
+    print(f"{m['device']}; " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
+    print(f"Llama {m['layers']} layers; prompts of {m['prompt_len'] // 4}-{m['prompt_len']} ids, {m['new_tokens']} "
+          f"new tokens each, {m['requests']} requests a client one after another")
+    print(f"{'C':>3s} {'serve tok/s':>12s} {'generate':>9s} {'ratio':>6s} {'floor':>8s} {'TTFT p50/p99 ms':>17s} "
+          f"{'prefill ms':>10s} {'ITL p50/p99 ms':>15s} {'generate ms/tok':>15s} {'max gap ms':>10s}")
+    for r in report["rows"]:
+        if "error" in r:
+            print(f"{r['concurrency']:3d}  {r['error']}")
+            continue
+        s, g = r["serve"], r["generate"]
+        print(f"{r['concurrency']:3d} {s['tokens_per_s']:12,.0f} {g['tokens_per_s']:9,.0f} "
+              f"{s['tokens_per_s'] / g['tokens_per_s']:5.2f}x {r['floor_tokens_per_s']:8,.0f} "
+              f"{s['ttft_p50_ms']:8.1f}/{s['ttft_p99_ms']:<8.1f} {r['prefill_alone_ms']:10.1f} "
+              f"{s['itl_p50_ms']:7.2f}/{s['itl_p99_ms']:<7.2f} {g['decode_ms']:15.2f} {s['max_gap_ms']:10.1f}")
+    print("ratio: serve's tokens/s over generate's for the same prompts at once; floor: C tokens per decode step "
+          "at the copy speed; prefill ms: one prompt's prefill alone (customops-run generate)")
+    for n in report["notes"]:
+        print(n)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m customops bench --serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--serve", action="store_true", required=True)
+    p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument("--layers", type=int, help="decoder layers (default: 16 on CUDA, 2 on CPU)")
+    p.add_argument("--prompt-len", type=int, help="the longest prompt (default: 512 on CUDA, 32 on CPU)")
+    p.add_argument("--new-tokens", type=int, help="default: 128 on CUDA, 16 on CPU")
+    p.add_argument("--concurrency", help="comma-separated (default: 1,8,32 on CUDA, 1,2 on CPU)")
+    p.add_argument("--requests", type=int, default=2, help="requests each client sends, one after another")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    _cli.require("python -m customops bench --serve", {"transformers": "hf", "tokenizers": "hf"})
+    args.device = pick_device(p, args.device)
+    cuda = args.device == "cuda"
+    args.layers = args.layers or (16 if cuda else 2)
+    args.prompt_len = args.prompt_len or (512 if cuda else 32)
+    args.new_tokens = args.new_tokens or (128 if cuda else 16)
+    args.concurrency = args.concurrency or ("1,8,32" if cuda else "1,2")
+    report = run(args)
+    print_report(report)
+    write_json(args.json, report)
+    return 1 if any("error" in r for r in report["rows"]) else 0
