@@ -149,18 +149,18 @@ def test_op_tables_list_every_registered_op(doc):
 
 
 def test_the_runner_s_help_lists_the_commands_it_has():
-    """The commands main() dispatches on, those --help lists, and those the deployment guide shows
-    are the same; each answers --help."""
+    """The commands main() dispatches on, those --help lists, and those the deployment and serving
+    guides show are the same; each answers --help."""
     main = (ROOT / "cpp" / "runner" / "main.cpp").read_text()
     dispatched = set(re.findall(r'std::string\(argv\[1\]\) == "(\w+)"', main))
     usage = subprocess.run([customops.runner_path(), "--help"], capture_output=True, text=True).stdout
     listed = set(re.findall(r"^\s*(?:usage:)?\s*customops-run ([a-z]+) ", usage, re.M))
     assert dispatched and listed == dispatched, (listed, dispatched)
-    guide = (ROOT / "docs" / "deployment.md").read_text()
+    guide = (ROOT / "docs" / "deployment.md").read_text() + (ROOT / "docs" / "serving.md").read_text()
     for command in dispatched:
         r = subprocess.run([customops.runner_path(), command, "--help"], capture_output=True, text=True)
         assert r.returncode == 0 and f"customops-run {command}" in r.stdout, r.stderr
-        assert f"customops-run {command} " in guide, f"docs/deployment.md never shows customops-run {command}"
+        assert f"customops-run {command} " in guide, f"the guides never show customops-run {command}"
 
 
 def test_the_readme_is_a_front_page():

@@ -10,7 +10,8 @@ one after another: prompts of mixed lengths (token ids, a quarter to all of ``--
 tokens after the first) at their p50 and p99 over the requests; and the largest gap between two
 chunks of a stream (a stall, such as a prefill chunk beside decoding rows). Beside them,
 ``customops-run generate`` of C of the same prompts at once: its tokens/s (C x new tokens over its
-prefill and decode time), its decode ms/token and its prefill time, and the floor: the bytes a
+prefill and decode time) and its decode ms/token; the prefill of a prompt of the median length
+alone (what TTFT at concurrency 1 compares with); and the floor: the bytes a
 decode step of C rows reads at the copy speed measured here.
 
 The tokenizer is one made here whose every id decodes to one to three ASCII letters, so that each
@@ -180,7 +181,8 @@ def run(args) -> dict:
         row = {"concurrency": c, "floor_ms": floor_ms, "floor_tokens_per_s": c / floor_ms * 1e3}
         try:
             row["generate"] = _generate(package, prompts[:c], args.new_tokens)
-            alone = _generate(package, prompts[:1], 1)  # the prefill of one prompt alone
+            median = sorted(prompts, key=len)[len(prompts) // 2]
+            alone = _generate(package, [median], 1)  # the prefill of a prompt of the median length alone
             row["prefill_alone_ms"] = alone["prefill_ms"]
             server = _Server(package, root / "tokenizer.json", c)
             try:
@@ -217,7 +219,7 @@ def print_report(report: dict) -> None:
               f"{s['ttft_p50_ms']:8.1f}/{s['ttft_p99_ms']:<8.1f} {r['prefill_alone_ms']:10.1f} "
               f"{s['itl_p50_ms']:7.2f}/{s['itl_p99_ms']:<7.2f} {g['decode_ms']:15.2f} {s['max_gap_ms']:10.1f}")
     print("ratio: serve's tokens/s over generate's for the same prompts at once; floor: C tokens per decode step "
-          "at the copy speed; prefill ms: one prompt's prefill alone (customops-run generate)")
+          "at the copy speed; prefill ms: the prefill of a prompt of the median length alone (customops-run generate)")
     for n in report["notes"]:
         print(n)
 
