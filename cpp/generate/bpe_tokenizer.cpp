@@ -6,6 +6,7 @@
 // JSON through nlohmann-json. utf8_lossy is here too: the decoder's last step, and the streaming
 // decoder's test for a complete character.
 #include "generate/text_backend.h"
+#include "generate/utf8.h"
 
 #include <algorithm>
 #include <cctype>
@@ -124,26 +125,6 @@ size_t whitespace_before(const std::string& text, size_t end) {
   size_t i = end - 1;
   while (i > 0 && (static_cast<unsigned char>(text[i]) & 0xC0) == 0x80) --i;
   return whitespace_at(text, i) == end - i ? end - i : 0;
-}
-
-std::string utf8_of(uint32_t cp) {
-  std::string s;
-  if (cp < 0x80) {
-    s += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    s += static_cast<char>(0xC0 | (cp >> 6));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    s += static_cast<char>(0xE0 | (cp >> 12));
-    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    s += static_cast<char>(0xF0 | (cp >> 18));
-    s += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    s += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    s += static_cast<char>(0x80 | (cp & 0x3F));
-  }
-  return s;
 }
 
 // GPT-2's map of the 256 bytes to printable characters (ByteLevel): a byte that is printable stays

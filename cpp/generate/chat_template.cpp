@@ -12,6 +12,8 @@
 #include <stdexcept>
 #include <utility>
 
+#include "generate/utf8.h"
+
 namespace customops {
 namespace {
 
@@ -34,26 +36,6 @@ uint32_t cp_at(const std::string& s, size_t i) {
   c &= 0x7f >> n;
   for (size_t k = 1; k < n; ++k) c = (c << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3f);
   return c;
-}
-
-std::string utf8(uint32_t c) {
-  std::string out;
-  if (c < 0x80) {
-    out += static_cast<char>(c);
-  } else if (c < 0x800) {
-    out += static_cast<char>(0xc0 | (c >> 6));
-    out += static_cast<char>(0x80 | (c & 0x3f));
-  } else if (c < 0x10000) {
-    out += static_cast<char>(0xe0 | (c >> 12));
-    out += static_cast<char>(0x80 | ((c >> 6) & 0x3f));
-    out += static_cast<char>(0x80 | (c & 0x3f));
-  } else {
-    out += static_cast<char>(0xf0 | (c >> 18));
-    out += static_cast<char>(0x80 | ((c >> 12) & 0x3f));
-    out += static_cast<char>(0x80 | ((c >> 6) & 0x3f));
-    out += static_cast<char>(0x80 | (c & 0x3f));
-  }
-  return out;
 }
 
 // Python's str.isspace(), which is also what str.strip(), str.split() and re's \s use.
@@ -310,7 +292,7 @@ std::string unescape(const std::string& body, int line) {
       uint32_t code = 0;
       for (int k = 0; k < 3 && i < body.size() && body[i] >= '0' && body[i] <= '7'; ++k) code = code * 8 + (body[i++] - '0');
       --i;
-      out += utf8(code);
+      out += utf8_of(code);
     } else if (c == 'x' || c == 'u' || c == 'U') {
       const size_t n = c == 'x' ? 2 : c == 'u' ? 4 : 8;
       const std::string digits = body.substr(i + 1, n);
@@ -318,7 +300,7 @@ std::string unescape(const std::string& body, int line) {
         fail_at(line, std::string("malformed \\") + c + " escape in a string literal");
       const auto code = static_cast<uint32_t>(std::stoul(digits, nullptr, 16));
       if (code > 0x10ffff || (code >= 0xd800 && code < 0xe000)) fail_at(line, "a string literal escapes an invalid code point");
-      out += utf8(code);
+      out += utf8_of(code);
       i += n;
     } else if (c == 'N') {
       fail_at(line, "\\N{...} escapes in string literals are not supported");

@@ -179,18 +179,19 @@ struct Engine::Impl {
     for (auto& s : slots) {
       if (s && s->state->cancelled) end(s, FinishReason::cancelled);
     }
+    // a cancelled request that waits ends now (its client may be waiting for its end)
+    for (auto it = waiting.begin(); it != waiting.end();) {
+      if ((*it)->state->cancelled) {
+        end(*it, FinishReason::cancelled);
+        it = waiting.erase(it);
+      } else {
+        ++it;
+      }
+    }
     for (int64_t slot = 0; slot < max_slots() && !waiting.empty(); ++slot) {
       if (slots[slot]) continue;
-      std::shared_ptr<Seq> s;
-      while (!waiting.empty() && !s) {
-        s = std::move(waiting.front());
-        waiting.pop_front();
-        if (s->state->cancelled) {
-          end(s, FinishReason::cancelled);
-          s = nullptr;
-        }
-      }
-      if (!s) break;
+      std::shared_ptr<Seq> s = std::move(waiting.front());
+      waiting.pop_front();
       s->slot = slot;
       if (s->o.temperature > 0) s->gen = make_generator(m.device, s->o.seed);
       slots[slot] = s;
@@ -475,6 +476,8 @@ std::shared_ptr<Request> Engine::submit(std::vector<int64_t> prompt, const Reque
   s->o = o;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
+    // (after stop() nothing would ever run it)
+    if (impl_->stopping) throw std::runtime_error("the engine is stopped: it takes no more requests");
     impl_->incoming.push_back(s);
     ++impl_->stats.waiting;
     impl_->cv.notify_all();

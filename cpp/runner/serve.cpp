@@ -437,6 +437,8 @@ class Server {
       send_json(res, e.status, error_body(e.what(), e.type, e.param, e.code));
     } catch (const std::invalid_argument& e) {  // the engine's and tokenizer's checks of what came
       send_json(res, 400, error_body(e.what(), "invalid_request_error"));
+    } catch (const std::runtime_error& e) {  // the engine stopped (the server is stopping)
+      send_json(res, 503, error_body(message_of(e), "server_error"));
     } catch (const std::exception& e) {
       ++metrics_.failed;
       send_json(res, 500, error_body(message_of(e), "server_error"));
@@ -843,9 +845,12 @@ int serve_main(int argc, char** argv) {
   server.routes(http);
   const int port = o.port == 0 ? http.bind_to_any_port(o.host) : (http.bind_to_port(o.host, o.port) ? o.port : -1);
   if (port < 0) throw UserError("cannot listen on " + o.host + ":" + std::to_string(o.port));
-  std::thread waiter([&http, stop_signals] {
+  // On a signal the engine stops first: the requests in flight end (their streams with an error
+  // event, others with 503) and new ones are refused, so that no connection keeps the server up.
+  std::thread waiter([&http, &engine, stop_signals] {
     int signal = 0;
     sigwait(&stop_signals, &signal);
+    engine.stop();
     http.stop();
   });
   std::cerr << "customops-run serve: " << o.model_name << " on http://" << o.host << ":" << port << " ("

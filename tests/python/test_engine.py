@@ -115,13 +115,15 @@ def test_stop_ids_eos_max_tokens_and_a_full_cache_end_a_request(lm, consumer, tm
 
 
 def test_a_cancelled_request_frees_its_slot_for_the_next(lm, consumer, tmp_path):
-    """Three slots taken by long requests and a fourth waiting: cancelling the second at step 4 ends
-    it there and admits the fourth, which gets its ids alone and finishes before the others."""
+    """Three slots taken by long requests and two waiting: cancelling the second at step 4 ends it
+    there and admits the fourth, which gets its ids alone and finishes before the others; the fifth,
+    cancelled while it waits, ends without running."""
     model, path, device = lm
     ps = prompts(4, 6, 5, 7, seed=6)
     script = [submit(0, p, max=30, ignore_eos=True) for p in ps[:3]] + [
-        submit(1, ps[3], max=5, ignore_eos=True), "4 cancel 1", "30 cancel 0"]
+        submit(1, ps[3], max=5, ignore_eos=True), submit(1, ps[0], max=5), "2 cancel 4", "4 cancel 1", "30 cancel 0"]
     got, stderr = engine(consumer, path, script, tmp_path=tmp_path)
+    assert got[4] == ("cancelled", 0, [])  # cancelled while it waited: it never ran
     assert got[1][0] == "cancelled" and len(got[1][2]) <= 5
     assert got[3] == ("length", 5, alone(consumer, path, ps[3], 5))
     for k in (0, 2):  # request 0's cancel came after its last id: ignored

@@ -305,3 +305,33 @@ def test_sigterm_stops_the_server_cleanly(served, tmp_path):
     assert other.stop() == 0
     time.sleep(0.2)
     assert any("stopped" in line for line in other.stderr), other.stderr
+
+
+def test_random_request_bodies_get_an_answer_or_a_400_never_a_crash(served):
+    """400 request bodies whose fields are drawn at random (every JSON type, edge numbers, huge
+    and negative values, strings of special tokens, deep nesting), some of them valid: each gets
+    200 or a 400 with OpenAI's error JSON, and the server stays healthy."""
+    import random
+
+    server, _, _ = served
+    rng = random.Random(0)
+    values = [None, True, False, 0, 1, -1, 2, 7, 2**31, 2**63 - 1, 2**64, -2**63, 0.5, 1e308, -1e-300, "", "hi",
+              "<|eot_id|><|begin_of_text|>", "\x00\u2028🙂", [], [1, 2], ["a", "b"], [[1]], {}, {"a": 1},
+              {"include_usage": True}, [1] * 5000, {"a": {"b": {"c": [None]}}}]
+    fields = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+              "seed", "stop", "stream", "stream_options", "n", "logprobs", "echo", "presence_penalty", "logit_bias",
+              "chat_template_kwargs", "user"]
+    message = [{"role": "user", "content": "hi"}]
+    for i in range(400):
+        chat = i % 2 == 1
+        body = {"prompt": "hi"} if not chat else {"messages": message}
+        for f in rng.sample(fields, rng.randint(1, 4)):
+            body[f] = rng.choice(values + ([message, [{"role": rng.choice(["user", "x", 3]), "content": rng.choice(values)}]]
+                                          if f == "messages" else []))
+        if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 4:
+            body["max_tokens"] = 4
+        status, out = server.http("POST", "/v1/chat/completions" if chat else "/v1/completions", body)
+        assert status in (200, 400), (status, body, out)
+        if status == 400:
+            assert isinstance(out, dict) and out["error"]["message"], (body, out)
+    assert server.http("GET", "/health") == (200, {"status": "ok"})

@@ -100,7 +100,8 @@ class CUSTOMOPS_API Engine {
   Engine& operator=(const Engine&) = delete;
 
   // Queues a request (any thread). Throws std::invalid_argument naming the first problem with the
-  // prompt (empty, longer than max_seq_len, an id outside the vocabulary) or the options.
+  // prompt (empty, longer than max_seq_len, an id outside the vocabulary) or the options, and
+  // std::runtime_error once stop() was called.
   std::shared_ptr<Request> submit(std::vector<int64_t> prompt, const RequestOptions& options);
 
   // Runs one step if any request is in flight; false where there was none. For a caller that
@@ -108,7 +109,8 @@ class CUSTOMOPS_API Engine {
   bool step();
   // A thread that runs steps while requests are in flight and sleeps while none are.
   void start();
-  void stop();  // ends that thread (after its current step); requests in flight end as cancelled
+  void stop();  // ends that thread (after its current step); requests in flight end as cancelled,
+                // and submit refuses new ones
 
   struct Stats {
     int64_t running = 0, waiting = 0;  // requests holding a slot, and waiting for one
