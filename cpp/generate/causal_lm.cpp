@@ -246,9 +246,11 @@ GenerateResult CausalLM::generate(const std::vector<std::vector<int64_t>>& promp
   ro.stop_at_eos = o.stop_at_eos;
   std::vector<std::shared_ptr<Request>> requests;
   GenerateResult r;
-  for (const auto& p : prompts) {
-    requests.push_back(engine.submit(p, ro));
-    r.prefill_tokens += static_cast<int64_t>(p.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    // each prompt its own seed (identical prompts of one batch draw apart; prompt 0 takes o.seed)
+    ro.seed = o.seed ^ (0x9E3779B97F4A7C15ULL * i);
+    requests.push_back(engine.submit(prompts[i], ro));
+    r.prefill_tokens += static_cast<int64_t>(prompts[i].size());
   }
   auto t0 = std::chrono::steady_clock::now();
   engine.step();

@@ -16,6 +16,7 @@
 // takes, written to its own slot past its end.
 #include "customops/engine.h"
 
+#include <c10/core/DeviceGuard.h>
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
@@ -386,6 +387,7 @@ struct Engine::Impl {
   }
 
   bool step() {
+    const c10::DeviceGuard device_guard(m.device);  // (a thread of its own starts on device 0)
     std::unique_ptr<Launched> cur = std::move(ahead);
     try {
       if (!cur) {
@@ -424,9 +426,13 @@ struct Engine::Impl {
     for (auto& s : slots) {
       if (s) end(s, FinishReason::error, message);
     }
-    for (auto& s : slots) {
-      if (s) s->in_flight = 0;
-    }
+    update_stats();
+  }
+
+  void update_stats() {
+    std::lock_guard<std::mutex> lock(mu);
+    stats.running = running();
+    stats.waiting = static_cast<int64_t>(waiting.size() + incoming.size());
   }
 
   // Ends every request, in a slot or waiting, as cancelled (the engine is going away).
@@ -445,6 +451,7 @@ struct Engine::Impl {
     }
     for (auto& s : waiting) end(s, FinishReason::cancelled);
     waiting.clear();
+    update_stats();
   }
 };
 
@@ -477,7 +484,7 @@ std::shared_ptr<Request> Engine::submit(std::vector<int64_t> prompt, const Reque
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
     // (after stop() nothing would ever run it)
-    if (impl_->stopping) throw std::runtime_error("the engine is stopped: it takes no more requests");
+    if (impl_->stopping) throw EngineStopped("the engine is stopped: it takes no more requests");
     impl_->incoming.push_back(s);
     ++impl_->stats.waiting;
     impl_->cv.notify_all();
@@ -503,6 +510,8 @@ void Engine::start() {
         i.step();
       } catch (const std::exception& e) {
         std::cerr << "customops::Engine: " << e.what() << "\n";  // the requests in flight ended with it
+      } catch (...) {
+        std::cerr << "customops::Engine: a step failed with an exception that is not a std::exception\n";
       }
     }
     try {

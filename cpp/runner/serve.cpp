@@ -232,7 +232,33 @@ void send_json(httplib::Response& res, int status, const json& body) {
 
 // ---- request fields, checked ------------------------------------------------------------------
 
+// The deepest nesting of arrays and objects in a JSON text (strings skipped). No request needs more
+// than a few levels, and a deep value is what nlohmann's recursive copy and dump would overflow the
+// stack on.
+int json_depth(const std::string& text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 json parse_body(const httplib::Request& req) {
+  if (json_depth(req.body) > 32) throw bad_request("the request body nests arrays or objects deeper than 32 levels");
   json body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
   if (body.is_discarded()) throw bad_request("the request body is not valid JSON");
   if (!body.is_object()) throw bad_request("the request body must be a JSON object");
@@ -325,11 +351,15 @@ class TextOut {
  public:
   TextOut(const Tokenizer& tokenizer, std::vector<std::string> stops)
       : stream_(tokenizer), stops_(std::move(stops)), vocab_(tokenizer.vocab_size()) {}
+  // (each id's text is checked on its own, so that which stop string ends the text does not depend
+  // on how the ids were grouped into updates)
   std::string push(const std::vector<int64_t>& ids) {
+    std::string out;
     for (int64_t id : ids) {
       if (!stopped_ && id < vocab_) pending_ += stream_.push(id);
+      out += release(false);
     }
-    return release(false);
+    return out;
   }
   std::string finish() {
     if (!stopped_) pending_ += stream_.finish();
@@ -399,6 +429,20 @@ class Server {
 
   void routes(httplib::Server& http) {
     http.set_payload_max_length(static_cast<size_t>(o_.max_body));
+    // httplib bounds a body by its Content-Length only: a chunked body, one without a length, or a
+    // compressed one (which it inflates) could be any size. Refused before the body is read.
+    http.set_pre_routing_handler([](const httplib::Request& req, httplib::Response& res) {
+      if (req.method != "POST") return httplib::Server::HandlerResponse::Unhandled;
+      if (req.has_header("Content-Encoding")) {
+        send_json(res, 415, error_body("compressed request bodies are not accepted", "invalid_request_error"));
+      } else if (req.has_header("Transfer-Encoding") || !req.has_header("Content-Length")) {
+        send_json(res, 411, error_body("a request body needs a Content-Length (chunked bodies are not accepted)",
+                                       "invalid_request_error"));
+      } else {
+        return httplib::Server::HandlerResponse::Unhandled;
+      }
+      return httplib::Server::HandlerResponse::Handled;
+    });
     http.Post("/v1/completions", [this](const auto& req, auto& res) { handle(req, res, [&] { generate(req, res, false); }); });
     http.Post("/v1/chat/completions", [this](const auto& req, auto& res) { handle(req, res, [&] { generate(req, res, true); }); });
     http.Get("/v1/models", [this](const auto& req, auto& res) { handle(req, res, [&] { models(res); }); });
@@ -437,8 +481,11 @@ class Server {
       send_json(res, e.status, error_body(e.what(), e.type, e.param, e.code));
     } catch (const std::invalid_argument& e) {  // the engine's and tokenizer's checks of what came
       send_json(res, 400, error_body(e.what(), "invalid_request_error"));
-    } catch (const std::runtime_error& e) {  // the engine stopped (the server is stopping)
-      send_json(res, 503, error_body(message_of(e), "server_error"));
+    } catch (const json::exception& e) {  // a value of a type a check above did not foresee
+      send_json(res, 400, error_body(std::string("the request has a value of the wrong type: ") + e.what(),
+                                     "invalid_request_error"));
+    } catch (const EngineStopped& e) {  // the server is stopping
+      send_json(res, 503, error_body(e.what(), "server_error"));
     } catch (const std::exception& e) {
       ++metrics_.failed;
       send_json(res, 500, error_body(message_of(e), "server_error"));
@@ -473,7 +520,8 @@ class Server {
     for (const char* t : {"tools", "functions"}) {
       if (const json* v = field(body, t); v && !v->empty()) refuse(t, "no tool calls");
     }
-    if (const json* f = field(body, "response_format"); f && !(f->is_object() && f->value("type", "") == "text")) {
+    if (const json* f = field(body, "response_format");
+        f && !(f->is_object() && f->contains("type") && (*f)["type"] == "text")) {
       refuse("response_format", "text only");
     }
   }
@@ -483,8 +531,7 @@ class Server {
   std::vector<int64_t> completion_prompt(const json& body) {
     const json* p = field(body, "prompt");
     if (!p) throw bad_request("prompt is required", "prompt");
-    json prompt = *p;
-    if (prompt.is_array() && prompt.size() == 1 && prompt[0].is_string()) prompt = prompt[0];
+    const json& prompt = p->is_array() && p->size() == 1 && (*p)[0].is_string() ? (*p)[0] : *p;
     if (prompt.is_string()) {
       std::vector<int64_t> ids = tokenizer_.encode(prompt.get<std::string>());
       if (text_.add_bos) {
@@ -529,7 +576,7 @@ class Server {
         content = c->get<std::string>();
       } else if (c && c->is_array()) {  // parts: text ones only
         for (const auto& part : *c) {
-          if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+          if (!part.is_object() || !part.contains("type") || part["type"] != "text" || !part.contains("text") ||
               !part["text"].is_string()) {
             throw bad_request(where + ": only text content parts are supported", "messages");
           }
@@ -638,11 +685,15 @@ class Server {
 
   // A request in flight: its engine request, its text, and its counts.
   struct Run {
+    Run(std::shared_ptr<Request> r, TextOut t) : request(std::move(r)), text(std::move(t)) {}
+    Run(const Run&) = delete;
+    Run& operator=(const Run&) = delete;
     std::shared_ptr<Request> request;
     TextOut text;
     int64_t completion_tokens = 0;
     Clock::time_point last = Clock::now();
     bool first = true;
+    ~Run() { request->cancel(); }  // a no-op where it ended; else its slot is freed
   };
 
   // Takes an update's ids into run (its text, metrics); returns the text to send.
@@ -681,7 +732,7 @@ class Server {
     const json body = parse_body(req);
     Job job = parse_job(body, chat);
     ++metrics_.requests;
-    auto run = std::make_shared<Run>(Run{engine_.submit(job.prompt, job.options), TextOut(tokenizer_, job.stops)});
+    auto run = std::make_shared<Run>(engine_.submit(job.prompt, job.options), TextOut(tokenizer_, job.stops));
     metrics_.prompt_tokens += static_cast<int64_t>(job.prompt.size());
     const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id_++);
     if (!job.stream) {
@@ -702,41 +753,54 @@ class Server {
     res.set_chunked_content_provider(
         "text/event-stream",
         [this, job, id, run](size_t, httplib::DataSink& sink) {
-          auto send = [&](const json& event) {
-            const std::string line = "data: " + event.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
-            return sink.write(line.data(), line.size());
-          };
-          auto chunk = [&](const std::string& text, const json& finish, bool first = false) {
-            json event = envelope(job, id);
-            event["choices"] = json::array({choice(job, text, finish, first)});
-            if (job.include_usage) event["usage"] = nullptr;
-            return send(event);
-          };
-          if (job.chat && !chunk("", nullptr, /*first=*/true)) return false;
-          Request::Update u;
-          do {
-            u = run->request->next(std::chrono::milliseconds(100));
-            if (!sink.is_writable()) return false;  // the client went away: the releaser cancels
-            const std::string text = advance(*run, u);
-            if (!text.empty() && !chunk(text, nullptr)) return false;
-          } while (!u.finished && !run->text.stopped());
           try {
-            if (!chunk("", finish_reason(*run, u))) return false;
-          } catch (const ApiError& e) {
-            send(error_body(e.what(), e.type));
+            return stream(job, id, *run, sink);
+          } catch (const std::exception& e) {  // thrown here, it would end the process
+            ++metrics_.failed;
+            const std::string line = "data: " + error_body(message_of(e), "server_error").dump() + "\n\n";
+            sink.write(line.data(), line.size());
+            return false;
           }
-          if (job.include_usage) {
-            json event = envelope(job, id);
-            event["choices"] = json::array();
-            event["usage"] = usage(static_cast<int64_t>(job.prompt.size()), run->completion_tokens);
-            send(event);
-          }
-          const std::string done = "data: [DONE]\n\n";
-          sink.write(done.data(), done.size());
-          sink.done();
-          return true;
         },
         [run](bool) { run->request->cancel(); });  // a no-op where it ended
+  }
+
+  // Writes a run's server-sent events until it ends; false where the client went away.
+  bool stream(const Job& job, const std::string& id, Run& run, httplib::DataSink& sink) {
+    auto send = [&](const json& event) {
+      const std::string line = "data: " + event.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+      return sink.write(line.data(), line.size());
+    };
+    auto chunk = [&](const std::string& text, const json& finish, bool first = false) {
+      json event = envelope(job, id);
+      event["choices"] = json::array({choice(job, text, finish, first)});
+      if (job.include_usage) event["usage"] = nullptr;
+      return send(event);
+    };
+    if (job.chat && !chunk("", nullptr, /*first=*/true)) return false;
+    Request::Update u;
+    do {
+      u = run.request->next(std::chrono::milliseconds(100));
+      if (!sink.is_writable()) return false;  // the client went away: the releaser cancels
+      const std::string text = advance(run, u);
+      if (!text.empty() && !chunk(text, nullptr)) return false;
+    } while (!u.finished && !run.text.stopped());
+    try {
+      if (!chunk("", finish_reason(run, u))) return false;
+    } catch (const ApiError& e) {
+      ++metrics_.failed;
+      send(error_body(e.what(), e.type));
+    }
+    if (job.include_usage) {
+      json event = envelope(job, id);
+      event["choices"] = json::array();
+      event["usage"] = usage(static_cast<int64_t>(job.prompt.size()), run.completion_tokens);
+      send(event);
+    }
+    const std::string done = "data: [DONE]\n\n";
+    sink.write(done.data(), done.size());
+    sink.done();
+    return true;
   }
 
   void models(httplib::Response& res) {
@@ -802,6 +866,13 @@ class Server {
 }  // namespace
 
 int serve_main(int argc, char** argv) {
+  // SIGINT and SIGTERM go to one thread, which stops the server: blocked before any thread starts
+  // (every thread inherits the mask), so that none takes them with the default action
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   const ServeOptions o = parse_serve_args(argc, argv);
   const TextSetup text = read_text_setup(o);
   std::unique_ptr<Tokenizer> tokenizer_owner;
@@ -822,14 +893,6 @@ int serve_main(int argc, char** argv) {
   Engine engine(lm, eo);
   Server server(o, lm, engine, tokenizer, text);
 
-  // SIGINT and SIGTERM go to one thread, which stops the server (every thread started from here on
-  // inherits the blocked mask)
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
-
   // a first request that loads the kernels (and captures the one-row CUDA graph) before any client
   engine.start();
   engine.submit({lm.bos_token_id().value_or(0)}, [] {
@@ -847,16 +910,25 @@ int serve_main(int argc, char** argv) {
   if (port < 0) throw UserError("cannot listen on " + o.host + ":" + std::to_string(o.port));
   // On a signal the engine stops first: the requests in flight end (their streams with an error
   // event, others with 503) and new ones are refused, so that no connection keeps the server up.
-  std::thread waiter([&http, &engine, stop_signals] {
+  // A signal before listening starts waits for it (stop() does nothing to a server not running yet).
+  std::atomic<bool> listened{false};
+  std::thread waiter([&http, &engine, &listened, stop_signals] {
     int signal = 0;
     sigwait(&stop_signals, &signal);
     engine.stop();
-    http.stop();
+    while (!listened) {
+      if (http.is_running()) {
+        http.stop();
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
   });
   std::cerr << "customops-run serve: " << o.model_name << " on http://" << o.host << ":" << port << " ("
             << lm.device().str() << ", " << (o.max_batch ? std::min(o.max_batch, lm.max_batch()) : lm.max_batch())
             << " slots of " << lm.max_seq_len() << " tokens)" << std::endl;
   http.listen_after_bind();
+  listened = true;
   pthread_kill(waiter.native_handle(), SIGTERM);  // where listening ended otherwise
   waiter.join();
   engine.stop();

@@ -163,15 +163,17 @@ TEST(LlmOps, AttentionFromCppMergesSplitKeys) {
     auto [out, lse] = customops::attention(q, k, v);
     at::Tensor kk = k.repeat_interleave(2, 1), vv = v.repeat_interleave(2, 1);
     at::Tensor ref = at::softmax(at::matmul(q, kk.transpose(-2, -1)) / std::sqrt(8.0), -1).matmul(vv);
-    // The largest difference goes into the message: this test has failed now and then on the GPU
-    // machine (16 cores) and never here; a failure should say by how much and where.
+    // float64 through MKL now and then differs from the reference by up to about 2e-9 (seen on the
+    // GPU machine's 16 cores, and here about 1 run in 80, 5 in 80 with MKL_CBWR=COMPATIBLE, never
+    // with one MKL or OpenMP thread): 1e-8 holds it, and a wrong merge is off by far more. The
+    // largest difference goes into the message.
     auto diff = [](const at::Tensor& x, const at::Tensor& y) { return (x - y).abs().max().item<double>(); };
-    EXPECT_TRUE(at::allclose(out, ref, 1e-10, 1e-10)) << device << " out vs reference: " << diff(out, ref);
+    EXPECT_TRUE(at::allclose(out, ref, 1e-8, 1e-8)) << device << " out vs reference: " << diff(out, ref);
     auto a = customops::attention(q, k.narrow(2, 0, 4), v.narrow(2, 0, 4));
     auto b = customops::attention(q, k.narrow(2, 4, 5), v.narrow(2, 4, 5));
     auto [m_out, m_lse] = customops::merge_attention(std::get<0>(a), std::get<1>(a), std::get<0>(b), std::get<1>(b));
-    EXPECT_TRUE(at::allclose(m_out, out, 1e-10, 1e-10)) << device << " merged out: " << diff(m_out, out);
-    EXPECT_TRUE(at::allclose(m_lse, lse, 1e-10, 1e-10)) << device << " merged lse: " << diff(m_lse, lse);
+    EXPECT_TRUE(at::allclose(m_out, out, 1e-8, 1e-8)) << device << " merged out: " << diff(m_out, out);
+    EXPECT_TRUE(at::allclose(m_lse, lse, 1e-8, 1e-8)) << device << " merged lse: " << diff(m_lse, lse);
   }
 }
 

@@ -196,6 +196,11 @@ def test_stop_strings_cut_the_text_before_them(served):
     chunks = list(client.completions.create(model=NAME, prompt=text, max_tokens=16, temperature=0, stop=stop,
                                             stream=True))
     assert "".join(c.choices[0].text for c in chunks) == want
+    # two stop strings, one inside the other's text: the one the text reaches first ends it
+    inner = stop[1:]
+    both = full[:min(full.index(stop) + 1, full.index(inner))]
+    r = client.completions.create(model=NAME, prompt=text, max_tokens=16, temperature=0, stop=[stop, inner])
+    assert r.choices[0].text == both
 
 
 def test_seeded_sampling_repeats(served):
@@ -258,6 +263,10 @@ def test_concurrent_clients_each_get_their_result_alone(served):
     ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "role 'tool' is not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "content must be a string"),
     ("/v1/nowhere", {}, 404, "no such endpoint"),
+    ("/v1/completions", b'{"prompt": ' + b"[" * 40_000 + b"]" * 40_000 + b"}", 400, "deeper than 32 levels"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": 1}}, 400, "response_format is not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": 5, "text": "x"}]}]}, 400,
+     "only text content parts"),
 ])
 def test_a_bad_request_gets_openai_error_json(served, path, body, status, match):
     server, _, _ = served
@@ -276,6 +285,17 @@ def test_the_api_key_and_the_body_limit(served):
     status, out = server.http("POST", "/v1/completions", {"prompt": "x" * (MAX_BODY + 10)})
     assert status == 413 and "larger than" in out["error"]["message"]
     assert server.http("GET", "/health", key=False) == (200, {"status": "ok"})  # open, as llama-server's
+    # bodies httplib would not bound by --max-body: chunked, or compressed
+    import http.client
+
+    port = int(server.url.rsplit(":", 1)[1])
+    for headers, status in (({"Transfer-Encoding": "chunked"}, 411), ({"Content-Encoding": "gzip"}, 415)):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        body = b"2\r\n{}\r\n0\r\n\r\n" if "Transfer-Encoding" in headers else b"{}"
+        conn.request("POST", "/v1/completions", body, {"Authorization": f"Bearer {KEY}", **headers})
+        r = conn.getresponse()
+        assert r.status == status and "error" in json.loads(r.read()), headers
+        conn.close()
     with pytest.raises(openai.BadRequestError, match="not served here"):
         server.client().completions.create(model="other", prompt="hi", max_tokens=2)
 

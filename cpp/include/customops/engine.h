@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -82,6 +83,11 @@ class CUSTOMOPS_API Request {
   std::shared_ptr<State> state_;
 };
 
+// What submit throws once the engine was stopped.
+struct CUSTOMOPS_API EngineStopped : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
 struct EngineOptions {
   int64_t max_batch = 0;  // the slots to use, at most the package's max_batch (0: all of them)
   // A step's rows times its chunk length at most this (a decode step of every slot always runs):
@@ -93,7 +99,7 @@ struct EngineOptions {
 class CUSTOMOPS_API Engine {
  public:
   // Runs lm's package, which it must be alone to run while the engine lives (CausalLM::generate is
-  // a client of its own engine).
+  // a client of its own engine); lm must outlive the engine.
   explicit Engine(CausalLM& lm, EngineOptions options = {});
   ~Engine();  // stops the thread start() began; requests still in flight end as cancelled
   Engine(const Engine&) = delete;
@@ -101,7 +107,7 @@ class CUSTOMOPS_API Engine {
 
   // Queues a request (any thread). Throws std::invalid_argument naming the first problem with the
   // prompt (empty, longer than max_seq_len, an id outside the vocabulary) or the options, and
-  // std::runtime_error once stop() was called.
+  // EngineStopped once stop() was called.
   std::shared_ptr<Request> submit(std::vector<int64_t> prompt, const RequestOptions& options);
 
   // Runs one step if any request is in flight; false where there was none. For a caller that
