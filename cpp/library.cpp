@@ -97,14 +97,17 @@ TORCH_LIBRARY(customops, m) {
   // attention of q [B, Hq, T, D] against a KV cache [Bc >= B, Hkv, S, D] that reads only each
   // sequence's filled length: sequence b's keys are positions [0, lengths[b]) and its T queries the
   // last T of them (causal, bottom-right). Returns (out [B, Hq, T, D], lse [B, Hq, T]) as attention
-  // (out in q's memory order).
-  m.def("cache_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, float? scale=None) -> (Tensor, Tensor)");
+  // (out in q's memory order). slots [B] (int64), where given, maps the batch onto the cache's
+  // sequences: row b reads cache sequence slots[b] (else b); the same for the writes below, whose
+  // slots must be distinct (a continuous-batching engine runs the sequences of some slots alone).
+  m.def("cache_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor lengths, float? scale=None, "
+        "Tensor? slots=None) -> (Tensor, Tensor)");
   // k, v [B, Hkv, T, D] written into the caches at positions [start[b], start[b] + T) of each
   // sequence b, in place (the mutation is in the schema, so export and AOTInductor keep it there).
-  m.def("cache_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor start) -> ()");
+  m.def("cache_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor k, Tensor v, Tensor start, Tensor? slots=None) -> ()");
   // rope then cache_write, one launch on CUDA (a decode step's): q and k [B, H, T, D] rotated by
   // cos, sin ([T, R] or [B, T, R], rotate-half pairs as rope's default), the rotated k and v written
   // into the caches at [start[b], start[b] + T); returns the rotated q (in q's memory order, as rope).
   m.def("rope_cache_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor q, Tensor k, Tensor v, Tensor cos, "
-        "Tensor sin, Tensor start) -> Tensor");
+        "Tensor sin, Tensor start, Tensor? slots=None) -> Tensor");
 }

@@ -18,9 +18,10 @@
 // memory between); before sm_90 each block writes a float32 partial (out normalized, lse) and a
 // second kernel merges the splits of each row.
 //
-// A length outside [T, S] makes its sequence's rows NaN (the generic kernel raises; raising here
-// would need the host to wait). Other inputs go through the generic kernel, or, while a CUDA graph
-// is captured, cache_attention_masked: every path of the op can be captured.
+// A length outside [T, S], or a slot outside the cache, makes its sequence's rows NaN (the generic
+// kernel raises; raising here would need the host to wait). Other inputs go through the generic
+// kernel, or, while a CUDA graph is captured, cache_attention_masked: every path of the op can be
+// captured.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -91,6 +92,7 @@ struct CacheParams {
   const void* k;
   const void* v;
   const int64_t* lengths;
+  const int64_t* slots;  // row b's sequence of the cache (nullptr: b)
   void* out;          // q's sizes, unit last stride
   float* lse;         // contiguous [B, Hq, T]
   float* part_o;      // [splits, B * Hq * T, D] (splits > 1, no cluster)
@@ -99,6 +101,7 @@ struct CacheParams {
   // (32-bit: the host takes the kernel where the cache's positions fit in 2^30 and its position
   // strides in 2^31 bytes)
   int hq, hkv, group, t, s, rows;  // rows = group * t: the query rows of one kv head
+  int64_t bc;                      // the cache's sequences
   int kstep, vstep;                // bytes from one position of k's (v's) cache to the next (>= 0)
   int splits;
   bool prefetch;                   // a split's first tiles into L2 before the wait (positions dense)
@@ -172,9 +175,11 @@ __global__ void __launch_bounds__(kWarps * 32) cache_attention_kernel(CacheParam
   const int split = blockIdx.x;
   const int r0 = blockIdx.y * kRows;  // this block's first row of the kv head's rows
   const int b = blockIdx.z / p.hkv, hk = blockIdx.z % p.hkv;
+  // This row's sequence of the cache (a hint before the wait below, read again after it)
+  int64_t cb = p.slots == nullptr ? b : std::clamp<int64_t>(p.slots[b], 0, p.bc - 1);
   // Position `key` of this block's sequence and kv head in a cache (k or v, with its strides).
   auto cache_at = [&](const void* cache, const int64_t(&st)[3], int key) {
-    return static_cast<const T*>(cache) + b * st[0] + hk * st[1] + key * st[2];
+    return static_cast<const T*>(cache) + cb * st[0] + hk * st[1] + key * st[2];
   };
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   // Launched programmatically dependent, the blocks start while the kernel before still runs: the
@@ -214,6 +219,7 @@ __global__ void __launch_bounds__(kWarps * 32) cache_attention_kernel(CacheParam
     }
   }
   const int64_t len64 = p.lengths[b];
+  if (p.slots != nullptr) cb = p.slots[b];
   const int64_t total = int64_t(gridDim.z / p.hkv) * p.hq * p.t;  // rows of out: B * Hq * T
   // Whether this block writes out and lse (else a partial for the merge kernel).
   const bool direct = kCluster || p.splits == 1;
@@ -237,7 +243,7 @@ __global__ void __launch_bounds__(kWarps * 32) cache_attention_kernel(CacheParam
     }
   };
 
-  if (len64 < p.t || len64 > p.s) {  // no valid keys to read: NaN rows, which the merge keeps
+  if (len64 < p.t || len64 > p.s || cb < 0 || cb >= p.bc) {  // no valid keys to read: NaN rows, which the merge keeps
     cp_async_commit();  // (q's copies land before the block leaves)
     cp_async_wait<0>();
     // (a cluster's blocks share the sequence, so all of them return here, and its first writes)
@@ -553,14 +559,18 @@ void with_types(const at::Tensor& q, Fn&& fn) {
 // filled ones only; a length out of range gives NaN rows, as the kernel does.
 std::tuple<at::Tensor, at::Tensor> cache_attention_masked(const at::Tensor& q, const at::Tensor& k_cache,
                                                           const at::Tensor& v_cache, const at::Tensor& lengths,
-                                                          double scale) {
+                                                          double scale, const Slots& slots) {
   const int64_t b = q.size(0), hq = q.size(1), t = q.size(2), d = q.size(3), hkv = k_cache.size(1),
                 s = k_cache.size(2), g = hq / hkv;
   const at::ScalarType acc = attention_lse_dtype(q.scalar_type());
   const auto opts = q.options().dtype(at::kLong);
   // [B, Hkv, G * T, D]: the rows of a kv head's group
   const at::Tensor qg = q.to(acc).reshape({b, hkv, g * t, d});
-  const at::Tensor k = k_cache.narrow(0, 0, b).to(acc), v = v_cache.narrow(0, 0, b).to(acc);
+  // each row's sequence of the cache (a slot out of range reads sequence 0, and its row is NaN below)
+  const int64_t bc = k_cache.size(0);
+  const at::Tensor slot = slots ? slots->clamp(0, bc - 1) : at::Tensor();
+  auto rows = [&](const at::Tensor& c) { return (slots ? c.index_select(0, slot) : c.narrow(0, 0, b)).to(acc); };
+  const at::Tensor k = rows(k_cache), v = rows(v_cache);
   at::Tensor scores = at::matmul(qg, k.transpose(-2, -1)) * scale;  // [B, Hkv, G * T, S]
   const at::Tensor len = lengths.view({b, 1, 1, 1});
   const at::Tensor query = at::arange(t, opts).repeat({g}).view({1, 1, g * t, 1});
@@ -570,7 +580,9 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_masked(const at::Tensor& q, c
   const at::Tensor empty = lse == -std::numeric_limits<double>::infinity();
   const at::Tensor p = at::exp(scores - at::where(empty, at::zeros_like(lse), lse));
   at::Tensor out = at::matmul(p, v);
-  const at::Tensor bad = ((lengths < t) | (lengths > s)).view({b, 1, 1, 1});
+  at::Tensor bad = (lengths < t) | (lengths > s);
+  if (slots) bad = bad | (*slots < 0) | (*slots >= bc);
+  bad = bad.view({b, 1, 1, 1});
   const double nan = std::numeric_limits<double>::quiet_NaN();
   out = out.masked_fill(bad, nan);
   lse = lse.masked_fill(bad, nan).squeeze(-1);
@@ -713,8 +725,8 @@ void launch_cache_attention(CacheParams& p, int64_t b, int64_t groups, int64_t s
 
 std::tuple<at::Tensor, at::Tensor> cache_attention_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                                         const at::Tensor& v_in, const at::Tensor& lengths_in,
-                                                        std::optional<double> scale_in) {
-  check_cache_attention(q_in, k_in, v_in, lengths_in);
+                                                        std::optional<double> scale_in, const Slots& slots_in) {
+  check_cache_attention(q_in, k_in, v_in, lengths_in, slots_in);
   const double scale = attention_scale(scale_in, q_in.size(3));
   const int64_t b = q_in.size(0), hq = q_in.size(1), t = q_in.size(2), hkv = k_in.size(1), s = k_in.size(2);
   const int64_t rows = hq / hkv * t, groups = (rows + kRows - 1) / kRows;
@@ -726,9 +738,9 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_cuda(const at::Tensor& q_in, 
       b * hkv > 65535 || groups > 65535 || s > (int64_t{1} << 30) || hq > (int64_t{1} << 30) || prop->major < 8 ||
       ring_bytes(static_cast<int>(q_in.size(3)), 2, 4) > smem_optin) {
     if (at::cuda::currentStreamCaptureStatusMayInitCtx() != at::cuda::CaptureStatus::None) {
-      return cache_attention_masked(q_in, k_in, v_in, lengths_in, scale);
+      return cache_attention_masked(q_in, k_in, v_in, lengths_in, scale, slots_in);
     }
-    return cache_attention_generic(q_in, k_in, v_in, lengths_in, scale_in);
+    return cache_attention_generic(q_in, k_in, v_in, lengths_in, scale_in, slots_in);
   }
   const c10::cuda::CUDAGuard guard(q_in.device());
   auto [out, lse] = attention_outputs(q_in);
@@ -739,11 +751,14 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_cuda(const at::Tensor& q_in, 
     return r.stride(2) * r.element_size() > std::numeric_limits<int>::max() ? r.clone(at::MemoryFormat::Contiguous) : r;
   };
   const at::Tensor q = readable(q_in), k = cache(k_in), v = cache(v_in), lengths = lengths_in.contiguous();
+  const at::Tensor slots = slots_in ? slots_in->contiguous() : at::Tensor();
   CacheParams p{};
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
   p.lengths = lengths.const_data_ptr<int64_t>();
+  p.slots = slots.defined() ? slots.const_data_ptr<int64_t>() : nullptr;
+  p.bc = k.size(0);
   p.out = out.data_ptr();
   p.lse = lse.data_ptr<float>();
   strides_of(q, p.qs);
@@ -790,8 +805,9 @@ struct WriteParams {
   const char* src[2];  // k, v
   char* dst[2];        // k_cache, v_cache
   const int64_t* start;
+  const int64_t* slots;        // row b's sequence of the cache (nullptr: b)
   int64_t ss[2][4], ds[2][4];  // element strides of src and dst (B, H, T/S, D)
-  int64_t h, t, d, s, n;       // n = B * H * T * D
+  int64_t h, t, d, s, n, bc;   // n = B * H * T * D; bc: the cache's sequences
 };
 
 template <int kBytes>
@@ -803,20 +819,21 @@ __global__ void cache_write_kernel(WriteParams p) {
   if (idx >= p.n) return;
   const int which = blockIdx.y;
   const int64_t d = idx % p.d, t = idx / p.d % p.t, h = idx / (p.d * p.t) % p.h, b = idx / (p.d * p.t * p.h);
-  const int64_t pos = p.start[b] + t;
-  if (pos < 0 || pos >= p.s) return;  // outside the cache: nothing written
+  const int64_t pos = p.start[b] + t, c = p.slots == nullptr ? b : p.slots[b];
+  if (pos < 0 || pos >= p.s || c < 0 || c >= p.bc) return;  // outside the cache: nothing written
   const auto* src = reinterpret_cast<const Word*>(p.src[which]);
   auto* dst = reinterpret_cast<Word*>(p.dst[which]);
-  dst[b * p.ds[which][0] + h * p.ds[which][1] + pos * p.ds[which][2] + d * p.ds[which][3]] =
+  dst[c * p.ds[which][0] + h * p.ds[which][1] + pos * p.ds[which][2] + d * p.ds[which][3]] =
       src[b * p.ss[which][0] + h * p.ss[which][1] + t * p.ss[which][2] + d * p.ss[which][3]];
 }
 
 void cache_write_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
-                      const at::Tensor& start_in) {
-  check_cache_write(k_cache, v_cache, k, v, start_in);
+                      const at::Tensor& start_in, const Slots& slots_in) {
+  check_cache_write(k_cache, v_cache, k, v, start_in, slots_in);
   if (k.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(k.device());
   const at::Tensor start = start_in.contiguous();
+  const at::Tensor slots = slots_in ? slots_in->contiguous() : at::Tensor();
   WriteParams p{};
   const at::Tensor* srcs[2] = {&k, &v};
   const at::Tensor* dsts[2] = {&k_cache, &v_cache};
@@ -829,6 +846,8 @@ void cache_write_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache, cons
     }
   }
   p.start = start.const_data_ptr<int64_t>();
+  p.slots = slots.defined() ? slots.const_data_ptr<int64_t>() : nullptr;
+  p.bc = k_cache.size(0);
   p.h = k.size(1);
   p.t = k.size(2);
   p.d = k.size(3);
@@ -859,7 +878,9 @@ struct RopeWriteParams {
   const T* sin;
   int64_t cos_b;         // elements between batch entries of cos: T * D, or 0 when shared
   const int64_t* start;
+  const int64_t* slots;  // row b's sequence of the caches (nullptr: b)
   int64_t hq, hkv, t, s, d, units, n;  // units: packs a half head; n: B * T * (Hq + 2 Hkv) * units
+  int64_t bc;            // the caches' sequences
 };
 
 template <typename T, int V>
@@ -875,14 +896,15 @@ __global__ void __launch_bounds__(256) rope_cache_write_kernel(RopeWriteParams<T
   const int64_t t = bt % p.t, b = bt / p.t;
   const int w = hh < p.hq ? 0 : hh < p.hq + p.hkv ? 1 : 2;
   const int64_t h = w == 0 ? hh : w == 1 ? hh - p.hq : hh - p.hq - p.hkv;
-  int64_t row = t;
+  int64_t row = t, c = b;
   if (w > 0) {
     row = p.start[b] + t;
-    if (row < 0 || row >= p.s) return;  // outside the cache: nothing written
+    if (p.slots != nullptr) c = p.slots[b];
+    if (row < 0 || row >= p.s || c < 0 || c >= p.bc) return;  // outside the cache: nothing written
   }
   const int64_t half = p.d / 2, i1 = u * V, i2 = half + u * V;
   const T* src = p.src[w] + b * p.ss[w][0] + h * p.ss[w][1] + t * p.ss[w][2];
-  T* dst = p.dst[w] + b * p.ds[w][0] + h * p.ds[w][1] + row * p.ds[w][2];
+  T* dst = p.dst[w] + c * p.ds[w][0] + h * p.ds[w][1] + row * p.ds[w][2];
   P x1 = *reinterpret_cast<const P*>(src + i1), x2 = *reinterpret_cast<const P*>(src + i2);
   if (w < 2) {
     const int64_t c0 = b * p.cos_b + t * p.d;
@@ -901,8 +923,8 @@ __global__ void __launch_bounds__(256) rope_cache_write_kernel(RopeWriteParams<T
 
 at::Tensor rope_cache_write_cuda(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q,
                                  const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos_in,
-                                 const at::Tensor& sin_in, const at::Tensor& start_in) {
-  check_rope_cache_write(k_cache, v_cache, q, k, v, cos_in, sin_in, start_in);
+                                 const at::Tensor& sin_in, const at::Tensor& start_in, const Slots& slots_in) {
+  check_rope_cache_write(k_cache, v_cache, q, k, v, cos_in, sin_in, start_in, slots_in);
   const at::ScalarType dt = q.scalar_type();
   const int64_t d = q.size(3), v16 = 16 / q.element_size();
   auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; };
@@ -917,10 +939,11 @@ at::Tensor rope_cache_write_cuda(const at::Tensor& k_cache, const at::Tensor& v_
     fits = t->stride(3) == 1 && aligned(*t);
     for (int i = 0; i < 3 && fits; ++i) fits = t->stride(i) % v16 == 0;
   }
-  if (!fits) return rope_cache_write_composite(k_cache, v_cache, q, k, v, cos_in, sin_in, start_in);
+  if (!fits) return rope_cache_write_composite(k_cache, v_cache, q, k, v, cos_in, sin_in, start_in, slots_in);
   const c10::cuda::CUDAGuard guard(q.device());
   at::Tensor q_out = heads_layout_like(q);
   const at::Tensor start = start_in.contiguous();
+  const at::Tensor slots = slots_in ? slots_in->contiguous() : at::Tensor();
   const int64_t b = q.size(0), t = q.size(2), hq = q.size(1), hkv = k.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dt, "customops::rope_cache_write", [&] {
     if constexpr (!std::is_same_v<scalar_t, double>) {
@@ -940,6 +963,8 @@ at::Tensor rope_cache_write_cuda(const at::Tensor& k_cache, const at::Tensor& v_
       p.sin = sin.const_data_ptr<scalar_t>();
       p.cos_b = cos.dim() == 3 && cos.size(0) > 1 ? t * d : 0;
       p.start = start.const_data_ptr<int64_t>();
+      p.slots = slots.defined() ? slots.const_data_ptr<int64_t>() : nullptr;
+      p.bc = k_cache.size(0);
       p.hq = hq;
       p.hkv = hkv;
       p.t = t;

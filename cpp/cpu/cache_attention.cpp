@@ -36,7 +36,7 @@ const float* as_float(const T* x, int64_t d, float* buf) {
 
 template <typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* len,
-                      const at::Tensor& out, const at::Tensor& lse, double scale) {
+                      const int64_t* slot, const at::Tensor& out, const at::Tensor& lse, double scale) {
   const int64_t b = q.size(0), hq = q.size(1), t = q.size(2), d = q.size(3), hkv = k.size(1), g = hq / hkv;
   const int64_t rows = g * t;
   const T* qp = q.const_data_ptr<T>();
@@ -51,9 +51,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   at::parallel_for(0, b * hkv, std::max<int64_t>(1, (1 << 16) / work), [&](int64_t begin, int64_t end) {
     std::vector<float> qf(rows * d), acc(rows * d), s(rows * kBlock), kbuf(d), vbuf(d), m(rows), l(rows);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t bi = task / hkv, h = task % hkv, n = len[bi];
-      const T* kh = kp + bi * k.stride(0) + h * k.stride(1);
-      const T* vh = vp + bi * v.stride(0) + h * v.stride(1);
+      const int64_t bi = task / hkv, h = task % hkv, n = len[bi], c = slot != nullptr ? slot[bi] : bi;
+      const T* kh = kp + c * k.stride(0) + h * k.stride(1);
+      const T* vh = vp + c * v.stride(0) + h * v.stride(1);
       for (int64_t r = 0; r < rows; ++r) {  // row r: head h * g + r / t, query r % t
         const T* src = qp + bi * q.stride(0) + (h * g + r / t) * q.stride(1) + (r % t) * q.stride(2);
         for (int64_t c = 0; c < d; ++c) qf[r * d + c] = static_cast<float>(src[c]) * scale_f;
@@ -113,11 +113,11 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 }
 
 void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* len,
-                             const at::Tensor& out, const at::Tensor& lse, double scale) {
+                             const int64_t* slot, const at::Tensor& out, const at::Tensor& lse, double scale) {
   switch (q.scalar_type()) {  // the caller takes float32, bfloat16 and float16 only
-    case at::kFloat: decode_attention<float>(q, k, v, len, out, lse, scale); break;
-    case at::kBFloat16: decode_attention<c10::BFloat16>(q, k, v, len, out, lse, scale); break;
-    default: decode_attention<c10::Half>(q, k, v, len, out, lse, scale); break;
+    case at::kFloat: decode_attention<float>(q, k, v, len, slot, out, lse, scale); break;
+    case at::kBFloat16: decode_attention<c10::BFloat16>(q, k, v, len, slot, out, lse, scale); break;
+    default: decode_attention<c10::Half>(q, k, v, len, slot, out, lse, scale); break;
   }
 }
 
@@ -125,23 +125,25 @@ void decode_attention_kernel(const at::Tensor& q, const at::Tensor& k, const at:
 
 #ifdef CPU_CAPABILITY_DEFAULT
 CUSTOMOPS_CPU_KERNEL(void, decode_attention_kernel, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                     const int64_t*, const at::Tensor&, const at::Tensor&, double)
+                     const int64_t*, const int64_t*, const at::Tensor&, const at::Tensor&, double)
 
 namespace {
 
 std::tuple<at::Tensor, at::Tensor> cache_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                                                        const at::Tensor& v_cache, const at::Tensor& lengths,
-                                                       std::optional<double> scale) {
-  check_cache_attention(q, k_cache, v_cache, lengths);
+                                                       std::optional<double> scale, const Slots& slots) {
+  check_cache_attention(q, k_cache, v_cache, lengths, slots);
   const at::ScalarType dtype = q.scalar_type();
   const bool takes = (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
                      q.size(2) <= kCacheAttentionMaxQueries && k_cache.stride(3) == 1 && v_cache.stride(3) == 1;
-  if (!takes) return cache_attention_generic(q, k_cache, v_cache, lengths, scale);
+  if (!takes) return cache_attention_generic(q, k_cache, v_cache, lengths, scale, slots);
   auto [out, lse] = attention_outputs(q);  // out with a unit last stride; lse float32 for these dtypes
   const at::Tensor host = cache_lengths_on_host(q, k_cache, lengths);
+  const at::Tensor host_slots = slots_on_host("customops::cache_attention", slots, k_cache.size(0), /*distinct=*/false);
   if (q.numel() == 0) return {out, lse};
   const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
-  CUSTOMOPS_CPU_DISPATCH(decode_attention_kernel, qc, k_cache, v_cache, host.const_data_ptr<int64_t>(), out, lse,
+  CUSTOMOPS_CPU_DISPATCH(decode_attention_kernel, qc, k_cache, v_cache, host.const_data_ptr<int64_t>(),
+                         slots ? host_slots.const_data_ptr<int64_t>() : nullptr, out, lse,
                          attention_scale(scale, q.size(3)));
   return {out, lse};
 }

@@ -155,11 +155,12 @@ CausalLM::CausalLM(const std::string& package_path, std::optional<c10::Device> d
     meta.clear();
   }
   const std::string& format = meta["customops_causal_lm"];
-  if (format == "1") {  // T >= 2 declared (a decode step fails torch's input checks), one eos id
+  // "1": T >= 2 declared (a decode step fails torch's input checks), one eos id; "2": no slots
+  if (format == "1" || format == "2") {
     throw std::invalid_argument(package_path + " was written by an older customops; write it again with "
                                 "customops.export.package_causal_lm");
   }
-  if (format != "2") {
+  if (format != "3") {
     throw std::invalid_argument(package_path +
                                 " is not a causal-LM package (write one with customops.export.package_causal_lm)");
   }
@@ -258,7 +259,7 @@ GenerateResult CausalLM::generate(const std::vector<std::vector<int64_t>>& promp
   t0 = std::chrono::steady_clock::now();
   while (engine.step()) ++r.decode_steps;
   r.decode_ms = ms_since(t0);
-  r.cuda_graph = engine.stats().graph_steps > 0;
+  r.cuda_graph = engine.stats().graph_runs > 0;
   r.ids.resize(b);
   for (int64_t i = 0; i < b; ++i) {
     Request::Update u = requests[i]->next();

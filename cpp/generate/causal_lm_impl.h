@@ -30,7 +30,7 @@ struct CausalLM::Impl {
   // A decode step of one batch size: its inputs, which each step refills, and its graph. Kept
   // here, so that every engine of this CausalLM replays the graphs the first one captured.
   struct Step {
-    at::Tensor ids, start, count;
+    at::Tensor ids, positions, count;  // positions: [2, B], start and slots
     std::unique_ptr<DecodeGraph> graph;
   };
   std::map<int64_t, Step> steps;

@@ -1,19 +1,20 @@
 // customops::Engine (customops/engine.h): continuous batching over a causal-LM package.
 //
-// The package's forward is (input_ids [B, T], start [B], count [B]) -> logits [B, vocab] of each
-// row's last new token; row i reads and writes row i of the KV cache, so a request's slot is its
-// row, and a step runs rows 0 to the highest slot in use. A row writes its T ids at positions
-// start to start + T - 1 of its cache, the ids past its count as padding that no query reads
-// (attention is causal and reads each row's filled part) and that its next ids overwrite; a free
-// slot's row is such padding at position 0 (the next request in that slot prefills from 0). A step
-// is planned on the host (plan), launched (launch: its inputs copied, the package run, its ids
-// sampled on the device and copied to pinned host memory) and taken (take: the host waits for its
-// ids, streams them to their requests and ends the ones that stop). On CUDA a decode step (T = 1)
-// replays its batch size's CUDA graph, and the next decode step is launched before the host waits
-// for this one's ids, fed them on the device: the GPU does not idle while the host reads, decides
-// and launches. That next step assumes no sequence ends but by its counts, which the host knows
-// ahead; a sequence that ends at an eos or stop id, or is cancelled, gets one more id that nobody
-// takes, written to its own slot past its end.
+// The package's forward is (input_ids [B, T], start [B], count [B], slots [B]) -> logits [B,
+// vocab] of each row's last new token; row i reads and writes row slots[i] of the KV cache, a
+// request's slot. A row writes its T ids at positions start to start + T - 1 of its slot, the ids
+// past its count as padding that no query reads (attention is causal and reads each row's filled
+// part) and that its next ids overwrite. A step is two runs at most, each over the slots it names:
+// the decoding sequences (T = 1) and the prefilling ones (T = their chunk), so that a decoding row
+// never computes a chunk's length. A run is planned on the host (launch_planned), launched (run:
+// its inputs copied, the package run, its ids sampled on the device and copied to pinned host
+// memory) and taken (take: the host waits for its ids, streams them to their requests and ends the
+// ones that stop). On CUDA a run of T = 1 replays its batch size's CUDA graph, and where no prompt
+// is being prefilled the next decode run is launched before the host waits for this one's ids, fed
+// them on the device: the GPU does not idle while the host reads, decides and launches. That next
+// run assumes no sequence ends but by its counts, which the host knows ahead; a sequence that ends
+// at an eos or stop id, or is cancelled, gets one more id that nobody takes, written to its own
+// slot past its end (before its slot can be taken again: admission waits for every launched run).
 #include "customops/engine.h"
 
 #include <c10/core/DeviceGuard.h>
@@ -124,10 +125,11 @@ struct Seq {
   Sampling sampling() const { return {o.temperature, o.top_k, o.top_p}; }
 };
 
-// One launched step: what each row samples, and the ids coming back.
+// One launched run: what each row samples, and the ids coming back.
 struct Launched {
   int64_t rows = 0, t = 0;
   std::vector<std::shared_ptr<Seq>> sampled;  // per row: the sequence whose next id it samples, or none
+                                              // (a prompt chunk that is not its last)
   std::vector<int64_t> filled;                // per row: that sequence's filled length with this step's ids in
   at::Tensor ids;                             // the sampled ids on the device (in the vocabulary)
   at::Tensor host;                            // the same, -1 where not finite, on the host once `ready`
@@ -150,7 +152,7 @@ struct Engine::Impl {
   // the engine thread's own (or step()'s caller's)
   std::deque<std::shared_ptr<Seq>> waiting;
   std::vector<std::shared_ptr<Seq>> slots;  // [max_batch], none where free
-  std::unique_ptr<Launched> ahead;          // a step launched, not taken
+  std::unique_ptr<Launched> ahead;          // a decode run launched, not taken
 
   Impl(CausalLM::Impl& lm, EngineOptions o)
       : m(lm), options(o), slots(o.max_batch > 0 ? std::min(o.max_batch, lm.max_batch) : lm.max_batch) {}
@@ -202,44 +204,43 @@ struct Engine::Impl {
     stats.waiting = static_cast<int64_t>(waiting.size());
   }
 
-  // The rows up to the highest slot in use.
-  int64_t rows() const {
-    for (int64_t r = max_slots(); r > 0; --r) {
-      if (slots[r - 1]) return r;
+  // Plans and launches the next step from the host's state: a run of the decoding sequences, each
+  // feeding its last id, and a run of the prefilling ones, each feeding its next chunk. Empty where
+  // no request holds a slot.
+  std::vector<std::unique_ptr<Launched>> launch_planned() {
+    std::vector<std::shared_ptr<Seq>> decoding, prefilling;
+    for (const auto& s : slots) {
+      if (s) (s->prefilling() ? prefilling : decoding).push_back(s);
     }
-    return 0;
+    std::vector<std::unique_ptr<Launched>> runs;
+    if (!decoding.empty()) runs.push_back(launch_rows(decoding, 1));
+    if (!prefilling.empty()) {
+      const int64_t n = static_cast<int64_t>(prefilling.size());
+      int64_t t = 1;
+      for (const auto& s : prefilling) t = std::max<int64_t>(t, static_cast<int64_t>(s->prompt.size()) - s->fed);
+      // what the decode run leaves of the budget, shared; every row's t positions fit in its cache
+      const int64_t left = options.token_budget - static_cast<int64_t>(decoding.size());
+      t = std::min(t, std::max<int64_t>(1, left / n));
+      for (const auto& s : prefilling) t = std::min(t, m.max_seq_len - s->filled);
+      runs.push_back(launch_rows(prefilling, t));
+    }
+    return runs;
   }
 
-  // Plans and launches the next step from the host's state: each decoding sequence feeds its last
-  // id, each prefilling one its next chunk. nullptr where no request holds a slot.
-  std::unique_ptr<Launched> launch_planned() {
-    const int64_t b = rows();
-    if (b == 0) return nullptr;
-    int64_t t = 1;
-    bool prefill = false;
-    for (int64_t r = 0; r < b; ++r) {
-      if (slots[r] && slots[r]->prefilling()) {
-        prefill = true;
-        t = std::max<int64_t>(t, static_cast<int64_t>(slots[r]->prompt.size()) - slots[r]->fed);
-      }
-    }
-    if (prefill) {
-      t = std::min(t, std::max<int64_t>(1, options.token_budget / b));
-      // every row's t positions must fit in its cache
-      for (int64_t r = 0; r < b; ++r) {
-        if (slots[r]) t = std::min(t, m.max_seq_len - slots[r]->filled);
-      }
-    }
+  // Launches one run of T = t over these sequences' slots: a decoding one feeds its last id, a
+  // prefilling one its next chunk of at most t ids (padded to t).
+  std::unique_ptr<Launched> launch_rows(const std::vector<std::shared_ptr<Seq>>& seqs, int64_t t) {
+    const int64_t b = static_cast<int64_t>(seqs.size());
     auto l = std::make_unique<Launched>();
     l->rows = b;
     l->t = t;
     l->sampled.resize(b);
     l->filled.resize(b);
-    std::vector<int64_t> ids(b * t, m.pad), start(b, 0), count(b, 1);
+    std::vector<int64_t> ids(b * t, m.pad), start(b), count(b, 1), slot(b);
     for (int64_t r = 0; r < b; ++r) {
-      auto& s = slots[r];
-      if (!s) continue;
+      const auto& s = seqs[r];
       start[r] = s->filled;
+      slot[r] = s->slot;
       if (s->prefilling()) {
         count[r] = std::min<int64_t>(t, static_cast<int64_t>(s->prompt.size()) - s->fed);
         std::copy_n(s->prompt.begin() + s->fed, count[r], ids.begin() + r * t);
@@ -253,14 +254,13 @@ struct Engine::Impl {
       l->filled[r] = s->filled;
       if (l->sampled[r]) ++s->in_flight;
     }
-    const auto opts = at::TensorOptions().dtype(at::kLong);
-    run(*l, at::tensor(ids, opts).view({b, t}), start, count);
+    run(*l, at::tensor(ids, at::TensorOptions().dtype(at::kLong)).view({b, t}), start, count, slot);
     return l;
   }
 
-  // Launches the decode step after `cur` (a decode step of CUDA graphs, not taken yet) fed cur's
-  // ids on the device, for the sequences that go on unless an eos or stop id ends them. nullptr
-  // where none does, or where a request waits for a slot (the next step plans its admission).
+  // Launches the decode run after `cur` (a run of T = 1 on CUDA, not taken yet) fed cur's ids on the
+  // device, for the sequences that go on unless an eos or stop id ends them. nullptr where none
+  // does, or where a request waits for a slot (the next step plans its admission).
   std::unique_ptr<Launched> launch_ahead(const Launched& cur) {
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -270,65 +270,76 @@ struct Engine::Impl {
     for (const auto& s : slots) {
       if (s && s->prefilling()) return nullptr;
     }
-    int64_t b = 0;
+    std::vector<int64_t> kept;  // cur's rows that go on
     for (int64_t r = 0; r < cur.rows; ++r) {
       const auto& s = cur.sampled[r];
       if (s && !s->done && !s->state->cancelled && s->taken + s->in_flight < s->o.max_new_tokens &&
           s->filled < m.max_seq_len) {
-        b = r + 1;
+        kept.push_back(r);
       }
     }
+    const int64_t b = static_cast<int64_t>(kept.size());
     if (b == 0) return nullptr;
     auto l = std::make_unique<Launched>();
     l->rows = b;
     l->t = 1;
     l->sampled.resize(b);
     l->filled.resize(b);
-    std::vector<int64_t> start(b, 0);
+    std::vector<int64_t> start(b), slot(b);
     for (int64_t r = 0; r < b; ++r) {
-      const auto& s = cur.sampled[r];
-      if (!s || s->done || s->state->cancelled || s->taken + s->in_flight >= s->o.max_new_tokens ||
-          s->filled >= m.max_seq_len) {
-        continue;  // a free row: padding at position 0 of its own slot
-      }
+      const auto& s = cur.sampled[kept[r]];
       start[r] = s->filled++;
+      slot[r] = s->slot;
       l->filled[r] = s->filled;
       l->sampled[r] = s;
       ++s->in_flight;
     }
-    run(*l, cur.ids.narrow(0, 0, b).view({b, 1}), start, std::vector<int64_t>(b, 1));
+    at::Tensor ids = cur.ids;
+    if (b < cur.rows) ids = ids.index_select(0, at::tensor(kept, at::TensorOptions().dtype(at::kLong)).to(m.device));
+    run(*l, ids.view({b, 1}), start, std::vector<int64_t>(b, 1), slot);
     return l;
   }
 
-  // Runs the package on one step's inputs and samples each row's next id (on the device; the copy
+  // Runs the package on one run's inputs and samples each row's next id (on the device; the copy
   // to the host is waited for in take).
-  void run(Launched& l, const at::Tensor& ids, const std::vector<int64_t>& start, const std::vector<int64_t>& count) {
+  void run(Launched& l, const at::Tensor& ids, const std::vector<int64_t>& start, const std::vector<int64_t>& count,
+           const std::vector<int64_t>& slot) {
     const auto opts = at::TensorOptions().dtype(at::kLong);
     at::Tensor logits;
 #ifdef CUSTOMOPS_WITH_CUDA
     if (l.t == 1 && m.graphs && options.cuda_graph) {
       auto& step = m.steps[l.rows];
+      // start and slots in one buffer (one copy a run), each row 16-byte aligned as the package
+      // expects its inputs (else it copies them)
+      const int64_t row = (l.rows + 1) / 2 * 2;
       if (!step.ids.defined()) {
         const auto on_device = opts.device(m.device);
         step.ids = at::empty({l.rows, 1}, on_device);
-        step.start = at::empty({l.rows}, on_device);
+        step.positions = at::zeros({2, row}, on_device);
         step.count = at::ones({l.rows}, on_device);
       }
       step.ids.copy_(ids, /*non_blocking=*/true);
-      step.start.copy_(at::tensor(start, opts).pin_memory(), /*non_blocking=*/true);
+      std::vector<int64_t> positions(2 * row, 0);
+      std::copy(start.begin(), start.end(), positions.begin());
+      std::copy(slot.begin(), slot.end(), positions.begin() + row);
+      step.positions.copy_(at::tensor(positions, opts).view({2, row}).pin_memory(), /*non_blocking=*/true);
       if (!step.graph) {
-        step.graph =
-            std::make_unique<DecodeGraph>(m.device, [&] { return m.loader->run({step.ids, step.start, step.count}); });
+        step.graph = std::make_unique<DecodeGraph>(m.device, [&] {
+          return m.loader->run({step.ids, step.positions[0].narrow(0, 0, l.rows), step.count,
+                                step.positions[1].narrow(0, 0, l.rows)});
+        });
         logits = step.graph->first().at(0);
       } else {
         logits = step.graph->replay().at(0);
       }
       std::lock_guard<std::mutex> lock(mu);
-      ++stats.graph_steps;
+      ++stats.graph_runs;
     }
 #endif
     if (!logits.defined()) {
-      logits = m.loader->run({ids.to(m.device), at::tensor(start, opts).to(m.device), at::tensor(count, opts).to(m.device)})
+      logits = m.loader
+                   ->run({ids.to(m.device), at::tensor(start, opts).to(m.device), at::tensor(count, opts).to(m.device),
+                          at::tensor(slot, opts).to(m.device)})
                    .at(0);
     }
     // every row greedy, then the rows that sample drawn from their own generators
@@ -351,7 +362,8 @@ struct Engine::Impl {
       l.ready->record(c10::impl::getDeviceGuardImpl(m.device.type())->getStream(m.device));
     }
     std::lock_guard<std::mutex> lock(mu);
-    ++stats.steps;
+    ++stats.runs;
+    stats.tokens += l.rows * l.t;
   }
 
   // Waits for a launched step's ids and gives each to its request; ends the sequences that stop.
@@ -388,20 +400,23 @@ struct Engine::Impl {
 
   bool step() {
     const c10::DeviceGuard device_guard(m.device);  // (a thread of its own starts on device 0)
-    std::unique_ptr<Launched> cur = std::move(ahead);
+    std::vector<std::unique_ptr<Launched>> runs;
+    if (ahead) runs.push_back(std::move(ahead));
     try {
-      if (!cur) {
+      if (runs.empty()) {
         admit();
-        cur = launch_planned();
-        if (!cur) return false;
+        runs = launch_planned();
+        if (runs.empty()) return false;
       }
-      if (cur->t == 1 && cur->ready) ahead = launch_ahead(*cur);
-      take(*cur);
+      // (a step with a prefill run has prefilling sequences: nothing runs ahead of it)
+      if (runs.size() == 1 && runs[0]->t == 1 && runs[0]->ready) ahead = launch_ahead(*runs[0]);
+      for (auto& l : runs) take(*l);
     } catch (...) {
       fail(std::current_exception());
       throw;
     }
     std::lock_guard<std::mutex> lock(mu);
+    ++stats.steps;
     stats.running = running();
     return true;
   }
@@ -503,7 +518,9 @@ void Engine::start() {
       {
         std::unique_lock<std::mutex> lock(i.mu);
         // (waiting, slots and ahead are this thread's own)
-        i.cv.wait(lock, [&] { return i.stopping || !i.incoming.empty() || !i.waiting.empty() || i.rows() > 0 || i.ahead; });
+        i.cv.wait(lock, [&] {
+          return i.stopping || !i.incoming.empty() || !i.waiting.empty() || i.running() > 0 || i.ahead;
+        });
         if (i.stopping) break;
       }
       try {

@@ -12,8 +12,18 @@
 
 namespace customops {
 
+// slots (every op's last argument): where given, int64 [B] on the cache's device, row b's sequence
+// of the cache (else b). The host-side kernels check each against the cache's sequences (and, for
+// the writes, that they are distinct); the CUDA kernels read them on the device, where a slot out
+// of range gives NaN rows (attention) or writes nothing (the writes).
+using Slots = std::optional<at::Tensor>;
+
 void check_cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& lengths);
+                           const at::Tensor& lengths, const Slots& slots);
+
+// slots read on the host (a device sync on CUDA) and checked: each names one of the cache's Bc
+// sequences and, where `distinct` (a write), no two the same. Undefined where slots is not given.
+at::Tensor slots_on_host(const char* op, const Slots& slots, int64_t bc, bool distinct);
 
 // lengths read on the host (a device sync on CUDA) and checked: each at least q's new queries and
 // at most the cache's positions (the error names the op and the sequence).
@@ -23,7 +33,7 @@ at::Tensor cache_lengths_on_host(const at::Tensor& q, const at::Tensor& k_cache,
 // filled prefix through customops::attention: the kernel of every device and dtype.
 std::tuple<at::Tensor, at::Tensor> cache_attention_generic(const at::Tensor& q, const at::Tensor& k_cache,
                                                            const at::Tensor& v_cache, const at::Tensor& lengths,
-                                                           std::optional<double> scale);
+                                                           std::optional<double> scale, const Slots& slots);
 
 // The most new queries a sequence the CUDA split-KV kernel takes (decoding, speculative drafts);
 // longer ones (a prefill) go through cache_attention_generic.
@@ -38,20 +48,20 @@ inline bool cache_attention_on_device(c10::ScalarType dtype, int64_t head_dim, i
 }
 
 void check_cache_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k, const at::Tensor& v,
-                       const at::Tensor& start);
+                       const at::Tensor& start, const Slots& slots);
 
 // Reads start on the host, checks it, then copies each sequence's new rows: every device.
 void cache_write_generic(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
-                         const at::Tensor& v, const at::Tensor& start);
+                         const at::Tensor& v, const at::Tensor& start, const Slots& slots);
 
 void check_rope_cache_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q,
                             const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
-                            const at::Tensor& start);
+                            const at::Tensor& start, const Slots& slots);
 
 // rope, then cache_write, as the two ops (the CPU kernel; on CUDA, for inputs the fused kernel
 // does not take, both ops' CUDA kernels, which read start on the device).
 at::Tensor rope_cache_write_composite(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q,
                                       const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                                      const at::Tensor& sin, const at::Tensor& start);
+                                      const at::Tensor& sin, const at::Tensor& start, const Slots& slots);
 
 }  // namespace customops

@@ -844,7 +844,9 @@ class Server {
     counter("customops_requests_failed_total", "Requests that failed on the server's side.", metrics_.failed);
     counter("customops_prompt_tokens_total", "Prompt tokens of accepted requests.", metrics_.prompt_tokens);
     counter("customops_generated_tokens_total", "Tokens generated.", metrics_.generated_tokens);
-    counter("customops_steps_total", "Runs of the package.", s.steps);
+    counter("customops_steps_total", "Engine steps (a decode run, a prefill run, or both).", s.steps);
+    counter("customops_runs_total", "Runs of the package.", s.runs);
+    counter("customops_computed_tokens_total", "Positions the package computed, padding included.", s.tokens);
     gauge("customops_requests_running", "Requests holding a KV cache slot.", s.running);
     gauge("customops_requests_waiting", "Requests waiting for a slot.", s.waiting);
     metrics_.ttft.write(out, "customops_time_to_first_token_seconds", "Time from a request to its first token.");

@@ -272,31 +272,36 @@ def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) 
 
 
 def cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor, *,
-                    scale: float | None = None) -> tuple[Tensor, Tensor]:
+                    scale: float | None = None, slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Attention of a few new queries a sequence against a static KV cache, reading each
     sequence's filled length only (decoding and prefill of a causal LM).
 
     Args:
         q: ``[B, Hq, T, D]``, the T new queries of each sequence (float32, float64, float16 or
             bfloat16; any strides with a contiguous last dim).
-        k_cache, v_cache: ``[Bc, Hkv, S, D]`` with ``Bc >= B`` (sequence b reads row b), q's dtype,
-            device and D; Hq a multiple of Hkv (grouped-query attention).
+        k_cache, v_cache: ``[Bc, Hkv, S, D]`` with ``Bc >= B`` (sequence b reads row b, unless
+            ``slots`` says otherwise), q's dtype, device and D; Hq a multiple of Hkv
+            (grouped-query attention).
         lengths: int64 ``[B]`` on q's device: sequence b's keys are cache positions
             ``[0, lengths[b])``, its new tokens included (``T <= lengths[b] <= S``); its queries
             are the last T of them, causal.
         scale: Defaults to ``1 / sqrt(D)``.
+        slots: int64 ``[B]`` on q's device: sequence b reads row ``slots[b]`` of the caches (a
+            continuous-batching engine runs the sequences of some slots alone). Default: row b.
 
     Returns:
         ``(out, lse)`` as :func:`attention` with ``return_lse=True``. Inference only: inputs that
         require grad raise under grad mode. On CUDA (float16/bfloat16, D of 64, 128 or 256,
-        ``T <= 16``) a split-KV kernel reads ``lengths`` on the device, so a CUDA graph can capture
-        it; there a length out of range gives NaN rows, elsewhere an error.
+        ``T <= 16``) a split-KV kernel reads ``lengths`` and ``slots`` on the device, so a CUDA
+        graph can capture it; there a length or slot out of range gives NaN rows, elsewhere an
+        error.
     """
-    out, lse = _callable(_overloads.cache_attention)(q, k_cache, v_cache, lengths, scale)
+    out, lse = _callable(_overloads.cache_attention)(q, k_cache, v_cache, lengths, scale, slots)
     return out, lse
 
 
-def cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, start: Tensor) -> None:
+def cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, start: Tensor, *,
+                slots: Tensor | None = None) -> None:
     """Writes new keys and values into a static KV cache in place.
 
     Args:
@@ -304,18 +309,21 @@ def cache_write(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, start: T
         k, v: ``[B, Hkv, T, D]`` (``B <= Bc``) of the caches' dtype and device: sequence b's new
             keys and values, which go to its positions ``[start[b], start[b] + T)``.
         start: int64 ``[B]`` on the caches' device.
+        slots: int64 ``[B]``, distinct: sequence b writes row ``slots[b]`` of the caches.
+            Default: row b (then ``B <= Bc``).
 
     Returns:
         None: the caches hold the new rows. The mutation is declared in the op's schema, so
-        torch.export and AOTInductor keep the caches updated in place. A position outside the
-        cache raises, except on CUDA, where ``start`` is read on the device and rows outside the
-        cache are not written. Inference only: inputs that require grad raise under grad mode.
+        torch.export and AOTInductor keep the caches updated in place. A position or slot
+        outside the cache (or a repeated slot) raises, except on CUDA, where ``start`` and
+        ``slots`` are read on the device and rows outside the cache are not written. Inference
+        only: inputs that require grad raise under grad mode.
     """
-    _callable(_overloads.cache_write)(k_cache, v_cache, k, v, start)
+    _callable(_overloads.cache_write)(k_cache, v_cache, k, v, start, slots)
 
 
 def rope_cache_write(k_cache: Tensor, v_cache: Tensor, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
-                     start: Tensor) -> Tensor:
+                     start: Tensor, *, slots: Tensor | None = None) -> Tensor:
     """:func:`rope` of q and k, then :func:`cache_write` of the rotated k and v: a decode step's
     work between the qkv projection and attention, one kernel on CUDA.
 
@@ -327,6 +335,8 @@ def rope_cache_write(k_cache: Tensor, v_cache: Tensor, q: Tensor, k: Tensor, v: 
             first R dims rotate).
         start: int64 ``[B]``: sequence b's new keys and values go to positions
             ``[start[b], start[b] + T)``.
+        slots: int64 ``[B]``, distinct: sequence b writes row ``slots[b]`` of the caches, as
+            :func:`cache_write`.
 
     Returns:
         The rotated q, as :func:`rope` returns it (dense in q's memory order). On CUDA, float32,
@@ -335,7 +345,7 @@ def rope_cache_write(k_cache: Tensor, v_cache: Tensor, q: Tensor, k: Tensor, v: 
         cache are not written); others run the two ops (a position outside the cache raises on
         CPU). Inference only: inputs that require grad raise under grad mode.
     """
-    return _callable(_overloads.rope_cache_write)(k_cache, v_cache, q, k, v, cos, sin, start)
+    return _callable(_overloads.rope_cache_write)(k_cache, v_cache, q, k, v, cos, sin, start, slots)
 
 
 def _reduce(loss: Tensor, target: Tensor, ignore_index: int, reduction: str) -> Tensor:

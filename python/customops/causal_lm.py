@@ -6,9 +6,12 @@ and a value cache ``[max_batch, kv_heads, max_seq_len, head_dim]`` as buffers, w
 updates in place: exported, they are the package's own state, written by the graph, never copied
 in or out. Its forward takes ``input_ids [B, T]`` (``B <= max_batch``; ``T`` varies, so the same
 graph prefills a whole prompt and decodes with ``T = 1``), each sequence's start position
-``start [B]`` (the tokens already in its cache) and ``count [B]``, how many of the ``T`` ids are
-its own (prompts of different lengths are right-padded to one ``T``); it returns the logits of each
-sequence's last new token, ``[B, vocab]``, in float32.
+``start [B]`` (the tokens already in its cache), ``count [B]``, how many of the ``T`` ids are
+its own (prompts of different lengths are right-padded to one ``T``), and ``slots [B]``, the row of
+the cache each sequence is (distinct; a continuous-batching engine runs the decoding sequences of
+some slots in one call and a prompt chunk of others in the next, so that the decoding rows do not
+compute the chunk's length); it returns the logits of each sequence's last new token, ``[B, vocab]``,
+in float32.
 
 A sequence's queries see its keys at positions up to their own (causal), so the padding after a
 short prompt is written to the cache but never read by its own tokens: the next call starts that
@@ -185,8 +188,10 @@ class CachedCausalLM(nn.Module):
             self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=p.dtype, device=p.device))
             self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=p.dtype, device=p.device))
 
-    def forward(self, input_ids: Tensor, start: Tensor, count: Tensor) -> Tensor:
+    def forward(self, input_ids: Tensor, start: Tensor, count: Tensor, slots: Tensor | None = None) -> Tensor:
         b, t = input_ids.shape
+        if slots is None:  # row b is slot b
+            slots = torch.arange(b, device=input_ids.device)
         steps = torch.arange(t, device=input_ids.device)
         positions = start[:, None] + steps  # [B, T]
         h = self.embed(input_ids)
@@ -195,13 +200,13 @@ class CachedCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             qkv = _linear(layer.qkv, h, norm=layer.input_norm)
             o = self._attention(layer, qkv, cos, sin, getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"),
-                                start, lengths)
+                                start, lengths, slots)
             h = _linear(layer.o_proj, o, residual=h)
             h = _linear(layer.down_proj, _linear(layer.gate_up, h, norm=layer.post_norm), residual=h, swiglu=True)
         last = (torch.arange(b, device=h.device), count - 1)  # each sequence's last new token
         return _linear(self.lm_head, h[last], norm=self.norm).float()
 
-    def _attention(self, layer, qkv, cos, sin, k_cache, v_cache, start, lengths):
+    def _attention(self, layer, qkv, cos, sin, k_cache, v_cache, start, lengths, slots):
         """The attention block's output before o_proj, [B, T, heads * D], from the qkv product."""
         b, t, _ = qkv.shape
         # [B, T, heads, D], split along the heads (slicing a view: reshaping a slice would make
@@ -211,6 +216,7 @@ class CachedCausalLM(nn.Module):
         if layer.q_norm is not None:  # Qwen3: per-head RMSNorm of q and k before the rotation
             q = rms_norm(q, layer.q_norm.weight, layer.q_norm.variance_epsilon)
             k = rms_norm(k, layer.k_norm.weight, layer.k_norm.variance_epsilon)
-        q = rope_cache_write(k_cache, v_cache, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cos, sin, start)
-        o, _ = cache_attention(q, k_cache, v_cache, lengths, scale=layer.scaling)
+        q = rope_cache_write(k_cache, v_cache, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cos, sin, start,
+                             slots=slots)
+        o, _ = cache_attention(q, k_cache, v_cache, lengths, scale=layer.scaling, slots=slots)
         return o.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)

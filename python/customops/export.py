@@ -95,9 +95,10 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
     The package holds the weights once and, per layer, a key and a value cache ``[max_batch,
     kv_heads, max_seq_len, head_dim]`` that its graph updates in place. Its forward takes
     ``input_ids [B, T]`` (int64, ``1 <= B <= max_batch``, ``T`` dynamic: a whole prompt, or 1 to
-    decode), ``start [B]`` (each sequence's tokens already cached) and ``count [B]`` (how many of the
-    ``T`` ids are the sequence's own; prompts of different lengths are right-padded) and returns
-    the float32 logits of each sequence's last new token, ``[B, vocab]``
+    decode), ``start [B]`` (each sequence's tokens already cached), ``count [B]`` (how many of the
+    ``T`` ids are the sequence's own; prompts of different lengths are right-padded) and ``slots
+    [B]`` (the cache row each sequence is, distinct, in ``[0, max_batch)``) and returns the float32
+    logits of each sequence's last new token, ``[B, vocab]``
     (:class:`customops.causal_lm.CachedCausalLM`). Its metadata names the family, ``max_batch``,
     ``max_seq_len``, the vocabulary size, the bos and pad ids and every eos id (comma-separated;
     ``generation_config``'s, else the config's, as Hugging Face's ``generate`` takes them; ids
@@ -149,7 +150,8 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
     t = torch.export.Dim("tokens", min=1, max=max_seq_len)
     example = (torch.zeros(min(2, max_batch), 2, dtype=torch.long, device=device),
                torch.zeros(min(2, max_batch), dtype=torch.long, device=device),
-               torch.full((min(2, max_batch),), 2, dtype=torch.long, device=device))
+               torch.full((min(2, max_batch),), 2, dtype=torch.long, device=device),
+               torch.arange(min(2, max_batch), dtype=torch.long, device=device))
 
     def tokens(name):
         """The ids of a special token as Hugging Face's generate takes them (generation_config's,
@@ -167,14 +169,14 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
     configs = dict(inductor_configs or {})
     configs["aot_inductor.metadata"] = {
         **configs.get("aot_inductor.metadata", {}),
-        # "2": the format (T = 1 in the token dimension's declared range, eos a list of ids)
-        "customops_causal_lm": "2", "family": lm.family, "max_batch": str(max_batch),
+        # "3": the format (T = 1 in the token dimension's declared range, eos a list of ids, slots)
+        "customops_causal_lm": "3", "family": lm.family, "max_batch": str(max_batch),
         "max_seq_len": str(max_seq_len), "vocab_size": str(cfg.vocab_size), "bos_token_id": tokens("bos_token_id"),
         "eos_token_id": tokens("eos_token_id"), "pad_token_id": tokens("pad_token_id"),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": device.type,
         "head_dim": str(lm.head_dim), "kv_heads": str(lm.n_kv), "layers": str(len(lm.layers))}
     with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
-        ep = torch.export.export(lm, example, dynamic_shapes=({0: b, 1: t}, {0: b}, {0: b}))
+        ep = torch.export.export(lm, example, dynamic_shapes=({0: b, 1: t}, {0: b}, {0: b}, {0: b}))
         return _compile(ep, path, configs)
 
 

@@ -96,6 +96,30 @@ def test_cuda_graph_steps_give_each_request_its_ids_alone(consumer, tmp_path):
     assert int(stderr.split()[3]) > 0, stderr  # decode steps replayed from CUDA graphs
 
 
+def stats(stderr):
+    """engine_api's engine statistics: {"steps": ..., "graph_runs": ..., "runs": ..., "tokens": ...}."""
+    words = stderr.split()
+    return {k: int(v) for k, v in zip(words[::2], words[1::2])}
+
+
+def test_a_prompt_admitted_beside_decoding_requests_runs_alone(lm, consumer, tmp_path):
+    """A long prompt admitted while another request decodes is prefilled in its own run beside the
+    decode run, over its own slot: the decoding row computes one position a step, never the
+    chunk's length, and the package computes each prompt id and each fed-back id once (no padding).
+    The request in slot 0 ends first, and the one after it takes slot 0 while slot 1 decodes."""
+    model, path, device = lm
+    ps = prompts(4, 30, 9, seed=9)
+    script = [submit(0, ps[0], max=12, ignore_eos=True), submit(3, ps[1], max=6, ignore_eos=True),
+              submit(12, ps[2], max=5, ignore_eos=True)]
+    got, stderr = engine(consumer, path, script, "--budget", "8", tmp_path=tmp_path)
+    for k, (p, m) in enumerate(zip(ps, (12, 6, 5))):
+        assert got[k] == ("length", m, alone(consumer, path, p, m)), k
+    st = stats(stderr)
+    # prompts once, and each id after a request's first fed back once: no padded position
+    assert st["tokens"] == sum(map(len, ps)) + (12 - 1) + (6 - 1) + (5 - 1), stderr
+    assert st["runs"] > st["steps"], stderr  # steps with a decode run and a prefill run
+
+
 def test_stop_ids_eos_max_tokens_and_a_full_cache_end_a_request(lm, consumer, tmp_path):
     model, path, device = lm
     long = prompts(MAX_SEQ_LEN - 3, seed=5)[0]

@@ -45,14 +45,22 @@ def test_teacher_forced_logits_match_hugging_face_at_every_position(packaged):
         want = model(ids).logits
     longs = dict(dtype=torch.long)
     # a prefill of 5 tokens, then one token a call up to a full cache
-    got = [lm(ids[:, :5].contiguous(), torch.zeros(2, **longs), torch.full((2,), 5, **longs))]
+    got = [lm(ids[:, :5].contiguous(), torch.zeros(2, **longs), torch.full((2,), 5, **longs), torch.arange(2))]
     for t in range(5, MAX_SEQ_LEN):
-        got.append(lm(ids[:, t:t + 1].contiguous(), torch.full((2,), t, **longs), torch.ones(2, **longs)))
+        got.append(lm(ids[:, t:t + 1].contiguous(), torch.full((2,), t, **longs), torch.ones(2, **longs), torch.arange(2)))
     got = torch.stack(got, 1)
     torch.testing.assert_close(got, want[:, 4:], atol=1e-4, rtol=1e-4)
     # prompts of different lengths in one batch, right-padded: each gives its own last logits
-    got = lm(ids[:, :7].contiguous(), torch.zeros(2, **longs), torch.tensor([7, 3]))
+    got = lm(ids[:, :7].contiguous(), torch.zeros(2, **longs), torch.tensor([7, 3]), torch.arange(2))
     torch.testing.assert_close(got, torch.stack([want[0, 6], want[1, 2]]), atol=1e-4, rtol=1e-4)
+    # a sequence in another slot, alone: slot 1 prefills and decodes while slot 0's cache stays
+    got = [lm(ids[:1, :5].contiguous(), torch.zeros(1, **longs), torch.full((1,), 5, **longs), torch.ones(1, **longs))]
+    got += [lm(ids[:1, t:t + 1].contiguous(), torch.full((1,), t, **longs), torch.ones(1, **longs),
+               torch.ones(1, **longs)) for t in (5, 6)]
+    torch.testing.assert_close(torch.cat(got), want[0, 4:7], atol=1e-4, rtol=1e-4)
+    # and slot 0 still holds its 7 ids (written above): its next token reads them
+    got = lm(ids[:1, 7:8].contiguous(), torch.full((1,), 7, **longs), torch.ones(1, **longs), torch.zeros(1, **longs))
+    torch.testing.assert_close(got[0], want[0, 7], atol=1e-4, rtol=1e-4)
 
 
 def test_a_failed_call_leaves_nothing_the_next_call_reads(packaged):
@@ -61,10 +69,10 @@ def test_a_failed_call_leaves_nothing_the_next_call_reads(packaged):
     ids = torch.tensor(lms.prompts(6))
     longs = dict(dtype=torch.long)
     with pytest.raises(Exception):  # too many tokens for the cache: the package's own input check
-        lm(torch.zeros(1, MAX_SEQ_LEN + 1, **longs), torch.zeros(1, **longs), torch.ones(1, **longs))
+        lm(torch.zeros(1, MAX_SEQ_LEN + 1, **longs), torch.zeros(1, **longs), torch.ones(1, **longs), torch.zeros(1, **longs))
     with torch.no_grad():
         want = model(ids).logits[0, -1]
-    torch.testing.assert_close(lm(ids, torch.zeros(1, **longs), torch.full((1,), 6, **longs))[0], want,
+    torch.testing.assert_close(lm(ids, torch.zeros(1, **longs), torch.full((1,), 6, **longs), torch.zeros(1, **longs))[0], want,
                                atol=1e-4, rtol=1e-4)
 
 
@@ -342,7 +350,7 @@ def test_package_metadata_names_the_model(packaged):
     r = run([customops.runner_path(), "--info", packaged[1]])
     assert r.returncode == 0, r.stderr
     meta = dict(line.split(": ", 1) for line in r.stdout.splitlines())
-    assert meta["customops_causal_lm"] == "2" and meta["family"] == "llama"
+    assert meta["customops_causal_lm"] == "3" and meta["family"] == "llama"
     assert (meta["max_batch"], meta["max_seq_len"], meta["vocab_size"]) == ("2", "24", "256")
     assert meta["eos_token_id"] == "2" and meta["customops_version"] == customops.__version__
 
@@ -363,7 +371,7 @@ def test_cuda_bfloat16_package_generates_hugging_face_greedy_ids(tmp_path):
     longs = dict(dtype=torch.long, device="cuda")
     with torch.no_grad():
         want = model(ids).logits.float()
-    got = lm(ids[:, :8].contiguous(), torch.zeros(2, **longs), torch.full((2,), 8, **longs))
+    got = lm(ids[:, :8].contiguous(), torch.zeros(2, **longs), torch.full((2,), 8, **longs), torch.arange(2, **longs))
     torch.testing.assert_close(got, want[:, 7], atol=0.5, rtol=5e-2)  # bf16 through 2 layers and a x20 head
     r = _generates_hf_greedy_ids(model, path, lms.prompts(9, 4), 8)
     assert "CUDA graph" in r.stderr, r.stderr  # decode steps replayed from the graph

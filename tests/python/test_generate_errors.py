@@ -185,7 +185,7 @@ def test_an_error_inside_the_model_is_one_line_without_torch_s_backtrace(package
     the error with its C++ backtrace on stderr); the runner's stderr holds one line."""
     _, path = packaged
     customops.export.save_inputs((torch.tensor([[5, VOCAB + 44]]), torch.zeros(1, dtype=torch.long),
-                                  torch.full((1,), 2)), tmp_path / "in.pt")
+                                  torch.full((1,), 2), torch.zeros(1, dtype=torch.long)), tmp_path / "in.pt")
     r = run([customops.runner_path(), path, tmp_path / "in.pt", tmp_path / "out.pt"])
     one_line_error(r, "index out of bounds")
     assert "frame #" not in r.stderr and "Exception raised from" not in r.stderr

@@ -310,7 +310,8 @@ def test_models_tokenize_detokenize_and_metrics(served):
     assert server.http("POST", "/detokenize", {"tokens": out["tokens"]}) == (200, {"content": text})
     _, metrics = server.http("GET", "/metrics")
     for name in ("customops_requests_total", "customops_prompt_tokens_total", "customops_generated_tokens_total",
-                 "customops_requests_running", "customops_requests_waiting",
+                 "customops_requests_running", "customops_requests_waiting", "customops_steps_total",
+                 "customops_runs_total", "customops_computed_tokens_total",
                  "customops_time_to_first_token_seconds_count", "customops_inter_token_latency_seconds_bucket"):
         assert re.search(rf"^{name}(\{{[^}}]*\}})? \d", metrics, re.M), name
     assert server.metric("customops_requests_total") > 0

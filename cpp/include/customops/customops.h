@@ -55,21 +55,26 @@ CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> merge_attention(const at::Tenso
 // (causal). Returns (out, lse) as attention. Inference only (refuses inputs that require grad).
 // On CUDA (float16/bfloat16, head dim 64/128/256, T <= 16) a split-KV kernel reads lengths on the
 // device, so a CUDA graph can capture it; a length out of range gives NaN rows there, an error
-// elsewhere.
+// elsewhere. slots (int64 [B]), where given, maps row b onto the cache's sequence slots[b] (else
+// b): a continuous-batching engine attends and writes the sequences of some slots alone. The
+// writes' slots must be distinct.
 CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> cache_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                                  const at::Tensor& v_cache, const at::Tensor& lengths,
-                                                                 std::optional<double> scale = std::nullopt);
+                                                                 std::optional<double> scale = std::nullopt,
+                                                                 const std::optional<at::Tensor>& slots = std::nullopt);
 // Writes k, v [B, Hkv, T, D] into k_cache, v_cache [Bc >= B, Hkv, S, D] at positions
 // [start[b], start[b] + T) of each sequence b (start: int64 [B] on the cache's device), in place.
 // A position outside the cache is an error, except on CUDA, where the kernel reads start on the
 // device and writes no row outside the cache.
 CUSTOMOPS_API void cache_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k,
-                               const at::Tensor& v, const at::Tensor& start);
+                               const at::Tensor& v, const at::Tensor& start,
+                               const std::optional<at::Tensor>& slots = std::nullopt);
 // rope(q, k, cos, sin), then cache_write of the rotated k and v; returns the rotated q. One kernel
 // on CUDA (rotate-half pairs over the whole head dim; other inputs run the two ops' kernels).
 CUSTOMOPS_API at::Tensor rope_cache_write(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& q,
                                           const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
-                                          const at::Tensor& sin, const at::Tensor& start);
+                                          const at::Tensor& sin, const at::Tensor& start,
+                                          const std::optional<at::Tensor>& slots = std::nullopt);
 // Cross-entropy of logits [N, V] (float32/64, float16, bfloat16; computed in float32) against
 // target [N] (int64; rows whose target is ignore_index give 0). Returns (loss [N], lse [N]), both
 // float32 (float64 for float64): lse, the rows' log-sum-exp, is differentiable (a z-loss needs no

@@ -11,16 +11,17 @@
 //     if (u.finished) break;                               // u.reason: why
 //   }
 //
-// Every step is one run of the package. Each request holds a slot, a row of the package's KV
-// cache, from its admission to its end; requests beyond max_batch wait in order, and a finished or
-// cancelled request frees its slot for the next one at once. A step runs the rows up to the
-// highest slot in use: each decoding sequence feeds its last id, and each newly admitted prompt
-// feeds its next chunk. Chunks are as long as a token budget allows (budget / rows, each row
-// padded to the longest chunk: the package takes one length a run), so a long prompt does not
-// stall the sequences decoding beside it. Steps where every row decodes replay a CUDA graph of
-// their batch size and run one step ahead of the host, as CausalLM::generate always did. A
-// sequence's rows compute nothing from the other rows, so its greedy ids do not depend on what
-// else is in flight (exactly so in float32 on the CPU).
+// Each request holds a slot, a row of the package's KV cache, from its admission to its end;
+// requests beyond max_batch wait in order, and a finished or cancelled request frees its slot for
+// the next one at once. A step is at most two runs of the package, each over the slots it names:
+// one where every decoding sequence feeds its last id, and one where every newly admitted prompt
+// feeds its next chunk. Chunks are as long as a token budget allows (what the decode run leaves,
+// shared among the prompts, each padded to the longest chunk: the package takes one length a
+// run), so a long prompt does not stall the sequences decoding beside it, and they do not compute
+// its length. Decode runs replay a CUDA graph of their batch size, and where no prompt is being
+// prefilled the next one starts before the host has read this one's ids, as CausalLM::generate
+// always did. A sequence's rows compute nothing from the other rows, so its greedy ids do not
+// depend on what else is in flight (exactly so in float32 on the CPU).
 #pragma once
 
 #include <chrono>
@@ -90,10 +91,10 @@ struct CUSTOMOPS_API EngineStopped : std::runtime_error {
 
 struct EngineOptions {
   int64_t max_batch = 0;  // the slots to use, at most the package's max_batch (0: all of them)
-  // A step's rows times its chunk length at most this (a decode step of every slot always runs):
-  // the tokens a step computes, padding included.
+  // The tokens a step computes at most, padding included: its decoding sequences (which always
+  // run) and its prompts' rows times their chunk length.
   int64_t token_budget = 2048;
-  bool cuda_graph = true;  // CUDA: replay the steps where every row decodes from a CUDA graph
+  bool cuda_graph = true;  // CUDA: replay the decode runs (one id a row) from CUDA graphs
 };
 
 class CUSTOMOPS_API Engine {
@@ -120,8 +121,10 @@ class CUSTOMOPS_API Engine {
 
   struct Stats {
     int64_t running = 0, waiting = 0;  // requests holding a slot, and waiting for one
-    int64_t steps = 0;                 // runs of the package so far
-    int64_t graph_steps = 0;           // of which replayed from a CUDA graph
+    int64_t steps = 0;                 // steps so far (a decode run, a prefill run, or both)
+    int64_t runs = 0;                  // runs of the package
+    int64_t graph_runs = 0;            // of which replayed from a CUDA graph
+    int64_t tokens = 0;                // positions the runs computed (rows x T, padding included)
   };
   Stats stats() const;
 

@@ -161,7 +161,9 @@ def _cache_attention_bad_inputs(device):
     cases = [
         (Sample((q, kc.double(), kc.double(), n)), rf"{op}: expected k_cache to have the dtype of q"),
         (Sample((q[:, :3], kc, kc, n)), rf"{op}: q's heads \(3\) must be a multiple of the cache's \(2\)"),
-        (Sample((q, kc[:1], kc[:1], n)), rf"{op}: the cache holds 1 sequences, fewer than q's batch \(2\)"),
+        (Sample((q, kc[:1], kc[:1], n)), rf"{op}: the cache holds 1 sequences, fewer than q's batch \(2\); pass slots"),
+        (Sample((q, kc, kc, n, None, n.int())), rf"{op}: expected slots of dtype int64"),
+        (Sample((q, kc, kc, n, None, n[:1])), rf"{op}: expected slots of shape \[B\] = \[2\]"),
         (Sample((q, kc, kc[..., :4], n)), rf"{op}: expected v_cache to have the shape of k_cache"),
         (Sample((q, kc, kc, n.int())), rf"{op}: expected lengths of dtype int64"),
         (Sample((q, kc, kc, n[:1])), rf"{op}: expected lengths of shape \[B\] = \[2\]"),
@@ -172,6 +174,8 @@ def _cache_attention_bad_inputs(device):
     if torch.device(device).type == "cpu":  # on CUDA a length out of range gives NaN rows (no sync)
         cases.append((Sample((q, kc, kc, torch.tensor([3, 7], device=device))),
                       rf"{op}: lengths\[1\] is 7; it must be at least the 1 new queries and at most the cache's 6"))
+        cases.append((Sample((q, kc, kc, n, None, torch.tensor([1, 2], device=device))),
+                      rf"{op}: slots\[1\] is 2, outside the cache's 2 sequences \[0, 2\)"))
     return cases
 
 
@@ -196,6 +200,10 @@ def _cache_write_bad_inputs(device):
     if torch.device(device).type == "cpu":  # on CUDA start is read on the device: rows outside are not written
         cases.append((Sample((kc, vc, k, k, torch.tensor([0, 4], device=device))),
                       rf"{op}: start\[1\] is 4; its 3 new positions must fit in the cache's 6"))
+        cases.append((Sample((kc, vc, k, k, s, torch.tensor([1, 1], device=device))),
+                      rf"{op}: slots\[0\] and slots\[1\] are both 1; the sequences a call writes must be distinct"))
+        cases.append((Sample((kc, vc, k, k, s, torch.tensor([-1, 0], device=device))),
+                      rf"{op}: slots\[0\] is -1, outside the cache's 2 sequences"))
     return cases
 
 
@@ -217,6 +225,8 @@ def _rope_cache_write_bad_inputs(device):
     if torch.device(device).type == "cpu":  # on CUDA start is read on the device: rows outside are not written
         cases.append((Sample((kc, vc, q, k, k, c, c, torch.tensor([0, 4], device=device))),
                       rf"{op}: start\[1\] is 4; its 3 new positions must fit in the cache's 6"))
+        cases.append((Sample((kc, vc, q, k, k, c, c, s, torch.tensor([0, 0], device=device))),
+                      rf"{op}: slots\[0\] and slots\[1\] are both 0; the sequences a call writes must be distinct"))
     return cases
 
 

@@ -147,6 +147,14 @@ def _fuzz_attention(src, device, dtype):
                   + (" causal" if causal else "") + (f" scale {scale}" if scale else ""), error)
 
 
+def _fuzz_slots(src, b, bc, device):
+    """None (row b is sequence b), or distinct slots of the cache: 0 to b - 1 rotated by an offset."""
+    if b == 0 or not src.choice([False, True]):
+        return None
+    off = src.choice(range(bc))
+    return torch.tensor([(i + off) % bc for i in range(b)], dtype=torch.long, device=device)
+
+
 def _fuzz_cache_attention(src, device, dtype):
     b, hkv, g = src.size(3), max(src.size(4), 1), max(src.size(4), 1)
     # D = 128 with the half types only, which the CUDA kernel takes: in float32 a dot product of 128
@@ -160,7 +168,10 @@ def _fuzz_cache_attention(src, device, dtype):
     v = src.tensor((bc, hkv, s, d), dtype, device, values="normal")
     lengths = torch.tensor([src.choice([t, s, (t + s) // 2]) for _ in range(b)], dtype=torch.long, device=device)
     scale = src.choice([None, 0.5])
-    return Sample((q, k, v, lengths, scale), {}, f"q {list(q.shape)} cache {list(k.shape)} lengths {lengths.tolist()}")
+    slots = _fuzz_slots(src, b, bc, device)
+    return Sample((q, k, v, lengths, scale, slots), {},
+                  f"q {list(q.shape)} cache {list(k.shape)} lengths {lengths.tolist()}"
+                  + (f" slots {slots.tolist()}" if slots is not None else ""))
 
 
 def _fuzz_cache_write(src, device, dtype):
@@ -170,8 +181,10 @@ def _fuzz_cache_write(src, device, dtype):
     k_cache, v_cache = (src.tensor((bc, h, s, d), dtype, device, writable=True) for _ in range(2))
     k, v = (src.tensor((b, h, t, d), dtype, device) for _ in range(2))
     start = torch.tensor([src.choice([0, s - t, (s - t) // 2]) for _ in range(b)], dtype=torch.long, device=device)
-    return Sample((k_cache, v_cache, k, v, start), {},
-                  f"k {list(k.shape)} cache {list(k_cache.shape)} start {start.tolist()}")
+    slots = _fuzz_slots(src, b, bc, device)
+    return Sample((k_cache, v_cache, k, v, start, slots), {},
+                  f"k {list(k.shape)} cache {list(k_cache.shape)} start {start.tolist()}"
+                  + (f" slots {slots.tolist()}" if slots is not None else ""))
 
 
 def _fuzz_rope_cache_write(src, device, dtype):
@@ -187,9 +200,10 @@ def _fuzz_rope_cache_write(src, device, dtype):
     cs_shape = src.choice([(t, r), (1, t, r), (b, t, r)])
     cos, sin = (src.tensor(cs_shape, dtype, device, values="finite") for _ in range(2))
     start = torch.tensor([src.choice([0, s - t, (s - t) // 2]) for _ in range(b)], dtype=torch.long, device=device)
-    return Sample((k_cache, v_cache, q, k, v, cos, sin, start), {},
+    slots = _fuzz_slots(src, b, bc, device)
+    return Sample((k_cache, v_cache, q, k, v, cos, sin, start, slots), {},
                   f"q {list(q.shape)} k {list(k.shape)} cos {list(cs_shape)} cache {list(k_cache.shape)} "
-                  f"start {start.tolist()}")
+                  f"start {start.tolist()}" + (f" slots {slots.tolist()}" if slots is not None else ""))
 
 
 def _fuzz_merge_attention(src, device, dtype):

@@ -82,28 +82,35 @@ def _attention_ref(q, k, v, causal=False, scale=None):
     return p @ v, lse
 
 
-def _cache_attention_ref(q, k_cache, v_cache, lengths, scale=None):
-    """Each sequence's attention over its filled positions, causal (its queries the last ones)."""
-    outs = [_attention_ref(q[i:i + 1], k_cache[i:i + 1, :, :n], v_cache[i:i + 1, :, :n], True, scale)
-            for i, n in enumerate(lengths.tolist())]
+def _slots(slots, b):
+    return list(range(b)) if slots is None else slots.tolist()
+
+
+def _cache_attention_ref(q, k_cache, v_cache, lengths, scale=None, slots=None):
+    """Each sequence's attention over its filled positions (of its slot's cache row), causal (its
+    queries the last ones)."""
+    rows = _slots(slots, q.shape[0])
+    outs = [_attention_ref(q[i:i + 1], k_cache[c:c + 1, :, :n], v_cache[c:c + 1, :, :n], True, scale)
+            for i, (n, c) in enumerate(zip(lengths.tolist(), rows))]
     if not outs:
         return torch.empty_like(q), q.new_empty(q.shape[:3])
     return torch.cat([o for o, _ in outs]), torch.cat([l for _, l in outs])
 
 
-def _cache_write_ref(k_cache, v_cache, k, v, start):
-    """The caches with each sequence's new rows at its start (copies: the op writes in place)."""
+def _cache_write_ref(k_cache, v_cache, k, v, start, slots=None):
+    """The caches with each sequence's new rows at its start, in its slot's row (copies: the op
+    writes in place)."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    for i, s in enumerate(start.tolist()):
-        k_cache[i, :, s:s + k.shape[2]] = k[i]
-        v_cache[i, :, s:s + v.shape[2]] = v[i]
+    for i, (s, c) in enumerate(zip(start.tolist(), _slots(slots, k.shape[0]))):
+        k_cache[c, :, s:s + k.shape[2]] = k[i]
+        v_cache[c, :, s:s + v.shape[2]] = v[i]
     return k_cache, v_cache
 
 
-def _rope_cache_write_ref(k_cache, v_cache, q, k, v, cos, sin, start):
+def _rope_cache_write_ref(k_cache, v_cache, q, k, v, cos, sin, start, slots=None):
     """rope, then the rotated k and v written into (copies of) the caches."""
     q_rot, k_rot = _rope_ref(q, k, cos, sin)
-    return (q_rot, *_cache_write_ref(k_cache, v_cache, k_rot, v, start))
+    return (q_rot, *_cache_write_ref(k_cache, v_cache, k_rot, v, start, slots))
 
 
 def _merge_attention_ref(out_a, lse_a, out_b, lse_b):

@@ -239,8 +239,10 @@ def _cache_attention_samples(device, dtype, requires_grad):
         return _rand((b, hq, t, d), device, dtype, layout=layout)
 
     out = []
-    for (b, bc, hq, hkv, t, s, d), lengths, layout, scale in [
+    for (b, bc, hq, hkv, t, s, d), lengths, layout, scale, *slots in [
         ((2, 3, 4, 2, 1, 10, 8), (5, 10), "contiguous", None),
+        ((2, 4, 4, 2, 1, 10, 8), (5, 10), "contiguous", None, (3, 1)),  # rows of some slots of the cache
+        ((2, 3, 8, 2, 1, 300, 64), (300, 77), "transposed", None, (2, 0)),  # CUDA: several splits
         ((2, 2, 4, 2, 3, 9, 16), (3, 7), "transposed", None),
         ((2, 2, 2, 1, 2, 6, 8), (4, 6), "strided", 0.3),
         ((2, 2, 8, 2, 1, 300, 64), (300, 77), "transposed", None),  # CUDA: several splits
@@ -249,28 +251,34 @@ def _cache_attention_samples(device, dtype, requires_grad):
         ((1, 1, 4, 1, 1, 1000, 128), (777,), "transposed", 0.05),
         ((1, 1, 2, 1, 17, 40, 64), (33,), "contiguous", None),  # CUDA: more queries than its kernel takes
         ((3, 4, 4, 2, 18, 40, 16), (25, 25, 25), "transposed", None),  # a prefill of equal prompts: one call
+        ((2, 4, 4, 2, 18, 40, 16), (25, 25), "transposed", None, (3, 0)),  # the same, of two slots
+        ((2, 3, 2, 1, 17, 40, 64), (33, 20), "contiguous", None, (1, 2)),  # a prefill of two slots
         ((2, 2, 2, 2, 0, 5, 8), (0, 3), "contiguous", None),
     ]:
         q = q_of(b, hq, t, d, layout)
         k, v = (_rand((bc, hkv, s, d), device, dtype, layout="strided" if layout == "strided" else "contiguous")
                 for _ in range(2))
-        out.append(Sample((q, k, v, torch.tensor(lengths, device=device), scale), {},
-                          f"{layout} q {[b, hq, t, d]} cache {[bc, hkv, s, d]} lengths {list(lengths)}"
-                          + (f" scale {scale}" if scale else "")))
+        args = (q, k, v, torch.tensor(lengths, device=device), scale)
+        if slots:
+            args += (torch.tensor(slots[0], device=device),)
+        out.append(Sample(args, {}, f"{layout} q {[b, hq, t, d]} cache {[bc, hkv, s, d]} lengths {list(lengths)}"
+                          + (f" scale {scale}" if scale else "") + (f" slots {list(slots[0])}" if slots else "")))
     return out
 
 
 def _cache_attention_batch(device, dtype, n):
     lengths = torch.arange(n, device=device) % 5 + 2  # 2 to 6 of the 6 positions
     q, k, v = (torch.randn(n, h, s, 8, device=device, dtype=dtype) for h, s in ((4, 2), (2, 6), (2, 6)))
-    return Sample((q, k, v, lengths, None), {}, f"batch {n}")
+    slots = torch.arange(n - 1, -1, -1, device=device)  # the cache's sequences in reverse
+    return Sample((q, k, v, lengths, None, slots), {}, f"batch {n}")
 
 
 def _cache_write_samples(device, dtype, requires_grad):
     """New keys and values [B, Hkv, T, D] into caches of Bc >= B sequences at each one's start."""
     out = []
-    for (b, bc, h, t, s, d), start, layout in [
+    for (b, bc, h, t, s, d), start, layout, *slots in [
         ((2, 3, 2, 3, 8, 4), (0, 5), "contiguous"),
+        ((2, 3, 2, 3, 8, 4), (0, 5), "contiguous", (2, 0)),  # rows of some slots of the cache
         ((2, 2, 2, 2, 6, 8), (1, 4), "transposed"),  # k, v: [B, T, H, D] memory read as [B, H, T, D]
         ((2, 2, 1, 2, 5, 4), (3, 0), "strided"),
         ((1, 1, 4, 5, 300, 128), (290,), "contiguous"),
@@ -282,8 +290,11 @@ def _cache_write_samples(device, dtype, requires_grad):
             k, v = (_rand((b, h, t, d), device, dtype, layout=layout) for _ in range(2))
         kc, vc = (_rand((bc, h, s, d), device, dtype, layout="strided" if layout == "strided" else "contiguous")
                   for _ in range(2))
-        out.append(Sample((kc, vc, k, v, torch.tensor(start, device=device)), {},
-                          f"{layout} k {[b, h, t, d]} cache {[bc, h, s, d]} start {list(start)}"))
+        args = (kc, vc, k, v, torch.tensor(start, device=device))
+        if slots:
+            args += (torch.tensor(slots[0], device=device),)
+        out.append(Sample(args, {}, f"{layout} k {[b, h, t, d]} cache {[bc, h, s, d]} start {list(start)}"
+                          + (f" slots {list(slots[0])}" if slots else "")))
     return out
 
 
@@ -298,8 +309,10 @@ def _rope_cache_write_samples(device, dtype, requires_grad):
     views of a fused qkv projection (the decode layout: CUDA's one kernel), contiguous and strided
     inputs, cos shared or per sequence, a partial rotation (R < D), T of 0."""
     out = []
-    for (b, bc, hq, hkv, t, s, d, r), start, layout, per_seq in [
+    for (b, bc, hq, hkv, t, s, d, r), start, layout, per_seq, *slots in [
         ((1, 1, 4, 2, 1, 8, 16, 16), (5,), "qkv", True),  # a decode step
+        ((2, 4, 4, 2, 1, 8, 16, 16), (5, 2), "qkv", True, (3, 1)),  # a decode step of some slots
+        ((2, 3, 2, 1, 2, 6, 8, 8), (1, 4), "contiguous", True, (1, 0)),
         ((2, 3, 4, 2, 3, 8, 16, 16), (0, 5), "qkv", False),
         ((2, 2, 2, 1, 2, 6, 8, 8), (1, 4), "contiguous", True),
         ((2, 2, 2, 2, 2, 5, 8, 4), (3, 0), "strided", True),  # rotates the first 4 of 8 dims
@@ -320,9 +333,11 @@ def _rope_cache_write_samples(device, dtype, requires_grad):
             cos, sin = cos[0], sin[0]  # [T, R], shared by the sequences
         kc, vc = (_rand((bc, hkv, s, d), device, dtype, layout="strided" if layout == "strided" else "contiguous")
                   for _ in range(2))
-        out.append(Sample((kc, vc, q, k, v, cos, sin, torch.tensor(start, device=device)), {},
-                          f"{layout} q {[b, hq, t, d]} k {[b, hkv, t, d]} R {r} cache {[bc, hkv, s, d]} "
-                          f"start {list(start)}"))
+        args = (kc, vc, q, k, v, cos, sin, torch.tensor(start, device=device))
+        if slots:
+            args += (torch.tensor(slots[0], device=device),)
+        out.append(Sample(args, {}, f"{layout} q {[b, hq, t, d]} k {[b, hkv, t, d]} R {r} cache {[bc, hkv, s, d]} "
+                          f"start {list(start)}" + (f" slots {list(slots[0])}" if slots else "")))
     return out
 
 
@@ -332,7 +347,8 @@ def _rope_cache_write_batch(device, dtype, n):
     q, k, v = (torch.randn(n, h, 2, 8, device=device, dtype=dtype) for h in (4, 2, 2))
     angle = torch.rand(n, 2, 4, device=device, dtype=dtype) * 6.3
     angle = torch.cat((angle, angle), -1)
-    return Sample((kc, vc, q, k, v, angle.cos(), angle.sin(), start), {}, f"batch {n}")
+    slots = torch.arange(n - 1, -1, -1, device=device)  # the cache's sequences in reverse
+    return Sample((kc, vc, q, k, v, angle.cos(), angle.sin(), start, slots), {}, f"batch {n}")
 
 
 def _merge_attention_samples(device, dtype, requires_grad):

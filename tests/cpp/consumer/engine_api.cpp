@@ -132,7 +132,8 @@ int run(int argc, char** argv) {
     std::cout << "\n";
   }
   const auto stats = engine.stats();
-  std::cerr << "steps " << stats.steps << " graph_steps " << stats.graph_steps << "\n";
+  std::cerr << "steps " << stats.steps << " graph_runs " << stats.graph_runs << " runs " << stats.runs << " tokens "
+            << stats.tokens << "\n";
   return 0;
 }
 
