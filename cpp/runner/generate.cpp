@@ -2,11 +2,17 @@
 // (customops/generate.h). Ids in and out (one prompt a line of space-separated ids, one line of
 // new ids a prompt on stdout), or text with --tokenizer (customops::Tokenizer); timings on stderr.
 #include <customops/generate.h>
+#include <customops/package.h>
 #include <customops/tokenizer.h>
+
+#include <stdlib.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <map>
+#include <optional>
 #include <iostream>
 #include <limits>
 #include <sstream>
@@ -34,6 +40,8 @@ new text, with backslash and newline written as \\ and \n.
   --tokenizer PATH       text in and out: a tokenizer.json (byte-level BPE: Llama-3, Qwen2/3,
                          Mistral-Nemo, GPT-2), a SentencePiece tokenizer.model, or a folder that
                          save_pretrained wrote (its tokenizer.json or tokenizer.model)
+  --text                 text in and out through the tokenizer the package embeds
+                         (package_causal_lm(..., tokenizer=...))
   --no-bos               with --tokenizer: do not put the bos id before each prompt
   --max-new-tokens N     at most N new ids per prompt (default: 32)
   --temperature T        0 (default): greedy; otherwise sample from softmax(logits / T)
@@ -60,7 +68,7 @@ std::vector<int64_t> parse_ids(const std::string& text, const std::string& where
     } catch (const std::exception&) {
       used = 0;
     }
-    if (used != word.size() || used == 0) throw UserError(where + ": " + quoted(word) + " is not a token id (an integer)");
+    if (used != word.size() || used == 0) throw UserError(where + ": " + runner::quoted(word) + " is not a token id (an integer)");
     ids.push_back(v);
   }
   if (ids.empty()) throw UserError(where + " holds no ids");
@@ -86,9 +94,9 @@ T parse_number(const std::string& flag, const std::string& value) {
   }
   if constexpr (std::is_unsigned_v<T>) {
     throw UsageError(flag + " expects an integer in [0, " + std::to_string(std::numeric_limits<T>::max()) + "], got " +
-                     quoted(value));
+                     runner::quoted(value));
   }
-  throw UsageError(flag + " expects a number, got " + quoted(value));
+  throw UsageError(flag + " expects a number, got " + runner::quoted(value));
 }
 
 }  // namespace
@@ -108,6 +116,35 @@ std::unique_ptr<CausalLM> load_causal_lm(const std::string& package, const std::
   }
 }
 
+EmbeddedTokenizer::EmbeddedTokenizer(const std::string& package) {
+  std::map<std::string, std::string> files;
+  try {
+    files = package_files(package, "extra/customops/tokenizer/");
+  } catch (const std::exception& e) {
+    throw UserError(e.what());
+  }
+  if (files.empty()) return;
+  const char* tmp = std::getenv("TMPDIR");
+  std::string dir = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/customops-tokenizer-XXXXXX";
+  if (mkdtemp(dir.data()) == nullptr) throw UserError("cannot make a folder for the package's tokenizer in " + dir);
+  path_ = dir;
+  for (const auto& [name, bytes] : files) {
+    if (name.find('/') != std::string::npos || name == "." || name == "..") {
+      throw UserError(package + " embeds a tokenizer file with a path in its name (" + runner::quoted(name) + ")");
+    }
+    std::ofstream out(dir + "/" + name, std::ios::binary);
+    if (!out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()))) {
+      throw UserError("cannot write the package's tokenizer into " + dir);
+    }
+  }
+}
+
+EmbeddedTokenizer::~EmbeddedTokenizer() {
+  if (path_.empty()) return;
+  std::error_code ignored;
+  std::filesystem::remove_all(path_, ignored);
+}
+
 void check_tokenizer(const Tokenizer& tokenizer, const CausalLM& lm) {
   if (tokenizer.vocab_size() > lm.vocab_size()) {
     throw UserError("the tokenizer's vocabulary (" + std::to_string(tokenizer.vocab_size()) +
@@ -121,7 +158,7 @@ int generate_main(int argc, char** argv) {
   std::vector<std::pair<std::string, std::string>> given;  // (prompt, where it came from)
   std::optional<std::string> prompts_file, device, tokenizer_path;
   GenerateOptions o;
-  bool warmup = true, bos = true;
+  bool warmup = true, bos = true, text = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     auto value = [&] { return option_value(argc, argv, i); };
@@ -134,6 +171,8 @@ int generate_main(int argc, char** argv) {
       prompts_file = value();
     } else if (a == "--tokenizer") {
       tokenizer_path = value();
+    } else if (a == "--text") {
+      text = true;
     } else if (a == "--no-bos") {
       bos = false;
     } else if (a == "--max-new-tokens") {
@@ -163,9 +202,20 @@ int generate_main(int argc, char** argv) {
     }
   }
   if (package.empty()) throw UsageError("generate expects PACKAGE.pt2 (see generate --help)");
+  if (text && tokenizer_path) throw UsageError("give --text (the package's tokenizer) or --tokenizer, not both");
+  // --text: the tokenizer the package embeds, in a folder of its own while this runs
+  std::optional<EmbeddedTokenizer> embedded;
+  if (text) {
+    embedded.emplace(package);
+    if (embedded->path().empty()) {
+      throw UserError(package + " embeds no tokenizer (package_causal_lm(..., tokenizer=...) embeds one); give "
+                      "--tokenizer PATH");
+    }
+    tokenizer_path = embedded->path();
+  }
   std::vector<std::vector<int64_t>> prompts;
   if (prompts_file && !given.empty()) throw UsageError("give --prompt or --prompts, not both");
-  if (!bos && !tokenizer_path) throw UsageError("--no-bos is for text prompts (--tokenizer)");
+  if (!bos && !tokenizer_path) throw UsageError("--no-bos is for text prompts (--tokenizer or --text)");
   if (prompts_file) {
     require_regular_file(*prompts_file, "the prompts file");
     std::ifstream in(*prompts_file);

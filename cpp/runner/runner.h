@@ -46,6 +46,20 @@ int generate_main(int argc, char** argv);
 std::unique_ptr<CausalLM> load_causal_lm(const std::string& package, const std::optional<std::string>& device);
 // A UserError where the tokenizer cannot be the model's (its vocabulary is larger).
 void check_tokenizer(const Tokenizer& tokenizer, const CausalLM& lm);
+// The tokenizer a package embeds (customops.export.package_causal_lm(..., tokenizer=...)), written
+// into a folder of its own (as save_pretrained would write it) for as long as this object lives:
+// path() is that folder, empty where the package embeds none.
+class EmbeddedTokenizer {
+ public:
+  explicit EmbeddedTokenizer(const std::string& package);
+  ~EmbeddedTokenizer();
+  EmbeddedTokenizer(const EmbeddedTokenizer&) = delete;
+  EmbeddedTokenizer& operator=(const EmbeddedTokenizer&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 // ---- serve.cpp
 // customops-run serve ARGS (argv[0] is "serve"): an OpenAI-compatible HTTP server.

@@ -43,7 +43,7 @@ using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 namespace fs = std::filesystem;
 
-constexpr const char* kServeUsage = R"(usage: customops-run serve PACKAGE.pt2 --tokenizer PATH [options]
+constexpr const char* kServeUsage = R"(usage: customops-run serve PACKAGE.pt2 [--tokenizer PATH] [options]
 
 Serves a causal-LM package (customops.export.package_causal_lm) over HTTP, as OpenAI's API and
 llama.cpp's llama-server shape it: POST /v1/completions and /v1/chat/completions (streaming with
@@ -52,7 +52,8 @@ batched continuously over the package's KV cache slots (its max_batch). Stops on
 
   --tokenizer PATH       a folder written by save_pretrained (tokenizer.json or tokenizer.model,
                          and tokenizer_config.json: its chat template, bos and eos tokens), or a
-                         tokenizer.json / tokenizer.model (then chat needs --chat-template)
+                         tokenizer.json / tokenizer.model (then chat needs --chat-template);
+                         default: the one the package embeds (package_causal_lm(..., tokenizer=))
   --chat-template FILE   the chat template (Jinja) to use instead of the tokenizer folder's
   --host HOST            the address to listen on (default: 127.0.0.1)
   --port N               the port (default: 8000; 0: any free port, printed at startup)
@@ -131,7 +132,6 @@ ServeOptions parse_serve_args(int argc, char** argv) {
     }
   }
   if (o.package.empty()) throw UsageError("serve needs a package (customops-run serve --help)");
-  if (o.tokenizer.empty()) throw UsageError("serve needs --tokenizer (the model's tokenizer: text in and out)");
   if (o.model_name.empty()) o.model_name = fs::path(o.package).stem().string();
   return o;
 }
@@ -875,7 +875,17 @@ int serve_main(int argc, char** argv) {
   sigaddset(&stop_signals, SIGINT);
   sigaddset(&stop_signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
-  const ServeOptions o = parse_serve_args(argc, argv);
+  ServeOptions o = parse_serve_args(argc, argv);
+  // without --tokenizer, the tokenizer the package embeds (in a folder of its own while this runs)
+  std::optional<EmbeddedTokenizer> embedded;
+  if (o.tokenizer.empty()) {
+    embedded.emplace(o.package);
+    if (embedded->path().empty()) {
+      throw UsageError("serve needs --tokenizer (the model's tokenizer: text in and out), or a package that embeds "
+                       "one (package_causal_lm(..., tokenizer=...))");
+    }
+    o.tokenizer = embedded->path();
+  }
   const TextSetup text = read_text_setup(o);
   std::unique_ptr<Tokenizer> tokenizer_owner;
   try {

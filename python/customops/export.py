@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import operator
 import os
+import tempfile
 import warnings
+import zipfile
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
@@ -88,7 +91,8 @@ def package(
 
 
 def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_batch: int = 1, max_seq_len: int = 2048,
-                      optimize: bool = True, inductor_configs: dict[str, Any] | None = None) -> str:
+                      optimize: bool = True, inductor_configs: dict[str, Any] | None = None,
+                      tokenizer: Any = None) -> str:
     """Packages a Hugging Face causal LM (Llama, Mistral, Qwen2, Qwen3) with a static KV cache into
     one AOTInductor package for ``customops-run generate`` and the C++ generation API.
 
@@ -116,14 +120,20 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
             package's layers are customops' own), kept for the signature's symmetry with
             :func:`package`.
         inductor_configs: Extra Inductor options, as for :func:`package`.
+        tokenizer: The model's tokenizer, embedded so that one file serves (``customops-run serve``
+            without ``--tokenizer``, ``customops-run generate --text``): a folder
+            ``save_pretrained`` wrote (its tokenizer.json or tokenizer.model, tokenizer_config.json
+            with the chat template and special tokens, chat_template.jinja), one tokenizer.json or
+            tokenizer.model file, or a transformers tokenizer (saved with ``save_pretrained``).
+            The metadata's ``tokenizer`` names the files.
 
     Returns:
         The package's path, as a string.
 
     Raises:
         ValueError: for a model of another family, without an LM head or on the meta device, an
-            activation other than SwiGLU's, a sliding window that max_seq_len would reach, or sizes
-            that are not integers in range.
+            activation other than SwiGLU's, a sliding window that max_seq_len would reach, sizes
+            that are not integers in range, or a tokenizer that is none of the above.
     """
     import torch.fx.experimental._config as fx_config
 
@@ -139,6 +149,7 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
         return v
 
     max_batch, max_seq_len = size("max_batch", max_batch, 1), size("max_seq_len", max_seq_len, 2)
+    tokenizer_files = None if tokenizer is None else _tokenizer_files(tokenizer)
     param = next(model.parameters(), None)
     if param is None or param.device.type == "meta":
         raise ValueError("customops.export.package_causal_lm: the model's weights are on the meta device (not loaded); "
@@ -175,9 +186,50 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
         "eos_token_id": tokens("eos_token_id"), "pad_token_id": tokens("pad_token_id"),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": device.type,
         "head_dim": str(lm.head_dim), "kv_heads": str(lm.n_kv), "layers": str(len(lm.layers))}
+    if tokenizer_files:
+        configs["aot_inductor.metadata"]["tokenizer"] = ",".join(sorted(tokenizer_files))
     with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):
         ep = torch.export.export(lm, example, dynamic_shapes=({0: b, 1: t}, {0: b}, {0: b}, {0: b}))
-        return _compile(ep, path, configs)
+        out = _compile(ep, path, configs)
+    if tokenizer_files:
+        _embed(out, _TOKENIZER_FOLDER, tokenizer_files)
+    return out
+
+
+# Where a package holds its tokenizer (in its archive's top folder; customops-run reads it there),
+# and the files of a save_pretrained folder that customops-run reads.
+_TOKENIZER_FOLDER = "extra/customops/tokenizer/"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "chat_template.jinja")
+
+
+def _tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
+    """The files of the tokenizer package_causal_lm embeds, by name: see its ``tokenizer``."""
+    where = "customops.export.package_causal_lm: tokenizer"
+    if hasattr(tokenizer, "save_pretrained"):
+        with tempfile.TemporaryDirectory() as d:
+            tokenizer.save_pretrained(d)
+            return _tokenizer_files(d)
+    try:
+        p = Path(tokenizer)
+    except TypeError:
+        raise ValueError(f"{where} must be a path or a transformers tokenizer, got a {type(tokenizer).__name__}") from None
+    if p.is_dir():
+        files = {n: (p / n).read_bytes() for n in _TOKENIZER_FILES if (p / n).is_file()}
+        if "tokenizer.json" not in files and "tokenizer.model" not in files:
+            raise ValueError(f"{where}: the folder {p} holds neither a tokenizer.json nor a tokenizer.model")
+        return files
+    if p.is_file() and p.suffix in (".json", ".model"):
+        return {"tokenizer" + p.suffix: p.read_bytes()}
+    raise ValueError(f"{where}: {p} is not a tokenizer.json, a tokenizer.model or a folder holding one")
+
+
+def _embed(package_path: str, folder: str, files: dict[str, bytes]) -> None:
+    """Adds files to a package's zip archive, under folder in its top folder (stored, as torch
+    stores every member: customops-run checks their CRC-32s)."""
+    with zipfile.ZipFile(package_path, "a") as z:
+        top = z.namelist()[0].split("/", 1)[0]
+        for name, data in files.items():
+            z.writestr(f"{top}/{folder}{name}", data, compress_type=zipfile.ZIP_STORED)
 
 
 def _compile(ep: torch.export.ExportedProgram, path, inductor_configs) -> str:

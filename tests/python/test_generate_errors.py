@@ -180,6 +180,27 @@ def test_a_device_the_package_is_not_for_is_named_alike_however_it_is_spelled(pa
     assert r.returncode == 0, r.stderr
 
 
+def test_a_package_without_a_tokenizer_says_so(packaged):
+    """generate --text and serve without --tokenizer take the tokenizer the package embeds; this
+    one embeds none."""
+    _, path = packaged
+    one_line_error(generate(path, "--text", "--prompt", "hello"), "embeds no tokenizer")
+    one_line_error(generate(path, "--text", "--tokenizer", "x.json", "--prompt", "hello"),
+                   "give --text .* or --tokenizer, not both")
+    if "serve" in run([customops.runner_path(), "--version"]).stdout:
+        one_line_error(run([customops.runner_path(), "serve", path]), "serve needs --tokenizer .* or a package that embeds")
+
+
+def test_package_causal_lm_refuses_what_is_not_a_tokenizer(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "vocab.txt").write_text("a\n")
+    for bad, error in [(tmp_path / "empty", "holds neither a tokenizer.json nor a tokenizer.model"),
+                       (tmp_path / "vocab.txt", "is not a tokenizer.json, a tokenizer.model or a folder"),
+                       (3, "must be a path or a transformers tokenizer, got a int")]:
+        with pytest.raises(ValueError, match=f"package_causal_lm: tokenizer.*{error}"):
+            customops.export.package_causal_lm(lms.llama(), tmp_path / "x.pt2", tokenizer=bad)
+
+
 def test_an_error_inside_the_model_is_one_line_without_torch_s_backtrace(packaged, tmp_path):
     """The plain runner given ids outside the vocabulary: the model's embedding raises (and prints
     the error with its C++ backtrace on stderr); the runner's stderr holds one line."""

@@ -78,8 +78,10 @@ def served(request, tmp_path_factory):
     model.generation_config.bos_token_id = ids("<|begin_of_text|>")
     model.generation_config.eos_token_id = ids("<|eot_id|>")
     model = model.to(request.param)
+    # the package embeds the tokenizer (test_the_package_s_own_tokenizer_serves); this server is
+    # given the folder
     path = customops.export.package_causal_lm(model, root / f"{NAME}.pt2", max_batch=MAX_BATCH,
-                                              max_seq_len=MAX_SEQ_LEN)
+                                              max_seq_len=MAX_SEQ_LEN, tokenizer=hf_tok)
     server = Server(path, root / "tokenizer", "--api-key", KEY, "--max-body", str(MAX_BODY), "--token-budget", "64")
     server.package, server.device = path, request.param
     yield server, model, hf_tok
@@ -88,8 +90,10 @@ def served(request, tmp_path_factory):
 
 class Server:
     def __init__(self, package, tokenizer, *args):
-        self.proc = subprocess.Popen([customops.runner_path(), "serve", package, "--tokenizer", tokenizer, "--port", "0",
-                                      *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        """tokenizer None: the one the package embeds."""
+        given = [] if tokenizer is None else ["--tokenizer", tokenizer]
+        self.proc = subprocess.Popen([customops.runner_path(), "serve", package, *given, "--port", "0", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = self.proc.stderr.readline()
         m = re.search(r"on http://127\.0\.0\.1:(\d+) ", line)
         assert m, line + self.proc.stderr.read() if self.proc.poll() is not None else line
@@ -315,6 +319,30 @@ def test_models_tokenize_detokenize_and_metrics(served):
                  "customops_time_to_first_token_seconds_count", "customops_inter_token_latency_seconds_bucket"):
         assert re.search(rf"^{name}(\{{[^}}]*\}})? \d", metrics, re.M), name
     assert server.metric("customops_requests_total") > 0
+
+
+def test_the_package_s_own_tokenizer_serves(served):
+    """A package that embeds its tokenizer (package_causal_lm(..., tokenizer=...)) serves without
+    --tokenizer: the same chat template, text and ids as the folder's."""
+    server, _, hf_tok = served
+    own = Server(server.package, None, "--api-key", KEY)
+    try:
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXTS[1]}]
+        got, want = (s.client().chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0)
+                     for s in (own, server))
+        assert got.choices[0].message.content == want.choices[0].message.content
+        text = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens == len(hf_tok(text, add_special_tokens=False).input_ids)
+        assert own.http("POST", "/tokenize", {"content": TEXTS[5]})[1]["tokens"] == hf_tok(
+            TEXTS[5], add_special_tokens=False).input_ids
+    finally:
+        assert own.stop() == 0
+    r = run([customops.runner_path(), server.package, "--info"])
+    assert re.search(r"^tokenizer: .*tokenizer\.json.*tokenizer_config\.json", r.stdout, re.M), r.stdout
+    # generate --text: the package's tokenizer in and out
+    r = run([customops.runner_path(), "generate", server.package, "--text", "--prompt", TEXTS[0], "--max-new-tokens",
+             "4", "--ignore-eos"])
+    assert r.returncode == 0 and r.stdout.strip(), r.stdout + r.stderr
 
 
 def test_sigterm_stops_the_server_cleanly(served, tmp_path):

@@ -5,6 +5,7 @@
 //   torch::inductor::AOTIModelPackageLoader loader("model.pt2");
 #pragma once
 
+#include <map>
 #include <string>
 
 #include "customops/macros.h"
@@ -17,5 +18,11 @@ namespace customops {
 // flipped weight bytes loads and computes NaN, one with a damaged model library crashes the
 // process (SIGSEGV, SIGILL, SIGTRAP) when it runs. Reads the whole file once (about 1 s a GB).
 CUSTOMOPS_API void verify_package(const std::string& path);
+
+// The files a package holds under folder (a path in its archive's top folder, such as
+// "extra/customops/tokenizer/" where customops.export.package_causal_lm embeds the model's
+// tokenizer), by their names under it: empty where it holds none. Throws std::invalid_argument as
+// verify_package does for a file that is not a package; does not check the files' CRC-32s.
+CUSTOMOPS_API std::map<std::string, std::string> package_files(const std::string& path, const std::string& folder);
 
 }  // namespace customops
