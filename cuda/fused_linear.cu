@@ -475,11 +475,15 @@ void launch_rows(const GemvArgs<T>& a, int64_t smem, cudaStream_t stream) {
 
 at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                              const std::optional<at::Tensor>& residual, c10::string_view prologue_name,
-                             const std::optional<at::Tensor>& norm_weight, double eps, bool constant_weight) {
-  const Prologue p = check_fused_linear(x, weight, bias, residual, prologue_name, norm_weight);
-  auto unfused = [&] { return fused_linear_unfused(x, weight, bias, residual, prologue_name, norm_weight, eps); };
+                             const std::optional<at::Tensor>& norm_weight, double eps, bool constant_weight,
+                             const std::optional<at::Tensor>& weight_scale) {
+  const Prologue p = check_fused_linear(x, weight, bias, residual, prologue_name, norm_weight, weight_scale);
+  auto unfused = [&] {
+    return fused_linear_unfused(x, weight, bias, residual, prologue_name, norm_weight, eps, weight_scale);
+  };
   const at::ScalarType t = x.scalar_type();
-  if (t != at::kFloat && t != at::kHalf && t != at::kBFloat16) return unfused();
+  // (a quantized weight: ATen's ops on the dequantized weight, until its kernels come)
+  if (t != at::kFloat && t != at::kHalf && t != at::kBFloat16 || weight_scale.has_value()) return unfused();
   const int64_t k = weight.size(1), n = weight.size(0), k_in = x.size(-1);
   const int64_t v = 16 / x.element_size();
   if (k == 0 || n == 0 || k % v != 0 || k > (int64_t{1} << 30)) return unfused();

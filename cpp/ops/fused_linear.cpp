@@ -9,7 +9,10 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/GradMode.h>
 #include <torch/library.h>
+
+#include <tuple>
 
 #include "customops/customops.h"
 #include "ops/autocast.h"
@@ -27,11 +30,30 @@ const auto& fused_linear_op() {
                        .findSchemaOrThrow("customops::fused_linear", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                          const std::optional<at::Tensor>&, c10::string_view,
-                                         const std::optional<at::Tensor>&, double, bool)>();
+                                         const std::optional<at::Tensor>&, double, bool,
+                                         const std::optional<at::Tensor>&)>();
   return op;
 }
 
+const auto& quantize_fp8_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("customops::quantize_fp8", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&)>();
+  return op;
+}
+
+// The largest finite magnitude of float8_e4m3fn.
+constexpr double kE4M3Max = 448.0;
+
 bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// The dtype a quantized weight's product is computed in: float64 for float64 x, else float32.
+at::ScalarType dequant_dtype(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+// weight * weight_scale[:, None] in dtype (ATen ops: differentiable in x's direction, batched by vmap).
+at::Tensor dequantized(const at::Tensor& weight, const at::Tensor& weight_scale, at::ScalarType dtype) {
+  return weight.to(dtype) * weight_scale.to(dtype).unsqueeze(1);
+}
 
 // prologue(x) by customops' rms_norm or swiglu op (x itself for none).
 at::Tensor apply_prologue(Prologue p, const at::Tensor& x, const std::optional<at::Tensor>& norm_weight, double eps) {
@@ -42,14 +64,17 @@ at::Tensor apply_prologue(Prologue p, const at::Tensor& x, const std::optional<a
 
 at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& residual, std::string_view prologue,
-                        const std::optional<at::Tensor>& norm_weight, double eps, bool constant_weight) {
+                        const std::optional<at::Tensor>& norm_weight, double eps, bool constant_weight,
+                        const std::optional<at::Tensor>& weight_scale) {
   return fused_linear_op().call(x, weight, bias, residual, c10::string_view(prologue.data(), prologue.size()),
-                                norm_weight, eps, constant_weight);
+                                norm_weight, eps, constant_weight, weight_scale);
 }
+
+std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& weight) { return quantize_fp8_op().call(weight); }
 
 Prologue check_fused_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& residual, c10::string_view prologue,
-                            const std::optional<at::Tensor>& norm_weight) {
+                            const std::optional<at::Tensor>& norm_weight, const std::optional<at::Tensor>& weight_scale) {
   Prologue p;
   if (prologue == "none") {
     p = Prologue::kNone;
@@ -64,10 +89,26 @@ Prologue check_fused_linear(const at::Tensor& x, const at::Tensor& weight, const
   checks::float_dtype(kOp, "x", x);
   TORCH_CHECK(x.dim() >= 1, kOp, ": x must have at least one dimension (the features), but it is a scalar");
   checks::defined(kOp, "weight", weight);
-  checks::same_dtype(kOp, "weight", weight, "x", x);
+  if (given(weight_scale)) {  // a quantized weight
+    TORCH_CHECK(weight.scalar_type() == at::kFloat8_e4m3fn, kOp,
+                ": with weight_scale, weight must be float8_e4m3fn (quantize_fp8's), but it is ", weight.scalar_type());
+    TORCH_CHECK(weight_scale->scalar_type() == at::kFloat, kOp, ": weight_scale must be float32, but it is ",
+                weight_scale->scalar_type());
+    checks::same_device(kOp, "weight_scale", *weight_scale, "x", x);
+  } else {
+    TORCH_CHECK(weight.scalar_type() != at::kFloat8_e4m3fn, kOp,
+                ": weight is float8_e4m3fn but no weight_scale is given (quantize_fp8 returns both)");
+    checks::same_dtype(kOp, "weight", weight, "x", x);
+  }
   checks::same_device(kOp, "weight", weight, "x", x);
   TORCH_CHECK(weight.dim() == 2, kOp, ": expected weight of shape [out_features, in_features], but got ",
               weight.sym_sizes());
+  if (given(weight_scale)) {
+    TORCH_CHECK(weight_scale->dim() == 1, kOp, ": expected weight_scale of shape [", weight.sym_size(0),
+                "] (one scale an output feature), but got ", weight_scale->sym_sizes());
+    TORCH_SYM_CHECK(weight_scale->sym_size(0).sym_eq(weight.sym_size(0)), kOp, ": expected weight_scale of shape [",
+                    weight.sym_size(0), "] (one scale an output feature), but got ", weight_scale->sym_sizes());
+  }
   if (p == Prologue::kSwiglu) {
     TORCH_SYM_CHECK(x.sym_size(-1).sym_eq(weight.sym_size(1) * 2), kOp,
                     ": with prologue \"swiglu\", x's last dim holds gate then up and must be twice weight's "
@@ -107,10 +148,18 @@ Prologue check_fused_linear(const at::Tensor& x, const at::Tensor& weight, const
 
 at::Tensor fused_linear_unfused(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                 const std::optional<at::Tensor>& residual, c10::string_view prologue,
-                                const std::optional<at::Tensor>& norm_weight, double eps) {
-  const Prologue p = check_fused_linear(x, weight, bias, residual, prologue, norm_weight);
+                                const std::optional<at::Tensor>& norm_weight, double eps,
+                                const std::optional<at::Tensor>& weight_scale) {
+  const Prologue p = check_fused_linear(x, weight, bias, residual, prologue, norm_weight, weight_scale);
   const at::Tensor in = apply_prologue(p, x, norm_weight, eps);
-  at::Tensor y = at::linear(in, weight, bias);
+  at::Tensor y;
+  if (given(weight_scale)) {
+    const at::ScalarType acc = dequant_dtype(x);
+    const std::optional<at::Tensor> b = given(bias) ? std::optional<at::Tensor>(bias->to(acc)) : std::nullopt;
+    y = at::linear(in.to(acc), dequantized(weight, *weight_scale, acc), b).to(x.scalar_type());
+  } else {
+    y = at::linear(in, weight, bias);
+  }
   if (given(residual)) y.add_(*residual);
   return y;
 }
@@ -128,13 +177,14 @@ constexpr int64_t kMinBytesAThread = 256 * 1024;
 
 at::Tensor fused_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& residual, c10::string_view prologue,
-                            const std::optional<at::Tensor>& norm_weight, double eps, bool /*constant_weight*/) {
-  const Prologue p = check_fused_linear(x, weight, bias, residual, prologue, norm_weight);
+                            const std::optional<at::Tensor>& norm_weight, double eps, bool /*constant_weight*/,
+                            const std::optional<at::Tensor>& weight_scale) {
+  const Prologue p = check_fused_linear(x, weight, bias, residual, prologue, norm_weight, weight_scale);
   const int64_t n = weight.size(0), k = weight.size(1), row_bytes = k * weight.element_size();
   const int64_t rows = x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
-  if (rows == 0 || rows > kMaxSplitRows || k == 0 || at::get_num_threads() < 2 || at::in_parallel_region() ||
-      n * row_bytes < 2 * kMinBytesAThread || !weight.is_contiguous()) {
-    return fused_linear_unfused(x, weight, bias, residual, prologue, norm_weight, eps);
+  if (given(weight_scale) || rows == 0 || rows > kMaxSplitRows || k == 0 || at::get_num_threads() < 2 ||
+      at::in_parallel_region() || n * row_bytes < 2 * kMinBytesAThread || !weight.is_contiguous()) {
+    return fused_linear_unfused(x, weight, bias, residual, prologue, norm_weight, eps, weight_scale);
   }
   const at::Tensor in = apply_prologue(p, x, norm_weight, eps).reshape({rows, k}).contiguous();
   at::Tensor out_t = at::empty({n, rows}, x.options());  // features x rows: a block of features is a block of rows
@@ -159,8 +209,9 @@ at::Tensor fused_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const
 // ---- Meta -------------------------------------------------------------------------------------
 at::Tensor fused_linear_meta(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                              const std::optional<at::Tensor>& residual, c10::string_view prologue,
-                             const std::optional<at::Tensor>& norm_weight, double /*eps*/, bool /*constant_weight*/) {
-  check_fused_linear(x, weight, bias, residual, prologue, norm_weight);
+                             const std::optional<at::Tensor>& norm_weight, double /*eps*/, bool /*constant_weight*/,
+                             const std::optional<at::Tensor>& weight_scale) {
+  check_fused_linear(x, weight, bias, residual, prologue, norm_weight, weight_scale);
   std::vector<c10::SymInt> sizes(x.sym_sizes().begin(), x.sym_sizes().end());
   sizes.back() = weight.sym_size(0);
   return at::empty_symint(sizes, x.options());
@@ -171,8 +222,9 @@ at::Tensor fused_linear_meta(const at::Tensor& x, const at::Tensor& weight, cons
 // the fused kernels' within one rounding of the product.
 at::Tensor fused_linear_decomposed(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                    const std::optional<at::Tensor>& residual, c10::string_view prologue,
-                                   const std::optional<at::Tensor>& norm_weight, double eps, bool /*constant_weight*/) {
-  const Prologue p = check_fused_linear(x, weight, bias, residual, prologue, norm_weight);
+                                   const std::optional<at::Tensor>& norm_weight, double eps, bool /*constant_weight*/,
+                                   const std::optional<at::Tensor>& weight_scale) {
+  const Prologue p = check_fused_linear(x, weight, bias, residual, prologue, norm_weight, weight_scale);
   const at::ScalarType acc = rms_norm_acc_dtype(x.scalar_type());
   at::Tensor in = x;
   if (p == Prologue::kRmsNorm) {
@@ -185,24 +237,38 @@ at::Tensor fused_linear_decomposed(const at::Tensor& x, const at::Tensor& weight
     const at::Tensor g = x.narrow_symint(-1, 0, n).to(acc), u = x.narrow_symint(-1, n, n).to(acc);
     in = (at::silu(g) * u).to(x.scalar_type());
   }
-  at::Tensor y = at::linear(in, weight, bias);
+  at::Tensor y;
+  if (given(weight_scale)) {  // in the dequantized product's dtype, as the kernels
+    const at::ScalarType dq = dequant_dtype(x);
+    const std::optional<at::Tensor> b = given(bias) ? std::optional<at::Tensor>(bias->to(dq)) : std::nullopt;
+    y = at::linear(in.to(dq), dequantized(weight, *weight_scale, dq), b).to(x.scalar_type());
+  } else {
+    y = at::linear(in, weight, bias);
+  }
   return given(residual) ? y + *residual : y;
 }
 
 // ---- Autograd ---------------------------------------------------------------------------------
 at::Tensor fused_linear_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                  const std::optional<at::Tensor>& residual, c10::string_view prologue,
-                                 const std::optional<at::Tensor>& norm_weight, double eps, bool constant_weight) {
-  autograd::Recorder rec(x, weight, bias, residual, norm_weight);
+                                 const std::optional<at::Tensor>& norm_weight, double eps, bool constant_weight,
+                                 const std::optional<at::Tensor>& weight_scale) {
+  if (given(weight_scale) && at::GradMode::is_enabled()) {
+    TORCH_CHECK(!weight.requires_grad() && !weight_scale->requires_grad(), kOp,
+                ": a quantized weight is frozen: weight and weight_scale must not require grad (x, bias, residual "
+                "and norm_weight may: train adapters beside it)");
+  }
+  autograd::Recorder rec(x, weight, bias, residual, norm_weight, weight_scale);
   if (!rec) return call_below_autograd(fused_linear_op(), x, weight, bias, residual, prologue, norm_weight, eps,
-                                                constant_weight);
-  return fused_linear_decomposed(x, weight, bias, residual, prologue, norm_weight, eps, constant_weight);
+                                                constant_weight, weight_scale);
+  return fused_linear_decomposed(x, weight, bias, residual, prologue, norm_weight, eps, constant_weight, weight_scale);
 }
 
 // ---- Autocast: as a linear layer, float32 tensors run in the autocast dtype --------------------
 at::Tensor fused_linear_autocast(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                  const std::optional<at::Tensor>& residual, c10::string_view prologue,
-                                 const std::optional<at::Tensor>& norm_weight, double eps, bool constant_weight) {
+                                 const std::optional<at::Tensor>& norm_weight, double eps, bool constant_weight,
+                                 const std::optional<at::Tensor>& weight_scale) {
   const at::ScalarType low = at::autocast::get_autocast_dtype(x.device().type());
   auto cast = [&](const at::Tensor& t) { return t.defined() && t.scalar_type() == at::kFloat ? t.to(low) : t; };
   auto cast_opt = [&](const std::optional<at::Tensor>& t) {
@@ -211,20 +277,74 @@ at::Tensor fused_linear_autocast(const at::Tensor& x, const at::Tensor& weight, 
   autocast::Below below;
   const at::Tensor w = cast(weight);
   // a cast weight is the output of the cast's kernel, just before: not constant to the product
+  // (a quantized weight's float32 scale stays float32)
   return fused_linear_op().call(cast(x), w, cast_opt(bias), cast_opt(residual), prologue, cast_opt(norm_weight), eps,
-                                constant_weight && w.is_same(weight));
+                                constant_weight && w.is_same(weight), weight_scale);
+}
+
+// ---- quantize_fp8 -----------------------------------------------------------------------------
+void check_quantize_fp8(const at::Tensor& weight) {
+  constexpr const char* op = "customops::quantize_fp8";
+  checks::defined(op, "weight", weight);
+  const at::ScalarType t = weight.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, op,
+              ": weight must be float32, float16 or bfloat16, but it is ", t);
+  TORCH_CHECK(weight.dim() == 2, op, ": expected weight of shape [out_features, in_features], but got ",
+              weight.sym_sizes());
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_fp8_meta(const at::Tensor& weight) {
+  check_quantize_fp8(weight);
+  return {at::empty_symint(weight.sym_sizes(), weight.options().dtype(at::kFloat8_e4m3fn)),
+          at::empty_symint({weight.sym_size(0)}, weight.options().dtype(at::kFloat))};
+}
+
+// Any device: ATen ops. Each row's scale is its largest magnitude over 448 (1 for a row of zeros,
+// so that nothing divides by 0); the row divided by it rounds to E4M3 (to nearest even), whose
+// range it then fits. A non-finite weight is an error: it would quantize to NaN.
+std::tuple<at::Tensor, at::Tensor> quantize_fp8_kernel(const at::Tensor& weight) {
+  check_quantize_fp8(weight);
+  const at::Tensor w = weight.to(at::kFloat);
+  if (w.numel() > 0) {
+    TORCH_CHECK(at::isfinite(w).all().item<bool>(), "customops::quantize_fp8: weight holds NaN or infinite values");
+  }
+  const at::Tensor amax = w.numel() > 0 ? w.abs().amax(1) : at::zeros({w.size(0)}, w.options());
+  const at::Tensor scale = at::where(amax > 0, amax / kE4M3Max, at::ones_like(amax));
+  const at::Tensor q = (w / scale.unsqueeze(1)).clamp(-kE4M3Max, kE4M3Max).to(at::kFloat8_e4m3fn);
+  return {q.contiguous(), scale.contiguous()};
+}
+
+// Not differentiable: quantizing is rounding.
+std::tuple<at::Tensor, at::Tensor> quantize_fp8_autograd(const at::Tensor& weight) {
+  if (at::GradMode::is_enabled()) {
+    TORCH_CHECK(!weight.requires_grad(), "customops::quantize_fp8 is not differentiable (it rounds): call it under "
+                "torch.no_grad() or on a weight that does not require grad");
+  }
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return quantize_fp8_op().call(weight);
 }
 
 }  // namespace
 
-// Meta kernel of fused_linear.
-TORCH_LIBRARY_IMPL(customops, Meta, m) { m.impl("fused_linear", &fused_linear_meta); }
+// Meta kernels of fused_linear and quantize_fp8.
+TORCH_LIBRARY_IMPL(customops, Meta, m) {
+  m.impl("fused_linear", &fused_linear_meta);
+  m.impl("quantize_fp8", &quantize_fp8_meta);
+}
 
-// CPU kernel of fused_linear: customops' CPU rms_norm or swiglu, ATen's linear (BLAS), the add.
-TORCH_LIBRARY_IMPL(customops, CPU, m) { m.impl("fused_linear", &fused_linear_cpu); }
+// CPU kernel of fused_linear: customops' CPU rms_norm or swiglu, ATen's linear (BLAS), the add;
+// quantize_fp8's ATen ops on the CPU and on CUDA.
+TORCH_LIBRARY_IMPL(customops, CPU, m) {
+  m.impl("fused_linear", &fused_linear_cpu);
+  m.impl("quantize_fp8", &quantize_fp8_kernel);
+}
+TORCH_LIBRARY_IMPL(customops, CUDA, m) { m.impl("quantize_fp8", &quantize_fp8_kernel); }
 
-// Autograd kernel of fused_linear.
-TORCH_LIBRARY_IMPL(customops, Autograd, m) { m.impl("fused_linear", &fused_linear_autograd); }
+// Autograd kernels of fused_linear and quantize_fp8.
+TORCH_LIBRARY_IMPL(customops, Autograd, m) {
+  m.impl("fused_linear", &fused_linear_autograd);
+  m.impl("quantize_fp8", &quantize_fp8_autograd);
+}
 
 // vmap: the ATen decomposition, which functorch batches.
 TORCH_LIBRARY_IMPL(customops, FuncTorchBatched, m) { m.impl("fused_linear", &fused_linear_decomposed); }

@@ -14,12 +14,16 @@ enum class Prologue { kNone, kRmsNorm, kSwiglu };
 // Checks every argument; returns the prologue named by `prologue`.
 Prologue check_fused_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& residual, c10::string_view prologue,
-                            const std::optional<at::Tensor>& norm_weight);
+                            const std::optional<at::Tensor>& norm_weight,
+                            const std::optional<at::Tensor>& weight_scale);
 
 // customops' rms_norm or swiglu, then a linear layer, then the add: the kernels the fused op
 // stands for, called one after another (below autograd).
+// A quantized weight (weight_scale given) is dequantized in float32 (float64 for float64 x) and
+// the product computed there, then rounded to x's dtype.
 at::Tensor fused_linear_unfused(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                                 const std::optional<at::Tensor>& residual, c10::string_view prologue,
-                                const std::optional<at::Tensor>& norm_weight, double eps);
+                                const std::optional<at::Tensor>& norm_weight, double eps,
+                                const std::optional<at::Tensor>& weight_scale);
 
 }  // namespace customops

@@ -155,7 +155,7 @@ def swiglu(x: Tensor) -> Tensor:
 
 def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None, *,
                  prologue: str = "none", norm_weight: Tensor | None = None, eps: float = 1e-6,
-                 constant_weight: bool = False) -> Tensor:
+                 constant_weight: bool = False, weight_scale: Tensor | None = None) -> Tensor:
     """``prologue(x) @ weight.T + bias + residual``: a linear layer with the work around it fused,
     for decoding, where a step is a chain of matrix-vector products.
 
@@ -174,15 +174,38 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual
             it while those kernels finish (programmatic dependent launch), which is what keeps a
             decode step's chain of products streaming; otherwise (the default) it waits for them
             first, so a weight computed just before is read as written.
+        weight_scale: float32 ``[N]``: ``weight`` is quantized, float8_e4m3fn (both from
+            :func:`quantize_fp8`), and the product reads ``weight * weight_scale[:, None]``,
+            accumulating in float32 (float64 for float64 x). Such a weight is frozen: a gradient
+            for it (or its scale) raises; x, bias, residual and norm_weight still differentiate.
 
     Returns:
         A new tensor ``[..., N]``. On CUDA, up to 4 rows whose prologue fits in shared memory run
         as one kernel that reads each weight element once; other inputs run the prologue op, the
         GEMM and the add. On CPU the product of 1-8 rows is split over torch's threads by output
         features. Differentiable (taken apart into ATen ops when a gradient is needed), twice too.
+        A quantized weight runs ATen's product on the dequantized weight for now (its kernels are
+        to come).
     """
     return _callable(_overloads.fused_linear)(x, weight, bias, residual, prologue=prologue, norm_weight=norm_weight,
-                                              eps=eps, constant_weight=constant_weight)
+                                              eps=eps, constant_weight=constant_weight, weight_scale=weight_scale)
+
+
+def quantize_fp8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """A linear layer's weight as float8 E4M3 with a float32 scale per output feature, for
+    :func:`fused_linear`'s ``weight_scale``.
+
+    Args:
+        weight: ``[N, K]`` float32, float16 or bfloat16, finite.
+
+    Returns:
+        ``(q, scale)``: q float8_e4m3fn ``[N, K]`` and scale float32 ``[N]``, each row's largest
+        magnitude over 448 (E4M3's largest finite; 1 for a row of zeros), q the row over its
+        scale rounded to nearest. ``q.float() * scale[:, None]`` is within half an E4M3 step of
+        each element: a relative 2^-4, or ``scale * 2^-10`` for the smallest (E4M3's
+        subnormals). Not differentiable.
+    """
+    return tuple(_callable(_overloads.quantize_fp8)(weight))
 
 
 def scale_clamp(x: Tensor, scale: float, lo: float, hi: float) -> Tensor:

@@ -105,13 +105,19 @@ CUSTOMOPS_API at::Tensor swiglu(const at::Tensor& x);
 // prologue: "none", "rms_norm" (customops::rms_norm(x, norm_weight, eps)) or "swiglu"
 // (customops::swiglu(x), x twice weight's in_features wide); bias and residual optional.
 // constant_weight: weight is not written by a kernel still running on the stream (a parameter),
-// so the CUDA kernel may start reading it before the kernels ahead of it finish.
+// so the CUDA kernel may start reading it before the kernels ahead of it finish. weight_scale:
+// weight is quantized (quantize_fp8's float8_e4m3fn weight and float32 scale per output feature),
+// and the product reads weight * weight_scale[:, None]; such a weight takes no gradient.
 CUSTOMOPS_API at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight,
                                       const std::optional<at::Tensor>& bias = std::nullopt,
                                       const std::optional<at::Tensor>& residual = std::nullopt,
                                       std::string_view prologue = "none",
                                       const std::optional<at::Tensor>& norm_weight = std::nullopt, double eps = 1e-6,
-                                      bool constant_weight = false);
+                                      bool constant_weight = false,
+                                      const std::optional<at::Tensor>& weight_scale = std::nullopt);
+// A weight [out, in] (float32, float16, bfloat16) quantized to float8_e4m3fn with a float32 scale
+// per output feature (the row's largest magnitude over 448): (weight, scale) for fused_linear.
+CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& weight);
 // clamp(x * scale, lo, hi); requires lo <= hi.
 CUSTOMOPS_API at::Tensor scale_clamp(const at::Tensor& x, double scale, double lo, double hi);
 

@@ -176,14 +176,15 @@ def _rms_norm(x, weight, eps=1e-6):
 
 @register_sharding(_ops.fused_linear.default)
 def _fused_linear(x, weight, bias=None, residual=None, prologue="none", norm_weight=None, eps=1e-6,
-                  constant_weight=False):
+                  constant_weight=False, weight_scale=None):
     # Rows: x and residual sharded alike, the weights replicated. Column-parallel: each rank's
     # output features from its rows of the weight (and bias), x replicated (the prologue reads
     # whole rows of x). Without a gradient only: with one the op is taken apart into ATen ops
     # before DTensor sees it.
     def args(xp, wp, rp):
+        # (a quantized weight's scale, one an output feature, is placed as the bias)
         return [xp, wp, _spec_or_none(bias, R if wp == R else Shard(0)), _spec_or_none(residual, rp), None,
-                _spec_or_none(norm_weight, R), None, None]
+                _spec_or_none(norm_weight, R), None, None, _spec_or_none(weight_scale, R if wp == R else Shard(0))]
 
     last = x.ndim - 1
     out = [([R], args(R, R, R)), ([Shard(last)], args(R, Shard(0), Shard(last)))]

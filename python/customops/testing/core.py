@@ -107,6 +107,8 @@ class OpInfo:
     def differentiable_arg(self, i: int, x) -> bool:
         if not (self.differentiable and isinstance(x, torch.Tensor) and x.is_floating_point()):
             return False
+        if x.dtype.itemsize == 1:  # a quantized weight (float8): frozen
+            return False
         return self.grad_args is None or i in self.grad_args
 
     @property

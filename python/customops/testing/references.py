@@ -133,13 +133,26 @@ def _swiglu_ref(x):
 
 
 def _fused_linear_ref(x, weight, bias=None, residual=None, prologue="none", norm_weight=None, eps=1e-6,
-                      constant_weight=False):
+                      constant_weight=False, weight_scale=None):
     if prologue == "rms_norm":  # in x's dtype (a float32 norm weight with half x is read as it is)
         x = _rms_norm_ref(x, norm_weight, eps)[0].to(x.dtype)
     elif prologue == "swiglu":
         x = _swiglu_ref(x)
-    y = torch.nn.functional.linear(x, weight, bias)
+    if weight_scale is not None:  # a quantized weight: the product in float32 (float64), then x's dtype
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        w = weight.to(acc) * weight_scale.to(acc)[:, None]
+        y = torch.nn.functional.linear(x.to(acc), w, None if bias is None else bias.to(acc)).to(x.dtype)
+    else:
+        y = torch.nn.functional.linear(x, weight, bias)
     return y + residual if residual is not None else y
+
+
+def _quantize_fp8_ref(weight):
+    """Each row over its largest magnitude / 448 (1 for zeros), rounded to float8_e4m3fn."""
+    w = weight.to(torch.float32)
+    amax = w.abs().amax(1) if w.numel() else torch.zeros(w.shape[0], device=w.device)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    return (w / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale
 
 
 def _scale_clamp_ref(x, scale, lo, hi):

@@ -433,6 +433,24 @@ def _fused_linear_samples(device, dtype, requires_grad):
     if dtype in (torch.float16, torch.bfloat16):  # a float32 norm weight, read as it is
         out.append(Sample((x_((2, 32)), lin(8, 32), None, None, "rms_norm", vec(32, torch.float32, offset=0.5)), {},
                           "contiguous rms_norm, float32 norm weight"))
+
+    def fp8(n, k):  # a quantized weight and its scale (frozen: no gradient)
+        w = torch.randn(n, k, device=device) / max(k, 1) ** 0.5
+        scale = torch.where(w.abs().amax(1) > 0, w.abs().amax(1) / 448, torch.ones(n, device=device)) if k else \
+            torch.ones(n, device=device)
+        return (w / scale[:, None]).to(torch.float8_e4m3fn), scale
+
+    q, s = fp8(24, 64)
+    out.append(Sample((x_((2, 64)), q, vec(24), x_((2, 24)), "none", None, 1e-6, True, s), {},
+                      "fp8 weight + bias + residual"))
+    q, s = fp8(16, 32)
+    out.append(Sample((x_((3, 32)), q, None, None, "rms_norm", vec(32, offset=0.5), 1e-6, False, s), {},
+                      "fp8 weight, rms_norm"))
+    q, s = fp8(8, 16)
+    out.append(Sample((x_((3, 4, 32), "transposed"), q, None, None, "swiglu", None, 1e-6, False, s), {},
+                      "fp8 weight, transposed x, swiglu"))
+    q, s = fp8(8, 16)
+    out.append(Sample((x_((0, 16)), q, None, None, "none", None, 1e-6, False, s), {}, "fp8 weight, empty x"))
     return out
 
 

@@ -1,0 +1,91 @@
+"""Quantized weights (issue 52): quantize_fp8, and fused_linear reading its float8 E4M3 weight with
+a float32 scale per output feature. fused_linear's quantized samples run through the op table
+(test_ops, test_subsystems, test_fuzz); quantize_fp8 is checked here: its values against the
+rounding it promises, its errors, opcheck, torch.compile and torch.export."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import customops
+from conftest import DEVICES
+from customops.testing.references import _quantize_fp8_ref
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantize_fp8_rounds_each_row_to_its_scale(device, dtype):
+    w = torch.randn(40, 96, device=device, dtype=dtype) * torch.logspace(-3, 2, 40, device=device, dtype=dtype)[:, None]
+    w[3] = 0  # a row of zeros: scale 1, weight 0
+    q, s = customops.quantize_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and q.shape == w.shape and s.shape == (40,)
+    want_q, want_s = _quantize_fp8_ref(w)
+    torch.testing.assert_close(s, want_s, rtol=0, atol=0)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert s[3] == 1 and not q[3].float().any()
+    # every element within half an E4M3 step: a relative 2^-4, or scale * 2^-10 for subnormals
+    back = q.float() * s[:, None]
+    err = (back - w.float()).abs()
+    assert bool((err <= w.float().abs() * 2 ** -4 + s[:, None] * 2 ** -10).all())
+    # each row's largest magnitude is exact: it is 448 x its scale
+    torch.testing.assert_close(back.abs().amax(1), w.float().abs().amax(1), rtol=2 ** -20, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_fp8_says_what_it_cannot_take(device):
+    op = "customops::quantize_fp8"
+    with pytest.raises(RuntimeError, match=f"{op}: weight must be float32, float16 or bfloat16, but it is Long"):
+        customops.quantize_fp8(torch.ones(2, 2, dtype=torch.long, device=device))
+    with pytest.raises(RuntimeError, match=rf"{op}: expected weight of shape \[out_features, in_features\]"):
+        customops.quantize_fp8(torch.ones(4, device=device))
+    with pytest.raises(RuntimeError, match=f"{op}: weight holds NaN or infinite values"):
+        customops.quantize_fp8(torch.tensor([[1.0, float("inf")]], device=device))
+    with pytest.raises(RuntimeError, match=f"{op} is not differentiable"):
+        customops.quantize_fp8(torch.ones(2, 2, device=device, requires_grad=True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_quantized_weight_is_frozen_and_named_in_errors(device):
+    op = "customops::fused_linear"
+    q, s = customops.quantize_fp8(torch.randn(8, 16, device=device))
+    x = torch.randn(2, 16, device=device)
+    with pytest.raises(RuntimeError, match=f"{op}: weight is float8_e4m3fn but no weight_scale is given"):
+        customops.fused_linear(x, q)
+    with pytest.raises(RuntimeError, match=f"{op}: weight_scale must be float32"):
+        customops.fused_linear(x, q, weight_scale=s.double())
+    with pytest.raises(RuntimeError, match=rf"{op}: expected weight_scale of shape \[8\]"):
+        customops.fused_linear(x, q, weight_scale=s[:4])
+    with pytest.raises(RuntimeError, match=f"{op}: with weight_scale, weight must be float8_e4m3fn"):
+        customops.fused_linear(x, q.float(), weight_scale=s)
+    with pytest.raises(RuntimeError, match=f"{op}: a quantized weight is frozen"):
+        customops.fused_linear(x, q, weight_scale=s.clone().requires_grad_())
+    # x, bias and residual still take gradients (adapters trained beside a frozen quantized base)
+    x.requires_grad_()
+    b = torch.zeros(8, device=device, requires_grad=True)
+    customops.fused_linear(x, q, b, weight_scale=s).square().sum().backward()
+    assert x.grad is not None and b.grad is not None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_fp8_passes_opcheck_compile_and_export(device):
+    w = torch.randn(12, 32, device=device)
+    torch.library.opcheck(torch.ops.customops.quantize_fp8.default, (w,))
+
+    def f(w):
+        return customops.quantize_fp8(w)
+
+    got = torch.compile(f, fullgraph=True, dynamic=True)(w)
+    want = f(w)
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+
+    class M(torch.nn.Module):
+        def forward(self, w, x):
+            q, s = customops.quantize_fp8(w)
+            return customops.fused_linear(x, q, weight_scale=s)
+
+    x = torch.randn(3, 32, device=device)
+    ep = torch.export.export(M(), (w, x))
+    torch.testing.assert_close(ep.module()(w, x), M()(w, x))
