@@ -36,13 +36,20 @@ TORCH_LIBRARY(customops, m) {
   // once in one kernel; more rows run the prologue, a GEMM and the add. constant_weight: no kernel
   // still running before this one in the stream writes weight (a parameter), so on CUDA the kernel
   // may read it before they finish (programmatic dependent launch); otherwise it waits for them.
-  // weight_scale: weight is quantized, float8_e4m3fn [out, in] with a float32 scale [out] per
-  // output feature (quantize_fp8 makes both): the product reads weight * weight_scale[:, None].
+  // weight_scale: weight is quantized (quantize_fp8 and quantize_int4 make both): float8_e4m3fn
+  // [out, in] with a float32 scale [out] per output feature, the product reading weight *
+  // weight_scale[:, None]; or int4, two a byte (uint8 [out, in / 2], element 2j in byte j's low
+  // nibble, 2j + 1 in its high one, each stored plus 8) with a scale [out, in / group] per group
+  // of consecutive inputs, the product reading (nibble - 8) * its group's scale.
   m.def("fused_linear(Tensor x, Tensor weight, Tensor? bias=None, Tensor? residual=None, str prologue=\"none\", "
         "Tensor? norm_weight=None, float eps=1e-06, bool constant_weight=False, Tensor? weight_scale=None) -> Tensor");
   // A weight [out, in] (float32, float16 or bfloat16) as float8_e4m3fn with a float32 scale per
   // output feature (its largest magnitude over 448, E4M3's largest finite): (weight, scale).
   m.def("quantize_fp8(Tensor weight) -> (Tensor, Tensor)");
+  // A weight [out, in] as int4 in groups of group_size consecutive inputs, symmetric: each group's
+  // scale (weight's dtype) its largest magnitude over 7, its elements rounded to [-7, 7]:
+  // (packed uint8 [out, in / 2], scale [out, in / group_size]) as fused_linear reads them.
+  m.def("quantize_int4(Tensor weight, int group_size=128) -> (Tensor, Tensor)");
   // clamp(x * scale, lo, hi).
   m.def("scale_clamp(Tensor x, float scale, float lo, float hi) -> Tensor");
   // grad_y * scale where lo < x * scale < hi, else 0.

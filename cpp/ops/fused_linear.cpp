@@ -35,6 +35,13 @@ const auto& fused_linear_op() {
   return op;
 }
 
+const auto& quantize_int4_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("customops::quantize_int4", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, int64_t)>();
+  return op;
+}
+
 const auto& quantize_fp8_op() {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("customops::quantize_fp8", "")
@@ -50,9 +57,14 @@ bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defi
 // The dtype a quantized weight's product is computed in: float64 for float64 x, else float32.
 at::ScalarType dequant_dtype(const at::Tensor& x) { return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
 
-// weight * weight_scale[:, None] in dtype (ATen ops: differentiable in x's direction, batched by vmap).
+// A quantized weight [out, in] in dtype (ATen ops: differentiable in x's direction, batched by
+// vmap): float8 times its scale per output feature, or int4 nibbles less 8 times their group's scale.
 at::Tensor dequantized(const at::Tensor& weight, const at::Tensor& weight_scale, at::ScalarType dtype) {
-  return weight.to(dtype) * weight_scale.to(dtype).unsqueeze(1);
+  if (weight.scalar_type() == at::kFloat8_e4m3fn) return weight.to(dtype) * weight_scale.to(dtype).unsqueeze(1);
+  const c10::SymInt n = weight.sym_size(0), k = weight.sym_size(1) * 2, groups = weight_scale.sym_size(1);
+  const at::Tensor lo = at::bitwise_and(weight, 15), hi = at::bitwise_right_shift(weight, 4);
+  const at::Tensor q = at::stack({lo, hi}, -1).reshape_symint({n, groups, k / groups}).to(dtype) - 8;
+  return (q * weight_scale.to(dtype).unsqueeze(2)).reshape_symint({n, k});
 }
 
 // prologue(x) by customops' rms_norm or swiglu op (x itself for none).
@@ -72,6 +84,10 @@ at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, const std
 
 std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& weight) { return quantize_fp8_op().call(weight); }
 
+std::tuple<at::Tensor, at::Tensor> quantize_int4(const at::Tensor& weight, int64_t group_size) {
+  return quantize_int4_op().call(weight, group_size);
+}
+
 Prologue check_fused_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& residual, c10::string_view prologue,
                             const std::optional<at::Tensor>& norm_weight, const std::optional<at::Tensor>& weight_scale) {
@@ -89,11 +105,17 @@ Prologue check_fused_linear(const at::Tensor& x, const at::Tensor& weight, const
   checks::float_dtype(kOp, "x", x);
   TORCH_CHECK(x.dim() >= 1, kOp, ": x must have at least one dimension (the features), but it is a scalar");
   checks::defined(kOp, "weight", weight);
+  const bool int4 = given(weight_scale) && weight.scalar_type() == at::kByte;
   if (given(weight_scale)) {  // a quantized weight
-    TORCH_CHECK(weight.scalar_type() == at::kFloat8_e4m3fn, kOp,
-                ": with weight_scale, weight must be float8_e4m3fn (quantize_fp8's), but it is ", weight.scalar_type());
-    TORCH_CHECK(weight_scale->scalar_type() == at::kFloat, kOp, ": weight_scale must be float32, but it is ",
-                weight_scale->scalar_type());
+    TORCH_CHECK(weight.scalar_type() == at::kFloat8_e4m3fn || int4, kOp,
+                ": with weight_scale, weight must be float8_e4m3fn (quantize_fp8's) or uint8 (quantize_int4's two "
+                "int4 a byte), but it is ", weight.scalar_type());
+    if (int4) {
+      checks::float_dtype(kOp, "weight_scale", *weight_scale);
+    } else {
+      TORCH_CHECK(weight_scale->scalar_type() == at::kFloat, kOp, ": weight_scale must be float32, but it is ",
+                  weight_scale->scalar_type());
+    }
     checks::same_device(kOp, "weight_scale", *weight_scale, "x", x);
   } else {
     TORCH_CHECK(weight.scalar_type() != at::kFloat8_e4m3fn, kOp,
@@ -103,19 +125,29 @@ Prologue check_fused_linear(const at::Tensor& x, const at::Tensor& weight, const
   checks::same_device(kOp, "weight", weight, "x", x);
   TORCH_CHECK(weight.dim() == 2, kOp, ": expected weight of shape [out_features, in_features], but got ",
               weight.sym_sizes());
-  if (given(weight_scale)) {
+  // in_features: two a byte of an int4 weight
+  const c10::SymInt k_in = int4 ? weight.sym_size(1) * 2 : weight.sym_size(1);
+  if (int4) {
+    TORCH_CHECK(weight_scale->dim() == 2, kOp, ": expected weight_scale of shape [", weight.sym_size(0),
+                ", groups] (a scale a group of inputs), but got ", weight_scale->sym_sizes());
+    TORCH_SYM_CHECK(weight_scale->sym_size(0).sym_eq(weight.sym_size(0)).sym_and(weight_scale->sym_size(1).sym_ge(1)),
+                    kOp, ": expected weight_scale of shape [", weight.sym_size(0),
+                    ", groups] (a scale a group of inputs), but got ", weight_scale->sym_sizes());
+    TORCH_SYM_CHECK((k_in % weight_scale->sym_size(1)).sym_eq(0), kOp, ": weight_scale's ", weight_scale->sym_size(1),
+                    " groups do not divide the ", k_in, " in_features of the int4 weight");
+  } else if (given(weight_scale)) {
     TORCH_CHECK(weight_scale->dim() == 1, kOp, ": expected weight_scale of shape [", weight.sym_size(0),
                 "] (one scale an output feature), but got ", weight_scale->sym_sizes());
     TORCH_SYM_CHECK(weight_scale->sym_size(0).sym_eq(weight.sym_size(0)), kOp, ": expected weight_scale of shape [",
                     weight.sym_size(0), "] (one scale an output feature), but got ", weight_scale->sym_sizes());
   }
   if (p == Prologue::kSwiglu) {
-    TORCH_SYM_CHECK(x.sym_size(-1).sym_eq(weight.sym_size(1) * 2), kOp,
+    TORCH_SYM_CHECK(x.sym_size(-1).sym_eq(k_in * 2), kOp,
                     ": with prologue \"swiglu\", x's last dim holds gate then up and must be twice weight's "
-                    "in_features (", weight.sym_size(1), "), but x has shape ", x.sym_sizes());
+                    "in_features (", k_in, "), but x has shape ", x.sym_sizes());
   } else {
-    TORCH_SYM_CHECK(x.sym_size(-1).sym_eq(weight.sym_size(1)), kOp, ": x's last dim must be weight's in_features (",
-                    weight.sym_size(1), "), but x has shape ", x.sym_sizes());
+    TORCH_SYM_CHECK(x.sym_size(-1).sym_eq(k_in), kOp, ": x's last dim must be weight's in_features (", k_in,
+                    "), but x has shape ", x.sym_sizes());
   }
   if (given(bias)) {
     checks::same_dtype(kOp, "bias", *bias, "x", x);
@@ -233,7 +265,7 @@ at::Tensor fused_linear_decomposed(const at::Tensor& x, const at::Tensor& weight
     if (given(norm_weight)) y = y * norm_weight->to(acc);
     in = y.to(x.scalar_type());
   } else if (p == Prologue::kSwiglu) {
-    const c10::SymInt n = weight.sym_size(1);
+    const c10::SymInt n = x.sym_size(-1) / 2;  // (weight's in_features: an int4 weight packs two a byte)
     const at::Tensor g = x.narrow_symint(-1, 0, n).to(acc), u = x.narrow_symint(-1, n, n).to(acc);
     in = (at::silu(g) * u).to(x.scalar_type());
   }
@@ -314,6 +346,55 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_kernel(const at::Tensor& weight)
   return {q.contiguous(), scale.contiguous()};
 }
 
+// ---- quantize_int4 ----------------------------------------------------------------------------
+void check_quantize_int4(const at::Tensor& weight, int64_t group_size) {
+  constexpr const char* op = "customops::quantize_int4";
+  checks::defined(op, "weight", weight);
+  const at::ScalarType t = weight.scalar_type();
+  TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, op,
+              ": weight must be float32, float16 or bfloat16, but it is ", t);
+  TORCH_CHECK(weight.dim() == 2, op, ": expected weight of shape [out_features, in_features], but got ",
+              weight.sym_sizes());
+  TORCH_CHECK(group_size >= 2 && group_size % 2 == 0, op, ": group_size must be an even number >= 2, but it is ",
+              group_size);
+  TORCH_SYM_CHECK((weight.sym_size(1) % group_size).sym_eq(0).sym_and(weight.sym_size(1).sym_ge(1)), op,
+                  ": weight's in_features (", weight.sym_size(1), ") must be a positive multiple of group_size (",
+                  group_size, ")");
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_int4_meta(const at::Tensor& weight, int64_t group_size) {
+  check_quantize_int4(weight, group_size);
+  const c10::SymInt n = weight.sym_size(0), k = weight.sym_size(1);
+  return {at::empty_symint({n, k / 2}, weight.options().dtype(at::kByte)),
+          at::empty_symint({n, k / group_size}, weight.options())};
+}
+
+// Any device: ATen ops. A group's scale is its largest magnitude over 7 (1 for zeros), rounded to
+// weight's dtype first so that the elements round against the scale fused_linear reads.
+std::tuple<at::Tensor, at::Tensor> quantize_int4_kernel(const at::Tensor& weight, int64_t group_size) {
+  check_quantize_int4(weight, group_size);
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const at::Tensor w = weight.to(at::kFloat).reshape({n, k / group_size, group_size});
+  if (w.numel() > 0) {
+    TORCH_CHECK(at::isfinite(w).all().item<bool>(), "customops::quantize_int4: weight holds NaN or infinite values");
+  }
+  const at::Tensor amax = w.abs().amax(2);
+  const at::Tensor scale = at::where(amax > 0, amax / 7.0, at::ones_like(amax)).to(weight.scalar_type());
+  const at::Tensor q = at::round(w / scale.to(at::kFloat).unsqueeze(2)).clamp(-7, 7).to(at::kByte) + 8;  // 1..15
+  const at::Tensor pairs = q.reshape({n, k / 2, 2});
+  const at::Tensor packed = at::bitwise_or(pairs.select(2, 0), at::bitwise_left_shift(pairs.select(2, 1), 4));
+  return {packed.contiguous(), scale.contiguous()};
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_int4_autograd(const at::Tensor& weight, int64_t group_size) {
+  if (at::GradMode::is_enabled()) {
+    TORCH_CHECK(!weight.requires_grad(), "customops::quantize_int4 is not differentiable (it rounds): call it under "
+                "torch.no_grad() or on a weight that does not require grad");
+  }
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return quantize_int4_op().call(weight, group_size);
+}
+
 // Not differentiable: quantizing is rounding.
 std::tuple<at::Tensor, at::Tensor> quantize_fp8_autograd(const at::Tensor& weight) {
   if (at::GradMode::is_enabled()) {
@@ -330,6 +411,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_autograd(const at::Tensor& weigh
 TORCH_LIBRARY_IMPL(customops, Meta, m) {
   m.impl("fused_linear", &fused_linear_meta);
   m.impl("quantize_fp8", &quantize_fp8_meta);
+  m.impl("quantize_int4", &quantize_int4_meta);
 }
 
 // CPU kernel of fused_linear: customops' CPU rms_norm or swiglu, ATen's linear (BLAS), the add;
@@ -337,13 +419,18 @@ TORCH_LIBRARY_IMPL(customops, Meta, m) {
 TORCH_LIBRARY_IMPL(customops, CPU, m) {
   m.impl("fused_linear", &fused_linear_cpu);
   m.impl("quantize_fp8", &quantize_fp8_kernel);
+  m.impl("quantize_int4", &quantize_int4_kernel);
 }
-TORCH_LIBRARY_IMPL(customops, CUDA, m) { m.impl("quantize_fp8", &quantize_fp8_kernel); }
+TORCH_LIBRARY_IMPL(customops, CUDA, m) {
+  m.impl("quantize_fp8", &quantize_fp8_kernel);
+  m.impl("quantize_int4", &quantize_int4_kernel);
+}
 
 // Autograd kernels of fused_linear and quantize_fp8.
 TORCH_LIBRARY_IMPL(customops, Autograd, m) {
   m.impl("fused_linear", &fused_linear_autograd);
   m.impl("quantize_fp8", &quantize_fp8_autograd);
+  m.impl("quantize_int4", &quantize_int4_autograd);
 }
 
 // vmap: the ATen decomposition, which functorch batches.

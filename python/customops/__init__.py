@@ -32,7 +32,7 @@ from . import _C  # noqa: E402  (loads libcustomops.so and registers the ops)
 from . import export  # noqa: E402
 from .hf import optimize  # noqa: E402
 from ._ops import (add_rms_norm, attention, cache_attention, cache_write, cross_entropy, fused_linear,  # noqa: E402
-                   linear_cross_entropy, merge_attention, mul, muladd, quantize_fp8, rms_norm, rope, rope_cache_write,
+                   linear_cross_entropy, merge_attention, mul, muladd, quantize_fp8, quantize_int4, rms_norm, rope, rope_cache_write,
                    scale_clamp, silu, silu_mul, swiglu)
 from .distributed import _when_dtensor_loads  # noqa: E402
 
@@ -105,6 +105,7 @@ __all__ = [
     "swiglu",
     "fused_linear",
     "quantize_fp8",
+    "quantize_int4",
     "scale_clamp",
     "add_rms_norm",
     "rope",

@@ -174,10 +174,12 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual
             it while those kernels finish (programmatic dependent launch), which is what keeps a
             decode step's chain of products streaming; otherwise (the default) it waits for them
             first, so a weight computed just before is read as written.
-        weight_scale: float32 ``[N]``: ``weight`` is quantized, float8_e4m3fn (both from
-            :func:`quantize_fp8`), and the product reads ``weight * weight_scale[:, None]``,
-            accumulating in float32 (float64 for float64 x). Such a weight is frozen: a gradient
-            for it (or its scale) raises; x, bias, residual and norm_weight still differentiate.
+        weight_scale: ``weight`` is quantized, and the product reads it dequantized,
+            accumulating in float32 (float64 for float64 x): float8_e4m3fn ``[N, K]`` with a
+            float32 scale ``[N]`` (:func:`quantize_fp8`), or int4 packed two a byte, uint8 ``[N,
+            K / 2]`` with a scale ``[N, K / group]`` (:func:`quantize_int4`). Such a weight is
+            frozen: a gradient for it (or its scale) raises; x, bias, residual and norm_weight
+            still differentiate.
 
     Returns:
         A new tensor ``[..., N]``. On CUDA, up to 4 rows whose prologue fits in shared memory run
@@ -206,6 +208,24 @@ def quantize_fp8(weight: Tensor) -> tuple[Tensor, Tensor]:
         subnormals). Not differentiable.
     """
     return tuple(_callable(_overloads.quantize_fp8)(weight))
+
+
+def quantize_int4(weight: Tensor, group_size: int = 128) -> tuple[Tensor, Tensor]:
+    """A linear layer's weight as symmetric int4 in groups of ``group_size`` consecutive inputs,
+    for :func:`fused_linear`'s ``weight_scale``.
+
+    Args:
+        weight: ``[N, K]`` float32, float16 or bfloat16, finite; K a multiple of group_size.
+        group_size: An even number (128, as GPTQ and AWQ checkpoints use).
+
+    Returns:
+        ``(packed, scale)``: packed uint8 ``[N, K / 2]``, element ``2j`` of a row in byte ``j``'s
+        low nibble and ``2j + 1`` in its high one, each ``q + 8`` for q in [-7, 7]; scale ``[N,
+        K / group_size]`` in weight's dtype, each group's largest magnitude over 7 (1 for zeros).
+        ``(nibble - 8) * scale`` is within half a step (``scale / 2``) of each element. Not
+        differentiable.
+    """
+    return tuple(_callable(_overloads.quantize_int4)(weight, group_size))
 
 
 def scale_clamp(x: Tensor, scale: float, lo: float, hi: float) -> Tensor:

@@ -1,7 +1,8 @@
-"""Quantized weights (issue 52): quantize_fp8, and fused_linear reading its float8 E4M3 weight with
-a float32 scale per output feature. fused_linear's quantized samples run through the op table
-(test_ops, test_subsystems, test_fuzz); quantize_fp8 is checked here: its values against the
-rounding it promises, its errors, opcheck, torch.compile and torch.export."""
+"""Quantized weights (issue 52): quantize_fp8 and quantize_int4, and fused_linear reading their
+weights (float8 E4M3 with a float32 scale per output feature; int4 two a byte with a scale per
+group of inputs). fused_linear's quantized samples run through the op table (test_ops,
+test_subsystems, test_fuzz); the quantizers are checked here: their values against the rounding
+they promise, their errors, opcheck, torch.compile and torch.export."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 import customops
 from conftest import DEVICES
-from customops.testing.references import _quantize_fp8_ref
+from customops.testing.references import _dequantized_ref, _quantize_fp8_ref, _quantize_int4_ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -89,3 +90,55 @@ def test_quantize_fp8_passes_opcheck_compile_and_export(device):
     x = torch.randn(3, 32, device=device)
     ep = torch.export.export(M(), (w, x))
     torch.testing.assert_close(ep.module()(w, x), M()(w, x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_quantize_int4_rounds_each_group_to_its_scale(device, dtype):
+    w = torch.randn(6, 256, device=device, dtype=dtype) * torch.logspace(-2, 1, 6, device=device, dtype=dtype)[:, None]
+    w[2, 128:] = 0  # a group of zeros: scale 1, elements 0
+    packed, scale = customops.quantize_int4(w)
+    assert packed.dtype == torch.uint8 and packed.shape == (6, 128) and scale.dtype == dtype and scale.shape == (6, 2)
+    want_p, want_s = _quantize_int4_ref(w)
+    assert torch.equal(packed, want_p) and torch.equal(scale, want_s)
+    assert scale[2, 1] == 1 and bool((packed[2, 64:] == 0x88).all())
+    back = _dequantized_ref(packed, scale, torch.float64)
+    # within half a step of each element (the scale rounded to dtype: a step of its rounding more)
+    step = scale.double().repeat_interleave(128, 1)
+    assert bool(((back - w.double()).abs() <= step * (0.5 + 7 * torch.finfo(dtype).eps)).all())
+    # group size 32 packs the same way, with 8 scales a row
+    p32, s32 = customops.quantize_int4(w, 32)
+    assert s32.shape == (6, 8) and torch.equal(p32, _quantize_int4_ref(w, 32)[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_int4_says_what_it_cannot_take(device):
+    op = "customops::quantize_int4"
+    with pytest.raises(RuntimeError, match=rf"{op}: weight's in_features \(100\) must be a positive multiple of "
+                                           rf"group_size \(128\)"):
+        customops.quantize_int4(torch.ones(2, 100, device=device))
+    with pytest.raises(RuntimeError, match=f"{op}: group_size must be an even number >= 2, but it is 3"):
+        customops.quantize_int4(torch.ones(2, 6, device=device), 3)
+    with pytest.raises(RuntimeError, match=f"{op}: weight holds NaN or infinite values"):
+        customops.quantize_int4(torch.full((1, 128), float("nan"), device=device))
+    q, s = customops.quantize_int4(torch.randn(8, 64, device=device), 32)
+    with pytest.raises(RuntimeError, match=r"customops::fused_linear: weight_scale's 3 groups do not divide the 64"):
+        customops.fused_linear(torch.randn(2, 64, device=device), q, weight_scale=torch.ones(8, 3, device=device))
+    with pytest.raises(RuntimeError, match=r"customops::fused_linear: x's last dim must be weight's in_features \(64\)"):
+        customops.fused_linear(torch.randn(2, 32, device=device), q, weight_scale=s)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_int4_passes_opcheck_compile_and_export(device):
+    w = torch.randn(12, 64, device=device)
+    torch.library.opcheck(torch.ops.customops.quantize_int4.default, (w, 32))
+
+    class M(torch.nn.Module):
+        def forward(self, w, x):
+            q, s = customops.quantize_int4(w, 32)
+            return customops.fused_linear(x, q, weight_scale=s)
+
+    x = torch.randn(3, 64, device=device)
+    want = M()(w, x)
+    torch.testing.assert_close(torch.compile(M(), fullgraph=True, dynamic=True)(w, x), want)
+    torch.testing.assert_close(torch.export.export(M(), (w, x)).module()(w, x), want)

@@ -106,8 +106,8 @@ CUSTOMOPS_API at::Tensor swiglu(const at::Tensor& x);
 // (customops::swiglu(x), x twice weight's in_features wide); bias and residual optional.
 // constant_weight: weight is not written by a kernel still running on the stream (a parameter),
 // so the CUDA kernel may start reading it before the kernels ahead of it finish. weight_scale:
-// weight is quantized (quantize_fp8's float8_e4m3fn weight and float32 scale per output feature),
-// and the product reads weight * weight_scale[:, None]; such a weight takes no gradient.
+// weight is quantized (quantize_fp8's or quantize_int4's weight and scale), and the product reads
+// the dequantized weight, accumulating in float32; such a weight takes no gradient.
 CUSTOMOPS_API at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight,
                                       const std::optional<at::Tensor>& bias = std::nullopt,
                                       const std::optional<at::Tensor>& residual = std::nullopt,
@@ -118,6 +118,10 @@ CUSTOMOPS_API at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& wei
 // A weight [out, in] (float32, float16, bfloat16) quantized to float8_e4m3fn with a float32 scale
 // per output feature (the row's largest magnitude over 448): (weight, scale) for fused_linear.
 CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& weight);
+// A weight [out, in] quantized to int4 in groups of group_size consecutive inputs (symmetric: a
+// group's scale, in weight's dtype, is its largest magnitude over 7): (packed uint8 [out, in / 2],
+// scale [out, in / group_size]) for fused_linear (see its schema for the packing).
+CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> quantize_int4(const at::Tensor& weight, int64_t group_size = 128);
 // clamp(x * scale, lo, hi); requires lo <= hi.
 CUSTOMOPS_API at::Tensor scale_clamp(const at::Tensor& x, double scale, double lo, double hi);
 

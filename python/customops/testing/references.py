@@ -140,11 +140,32 @@ def _fused_linear_ref(x, weight, bias=None, residual=None, prologue="none", norm
         x = _swiglu_ref(x)
     if weight_scale is not None:  # a quantized weight: the product in float32 (float64), then x's dtype
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        w = weight.to(acc) * weight_scale.to(acc)[:, None]
+        w = _dequantized_ref(weight, weight_scale, acc)
         y = torch.nn.functional.linear(x.to(acc), w, None if bias is None else bias.to(acc)).to(x.dtype)
     else:
         y = torch.nn.functional.linear(x, weight, bias)
     return y + residual if residual is not None else y
+
+
+def _dequantized_ref(weight, scale, dtype):
+    """A quantized weight [N, K] in dtype: float8 times its row's scale, or packed int4 (low nibble
+    first) less 8 times its group's scale."""
+    if scale.dim() == 1:  # float8 (as float8, or its values in float64: the reference's inputs)
+        return weight.to(dtype) * scale.to(dtype)[:, None]
+    n, groups = weight.shape[0], scale.shape[1]
+    q = torch.stack([weight & 15, weight >> 4], -1).reshape(n, -1).to(dtype) - 8
+    return (q.reshape(n, groups, -1) * scale.to(dtype)[:, :, None]).reshape(n, -1)
+
+
+def _quantize_int4_ref(weight, group_size=128):
+    """Each group of group_size inputs over its largest magnitude / 7 (1 for zeros; the scale in
+    weight's dtype), rounded to [-7, 7], stored plus 8, two a byte (low nibble first)."""
+    n, k = weight.shape
+    w = weight.to(torch.float32).reshape(n, k // group_size, group_size)
+    amax = w.abs().amax(2)
+    scale = torch.where(amax > 0, amax / 7, torch.ones_like(amax)).to(weight.dtype)
+    q = (torch.round(w / scale.float()[:, :, None]).clamp(-7, 7) + 8).to(torch.uint8).reshape(n, k // 2, 2)
+    return q[..., 0] | (q[..., 1] << 4), scale
 
 
 def _quantize_fp8_ref(weight):

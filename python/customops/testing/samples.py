@@ -451,6 +451,21 @@ def _fused_linear_samples(device, dtype, requires_grad):
                       "fp8 weight, transposed x, swiglu"))
     q, s = fp8(8, 16)
     out.append(Sample((x_((0, 16)), q, None, None, "none", None, 1e-6, False, s), {}, "fp8 weight, empty x"))
+
+    def int4(n, k, group):  # a weight packed two int4 a byte, a scale a group (frozen)
+        w = torch.randn(n, k // group, group, device=device) / k ** 0.5
+        scale = (w.abs().amax(2) / 7).to(dtype if dtype != torch.float64 else torch.float32)
+        q = (torch.round(w / scale.float()[:, :, None]).clamp(-7, 7) + 8).to(torch.uint8).reshape(n, k // 2, 2)
+        return q[..., 0] | (q[..., 1] << 4), scale
+
+    q, s = int4(24, 64, 32)
+    out.append(Sample((x_((2, 64)), q, vec(24), x_((2, 24)), "none", None, 1e-6, True, s), {},
+                      "int4 weight (groups of 32) + bias + residual"))
+    q, s = int4(16, 32, 16)
+    out.append(Sample((x_((1, 2, 32), "strided"), q, None, None, "rms_norm", vec(32, offset=0.5), 1e-6, False, s), {},
+                      "int4 weight (groups of 16), strided x, rms_norm"))
+    q, s = int4(8, 16, 16)
+    out.append(Sample((x_((3, 32)), q, None, None, "swiglu", None, 1e-6, False, s), {}, "int4 weight, swiglu"))
     return out
 
 

@@ -225,6 +225,7 @@ OPS: list[OpInfo] = [
                     torch.bfloat16: (3e-2, 2e-2)},
         autocast="lower",
         cancels=True,
+        grad_args=(0, 1, 2, 3, 5),  # not weight_scale: a quantized weight is frozen
         fuzz=_fuzz_fused_linear,
     ),
     OpInfo(
