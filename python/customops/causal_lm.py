@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from ._ops import cache_attention, fused_linear, rms_norm, rope_cache_write
+from ._ops import cache_attention, fused_linear, quantize_fp8, quantize_int4, rms_norm, rope_cache_write
 
 # config.model_type -> the family's name in the package's metadata
 FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -109,16 +109,40 @@ class DecodeLayer(nn.Module):
         self.down_proj = mlp.down_proj
 
 
-def _linear(linear: nn.Linear, x: Tensor, *, norm: nn.Module | None = None, residual: Tensor | None = None,
+# The weight formats of package_causal_lm (its ``weights``): the model's dtype, float8 E4M3 with a
+# scale an output feature, int4 in groups of INT4_GROUP inputs.
+WEIGHTS = ("bf16", "fp8", "int4")
+INT4_GROUP = 128
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer's weight quantized for fused_linear's ``weight_scale`` (buffers: the package
+    holds them as constants), and its bias (the original's, shared)."""
+
+    def __init__(self, linear: nn.Linear, weights: str, where: str):
+        super().__init__()
+        w = linear.weight.detach()
+        if weights == "int4" and w.shape[1] % INT4_GROUP:
+            raise ValueError(f"customops.export.package_causal_lm: weights='int4' quantizes in groups of {INT4_GROUP} "
+                             f"inputs, but {where} has {w.shape[1]} in_features")
+        with torch.no_grad():
+            q, scale = quantize_fp8(w) if weights == "fp8" else quantize_int4(w, INT4_GROUP)
+        self.register_buffer("weight", q)
+        self.register_buffer("weight_scale", scale)
+        self.bias = linear.bias
+
+
+def _linear(linear: nn.Module, x: Tensor, *, norm: nn.Module | None = None, residual: Tensor | None = None,
             swiglu: bool = False) -> Tensor:
     """linear(norm(x)) (or linear(swiglu(x)), or linear(x)), plus residual: one fused_linear, whose
     weight is a parameter no kernel writes (constant_weight: on CUDA it streams while the kernel
     before it finishes)."""
+    scale = getattr(linear, "weight_scale", None)  # a QuantizedLinear's
     if norm is not None:
         return fused_linear(x, linear.weight, linear.bias, residual, prologue="rms_norm", norm_weight=norm.weight,
-                            eps=norm.variance_epsilon, constant_weight=True)
+                            eps=norm.variance_epsilon, constant_weight=True, weight_scale=scale)
     return fused_linear(x, linear.weight, linear.bias, residual, prologue="swiglu" if swiglu else "none",
-                        constant_weight=True)
+                        constant_weight=True, weight_scale=scale)
 
 
 class _Rotary(nn.Module):
@@ -167,8 +191,12 @@ class CachedCausalLM(nn.Module):
     """``model`` (a Hugging Face *ForCausalLM of the Llama family) with a static KV cache; see the
     module's docstring for the forward."""
 
-    def __init__(self, model: nn.Module, *, max_batch: int = 1, max_seq_len: int = 2048):
+    def __init__(self, model: nn.Module, *, max_batch: int = 1, max_seq_len: int = 2048, weights: str = "bf16",
+                 quantize_lm_head: bool = False):
         super().__init__()
+        if weights not in WEIGHTS:
+            raise ValueError(f"customops.export.package_causal_lm: weights must be one of {', '.join(WEIGHTS)}, "
+                             f"got {weights!r}")
         self.family = _family(model)
         _check_window(model, max_seq_len)
         _check_activation(model)
@@ -178,6 +206,13 @@ class CachedCausalLM(nn.Module):
         self.norm = model.model.norm
         self.rotary = _Rotary(model.model.rotary_emb)
         self.lm_head = model.lm_head
+        self.weights = weights
+        if weights != "bf16":  # the decoder layers' four products (and the LM head where asked)
+            for i, layer in enumerate(self.layers):
+                for name in ("qkv", "o_proj", "gate_up", "down_proj"):
+                    setattr(layer, name, QuantizedLinear(getattr(layer, name), weights, f"layer {i}'s {name}"))
+            if quantize_lm_head:
+                self.lm_head = QuantizedLinear(self.lm_head, weights, "the LM head")
         self.n_heads = cfg.num_attention_heads
         self.n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

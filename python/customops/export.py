@@ -92,7 +92,7 @@ def package(
 
 def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_batch: int = 1, max_seq_len: int = 2048,
                       optimize: bool = True, inductor_configs: dict[str, Any] | None = None,
-                      tokenizer: Any = None) -> str:
+                      tokenizer: Any = None, weights: str = "bf16", quantize_lm_head: bool = False) -> str:
     """Packages a Hugging Face causal LM (Llama, Mistral, Qwen2, Qwen3) with a static KV cache into
     one AOTInductor package for ``customops-run generate`` and the C++ generation API.
 
@@ -126,6 +126,12 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
             with the chat template and special tokens, chat_template.jinja), one tokenizer.json or
             tokenizer.model file, or a transformers tokenizer (saved with ``save_pretrained``).
             The metadata's ``tokenizer`` names the files.
+        weights: The decoder layers' linear weights: ``"bf16"``, in the model's dtype (whatever it
+            is); ``"fp8"``, float8 E4M3 with a float32 scale an output feature
+            (:func:`customops.quantize_fp8`); ``"int4"``, int4 in groups of 128 inputs with a scale
+            a group in the model's dtype (:func:`customops.quantize_int4`). Activations, norms, the
+            embedding and the cache stay in the model's dtype. The metadata's ``weights`` names it.
+        quantize_lm_head: Quantize the LM head too (else it stays in the model's dtype).
 
     Returns:
         The package's path, as a string.
@@ -133,7 +139,8 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
     Raises:
         ValueError: for a model of another family, without an LM head or on the meta device, an
             activation other than SwiGLU's, a sliding window that max_seq_len would reach, sizes
-            that are not integers in range, or a tokenizer that is none of the above.
+            that are not integers in range, a tokenizer that is none of the above, or weights that
+            are not a format above (or int4 for in_features that are not a multiple of 128).
     """
     import torch.fx.experimental._config as fx_config
 
@@ -154,7 +161,8 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
     if param is None or param.device.type == "meta":
         raise ValueError("customops.export.package_causal_lm: the model's weights are on the meta device (not loaded); "
                          "load them (e.g. from_pretrained, or to_empty and load_state_dict) first")
-    lm = CachedCausalLM(model, max_batch=max_batch, max_seq_len=max_seq_len).eval()
+    lm = CachedCausalLM(model, max_batch=max_batch, max_seq_len=max_seq_len, weights=weights,
+                        quantize_lm_head=bool(quantize_lm_head)).eval()
     device = param.device
     cfg = model.config
     b = torch.export.Dim("batch", min=1, max=max_batch) if max_batch > 1 else None  # a Dim needs min < max
@@ -185,7 +193,8 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
         "max_seq_len": str(max_seq_len), "vocab_size": str(cfg.vocab_size), "bos_token_id": tokens("bos_token_id"),
         "eos_token_id": tokens("eos_token_id"), "pad_token_id": tokens("pad_token_id"),
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": device.type,
-        "head_dim": str(lm.head_dim), "kv_heads": str(lm.n_kv), "layers": str(len(lm.layers))}
+        "head_dim": str(lm.head_dim), "kv_heads": str(lm.n_kv), "layers": str(len(lm.layers)),
+        "weights": weights, "lm_head_weights": weights if quantize_lm_head else "bf16"}
     if tokenizer_files:
         configs["aot_inductor.metadata"]["tokenizer"] = ",".join(sorted(tokenizer_files))
     with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):

@@ -142,3 +142,44 @@ def test_quantize_int4_passes_opcheck_compile_and_export(device):
     want = M()(w, x)
     torch.testing.assert_close(torch.compile(M(), fullgraph=True, dynamic=True)(w, x), want)
     torch.testing.assert_close(torch.export.export(M(), (w, x)).module()(w, x), want)
+
+
+@pytest.mark.parametrize("weights", ["fp8", "int4"])
+def test_a_quantized_package_generates_what_its_module_computes(weights, tmp_path):
+    """package_causal_lm(..., weights=...): the decoder layers' products read quantized weights
+    (the LM head stays in the model's dtype); customops-run generate's greedy ids are the eager
+    quantized module's, its logits the module's, and --info names the format."""
+    import causal_lms as lms
+    from customops.causal_lm import CachedCausalLM
+    from test_aoti import run
+    from test_generate import _greedy
+
+    model = lms.llama(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
+    path = customops.export.package_causal_lm(model, tmp_path / f"{weights}.pt2", max_batch=2, max_seq_len=24,
+                                              weights=weights)
+    lm = CachedCausalLM(model, max_batch=2, max_seq_len=24, weights=weights)
+    layer = lm.layers[0]
+    assert layer.qkv.weight.dtype == (torch.float8_e4m3fn if weights == "fp8" else torch.uint8)
+    assert lm.lm_head.weight.dtype == torch.float32
+    ps = lms.prompts(7, 5, seed=2)
+    want = _greedy(lm, ps, 6)
+    r = lms.generate(path, *[a for p in ps for a in ("--prompt", " ".join(map(str, p)))], "--max-new-tokens", "6",
+                     "--ignore-eos")
+    assert r.returncode == 0 and lms.ids_of(r.stdout) == [w[:6] for w in want], r.stderr
+    packaged = torch._inductor.aoti_load_package(path)
+    ids, longs = torch.tensor([ps[0]]), dict(dtype=torch.long)
+    args = (ids, torch.zeros(1, **longs), torch.full((1,), 7, **longs), torch.zeros(1, **longs))
+    with torch.no_grad():
+        torch.testing.assert_close(packaged(*args), CachedCausalLM(model, max_seq_len=24, weights=weights)(*args),
+                                   atol=1e-4, rtol=1e-4)
+    info = run([customops.runner_path(), path, "--info"]).stdout
+    assert f"weights: {weights}" in info and "lm_head_weights: bf16" in info, info
+
+
+def test_package_causal_lm_says_which_weights_it_cannot_make(tmp_path):
+    import causal_lms as lms
+
+    with pytest.raises(ValueError, match="package_causal_lm: weights must be one of bf16, fp8, int4, got 'int8'"):
+        customops.export.package_causal_lm(lms.llama(), tmp_path / "x.pt2", weights="int8")
+    with pytest.raises(ValueError, match="weights='int4' quantizes in groups of 128 inputs, but layer 0's qkv has 64"):
+        customops.export.package_causal_lm(lms.llama(hidden_size=64), tmp_path / "x.pt2", weights="int4")
