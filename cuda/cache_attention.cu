@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(kWarps * 32) cache_attention_kernel(CacheParam
   const int r0 = blockIdx.y * kRows;  // this block's first row of the kv head's rows
   const int b = blockIdx.z / p.hkv, hk = blockIdx.z % p.hkv;
   // This row's sequence of the cache (a hint before the wait below, read again after it)
-  int64_t cb = p.slots == nullptr ? b : std::clamp<int64_t>(p.slots[b], 0, p.bc - 1);
+  int64_t cb = p.slots == nullptr || p.bc == 0 ? b : std::clamp<int64_t>(p.slots[b], 0, p.bc - 1);
   // Position `key` of this block's sequence and kv head in a cache (k or v, with its strides).
   auto cache_at = [&](const void* cache, const int64_t(&st)[3], int key) {
     return static_cast<const T*>(cache) + cb * st[0] + hk * st[1] + key * st[2];

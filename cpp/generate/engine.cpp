@@ -295,7 +295,10 @@ struct Engine::Impl {
       ++s->in_flight;
     }
     at::Tensor ids = cur.ids;
-    if (b < cur.rows) ids = ids.index_select(0, at::tensor(kept, at::TensorOptions().dtype(at::kLong)).to(m.device));
+    if (b < cur.rows) {  // (from pinned memory, not waiting for the device)
+      const at::Tensor index = at::tensor(kept, at::TensorOptions().dtype(at::kLong)).pin_memory();
+      ids = ids.index_select(0, index.to(m.device, /*non_blocking=*/true));
+    }
     run(*l, ids.view({b, 1}), start, std::vector<int64_t>(b, 1), slot);
     return l;
   }

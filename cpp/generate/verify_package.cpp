@@ -202,6 +202,7 @@ void verify_package(const std::string& path) {
 
 std::map<std::string, std::string> package_files(const std::string& path, const std::string& folder) {
   ZipArchive zip(path);
+  static const Crc32 crc32;
   std::map<std::string, std::string> files;
   for (const auto& m : zip.members()) {
     // "<archive's top folder>/<folder><name>"
@@ -210,8 +211,18 @@ std::map<std::string, std::string> package_files(const std::string& path, const 
     const std::string name = m.name.substr(top + 1 + folder.size());
     if (name.empty() || name.back() == '/') continue;  // the folder itself
     if (m.method != 0) throw std::invalid_argument("cannot read " + m.name + " of " + path + ": it is compressed");
-    std::string& bytes = files[name];
-    zip.read(m, [&](const unsigned char* p, size_t n) { bytes.append(reinterpret_cast<const char*>(p), n); });
+    std::string bytes;  // (of two members of one name, the last, as a zip reader takes it)
+    uint32_t crc = 0;
+    zip.read(m, [&](const unsigned char* p, size_t n) {
+      bytes.append(reinterpret_cast<const char*>(p), n);
+      crc = crc32.update(crc, p, n);
+    });
+    if (crc != m.crc) {
+      throw std::invalid_argument(zip.corrupt() + m.name +
+                                  " does not match the checksum (CRC-32) recorded for it; the file was changed "
+                                  "or damaged after it was written");
+    }
+    files[name] = std::move(bytes);
   }
   return files;
 }

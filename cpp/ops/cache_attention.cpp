@@ -84,9 +84,13 @@ void check_positions(const char* op, const char* name, const at::Tensor& t, cons
 // slots, where given, an int64 [B] on the cache's device (its values are checked where they are
 // read); without them the cache holds row b's sequence at b, so it must hold B sequences.
 void check_slots(const char* op, const Slots& slots, const c10::SymInt& b, const at::Tensor& cache,
-                 const char* batch_of) {
+                 const char* batch_of, bool distinct) {
   if (slots) {
     check_positions(op, "slots", *slots, b, cache);
+    // distinct slots (a write's) are no more than the cache's sequences
+    TORCH_SYM_CHECK(cache.sym_size(0).sym_ge(b).sym_or(c10::SymBool(!distinct)), op, ": the cache holds ",
+                    cache.sym_size(0), " sequences, fewer than ", batch_of, "'s batch (", b,
+                    "), so its slots cannot be distinct");
     return;
   }
   TORCH_SYM_CHECK(cache.sym_size(0).sym_ge(b), op, ": the cache holds ", cache.sym_size(0), " sequences, fewer than ",
@@ -134,9 +138,12 @@ Pair cache_attention_batched(const at::Tensor& q, const at::Tensor& k_cache, con
   const c10::SymInt b = qf.sym_size(1);
   Slots folded;
   if (slots) {
-    const at::Tensor kc = level.front(k_cache, e);
-    const at::Tensor base = at::arange(e.guard_int(__FILE__, __LINE__), sl.options()).unsqueeze(1) * kc.size(1);
-    folded = (level.front(sl, e) + base).flatten(0, 1);
+    // an entry's slot b is row e * Bc + b of the folded cache; one outside [0, Bc) stays outside
+    // (-1), not a row of the next entry's cache
+    const int64_t bc = level.front(k_cache, e).size(1);
+    const at::Tensor base = at::arange(e.guard_int(__FILE__, __LINE__), sl.options()).unsqueeze(1) * bc;
+    const at::Tensor s = level.front(sl, e);
+    folded = at::where((s >= 0) & (s < bc), s + base, at::full_like(s, -1)).flatten(0, 1);
   }
   auto cache = [&](const at::Tensor& c) {
     const at::Tensor f = level.front(c, e);
@@ -271,7 +278,7 @@ void check_write(const char* op, const at::Tensor& k_cache, const at::Tensor& v_
   TORCH_SYM_CHECK(k.sym_size(2).sym_le(k_cache.sym_size(2)), op, ": k has ", k.sym_size(2),
                   " new positions a sequence, more than the cache's ", k_cache.sym_size(2));
   check_positions(op, "start", start, k.sym_size(0), k_cache);
-  check_slots(op, slots, k.sym_size(0), k_cache, "k");
+  check_slots(op, slots, k.sym_size(0), k_cache, "k", /*distinct=*/true);
   // written in place: like ATen's in-place ops, no element of a cache shares memory with another
   checks::no_internal_overlap(op, "k_cache", k_cache);
   checks::no_internal_overlap(op, "v_cache", v_cache);
@@ -298,7 +305,7 @@ void check_cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_SYM_CHECK(q.sym_size(2).sym_le(k_cache.sym_size(2)), kAttn, ": q has ", q.sym_size(2),
                   " new queries a sequence, more than the cache's ", k_cache.sym_size(2), " positions");
   check_positions(kAttn, "lengths", lengths, q.sym_size(0), k_cache);
-  check_slots(kAttn, slots, q.sym_size(0), k_cache, "q");
+  check_slots(kAttn, slots, q.sym_size(0), k_cache, "q", /*distinct=*/false);
 }
 
 at::Tensor slots_on_host(const char* op, const Slots& slots, int64_t bc, bool distinct) {

@@ -124,18 +124,26 @@ EmbeddedTokenizer::EmbeddedTokenizer(const std::string& package) {
     throw UserError(e.what());
   }
   if (files.empty()) return;
-  const char* tmp = std::getenv("TMPDIR");
-  std::string dir = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/customops-tokenizer-XXXXXX";
-  if (mkdtemp(dir.data()) == nullptr) throw UserError("cannot make a folder for the package's tokenizer in " + dir);
-  path_ = dir;
   for (const auto& [name, bytes] : files) {
     if (name.find('/') != std::string::npos || name == "." || name == "..") {
       throw UserError(package + " embeds a tokenizer file with a path in its name (" + runner::quoted(name) + ")");
     }
-    std::ofstream out(dir + "/" + name, std::ios::binary);
-    if (!out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()))) {
-      throw UserError("cannot write the package's tokenizer into " + dir);
+  }
+  const char* tmp = std::getenv("TMPDIR");
+  std::string dir = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/customops-tokenizer-XXXXXX";
+  if (mkdtemp(dir.data()) == nullptr) throw UserError("cannot make a folder for the package's tokenizer in " + dir);
+  path_ = dir;
+  try {
+    for (const auto& [name, bytes] : files) {
+      std::ofstream out(dir + "/" + name, std::ios::binary);
+      out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+      out.close();
+      if (!out) throw UserError("cannot write the package's tokenizer into " + dir);
     }
+  } catch (...) {  // (a constructor that throws runs no destructor)
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+    throw;
   }
 }
 

@@ -846,6 +846,7 @@ class Server {
     counter("customops_generated_tokens_total", "Tokens generated.", metrics_.generated_tokens);
     counter("customops_steps_total", "Engine steps (a decode run, a prefill run, or both).", s.steps);
     counter("customops_runs_total", "Runs of the package.", s.runs);
+    counter("customops_graph_runs_total", "Runs of the package replayed from a CUDA graph.", s.graph_runs);
     counter("customops_computed_tokens_total", "Positions the package computed, padding included.", s.tokens);
     gauge("customops_requests_running", "Requests holding a KV cache slot.", s.running);
     gauge("customops_requests_waiting", "Requests waiting for a slot.", s.waiting);

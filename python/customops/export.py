@@ -214,6 +214,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
 def _tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
     """The files of the tokenizer package_causal_lm embeds, by name: see its ``tokenizer``."""
     where = "customops.export.package_causal_lm: tokenizer"
+    if isinstance(tokenizer, torch.nn.Module):
+        raise ValueError(f"{where} is a model ({type(tokenizer).__name__}), not a tokenizer")
     if hasattr(tokenizer, "save_pretrained"):
         with tempfile.TemporaryDirectory() as d:
             tokenizer.save_pretrained(d)
@@ -227,7 +229,7 @@ def _tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
         if "tokenizer.json" not in files and "tokenizer.model" not in files:
             raise ValueError(f"{where}: the folder {p} holds neither a tokenizer.json nor a tokenizer.model")
         return files
-    if p.is_file() and p.suffix in (".json", ".model"):
+    if p.is_file() and (p.name.endswith("tokenizer.json") or p.suffix == ".model"):
         return {"tokenizer" + p.suffix: p.read_bytes()}
     raise ValueError(f"{where}: {p} is not a tokenizer.json, a tokenizer.model or a folder holding one")
 

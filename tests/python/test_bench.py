@@ -141,3 +141,20 @@ def test_bench_generate_rounds_report(tmp_path):
     [row] = report["rows"]
     assert row["variant"] == "eager" and len(row["rounds"]) == 3 and row["vs_eager"] == 1.0
     assert row["decode_ms"] == sorted(r["decode_ms"] for r in row["rounds"])[1]
+
+
+def test_bench_generate_times_a_quantized_package_against_its_own_floor(tmp_path):
+    """--weights int4: customops-run generate of an int4 package beside eager, its floor the int4
+    package's bytes (its decoder layers' weights at half a byte an element, with their scales)."""
+    pytest.importorskip("transformers")
+    out = subprocess.run(
+        [sys.executable, "-m", "customops", "bench", "--generate", "--device", "cpu", "--variants", "eager",
+         "--weights", "bf16,int4", "--layers", "1", "--prompt-len", "8", "--new-tokens", "3", "--no-progress",
+         "--json", "report.json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "report.json").read_text())["rows"]}
+    assert set(rows) == {"eager", "customops-run generate, int4 weights"}, rows
+    q = rows["customops-run generate, int4 weights"]
+    assert "error" not in q and q["decode_ms"] > 0, q
+    assert q["floor_ms"] < rows["eager"]["floor_ms"]  # fewer bytes a step

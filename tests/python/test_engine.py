@@ -105,8 +105,8 @@ def stats(stderr):
 def test_a_prompt_admitted_beside_decoding_requests_runs_alone(lm, consumer, tmp_path):
     """A long prompt admitted while another request decodes is prefilled in its own run beside the
     decode run, over its own slot: the decoding row computes one position a step, never the
-    chunk's length, and the package computes each prompt id and each fed-back id once (no padding).
-    The request in slot 0 ends first, and the one after it takes slot 0 while slot 1 decodes."""
+    chunk's length, and the engine plans each prompt id and each fed-back id once (no padding).
+    The request in slot 0 ends first, and the one after it is admitted while slot 1 decodes."""
     model, path, device = lm
     ps = prompts(4, 30, 9, seed=9)
     script = [submit(0, ps[0], max=12, ignore_eos=True), submit(3, ps[1], max=6, ignore_eos=True),

@@ -53,14 +53,19 @@ def test_teacher_forced_logits_match_hugging_face_at_every_position(packaged):
     # prompts of different lengths in one batch, right-padded: each gives its own last logits
     got = lm(ids[:, :7].contiguous(), torch.zeros(2, **longs), torch.tensor([7, 3]), torch.arange(2))
     torch.testing.assert_close(got, torch.stack([want[0, 6], want[1, 2]]), atol=1e-4, rtol=1e-4)
-    # a sequence in another slot, alone: slot 1 prefills and decodes while slot 0's cache stays
-    got = [lm(ids[:1, :5].contiguous(), torch.zeros(1, **longs), torch.full((1,), 5, **longs), torch.ones(1, **longs))]
-    got += [lm(ids[:1, t:t + 1].contiguous(), torch.full((1,), t, **longs), torch.ones(1, **longs),
-               torch.ones(1, **longs)) for t in (5, 6)]
-    torch.testing.assert_close(torch.cat(got), want[0, 4:7], atol=1e-4, rtol=1e-4)
-    # and slot 0 still holds its 7 ids (written above): its next token reads them
-    got = lm(ids[:1, 7:8].contiguous(), torch.full((1,), 7, **longs), torch.ones(1, **longs), torch.zeros(1, **longs))
-    torch.testing.assert_close(got[0], want[0, 7], atol=1e-4, rtol=1e-4)
+    # each sequence in the other's slot, interleaved: sequence 0 prefills in slot 1, sequence 1 in
+    # slot 0, then each decodes reading its own slot (a package that ignored the slots would read
+    # sequence 1's keys for sequence 0)
+    one = dict(dtype=torch.long)
+
+    def call(seq, t0, t1, slot):
+        return lm(ids[seq:seq + 1, t0:t1].contiguous(), torch.full((1,), t0, **one), torch.full((1,), t1 - t0, **one),
+                  torch.full((1,), slot, **one))[0]
+
+    torch.testing.assert_close(call(0, 0, 5, slot=1), want[0, 4], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(call(1, 0, 5, slot=0), want[1, 4], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(call(0, 5, 6, slot=1), want[0, 5], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(call(1, 5, 6, slot=0), want[1, 5], atol=1e-4, rtol=1e-4)
 
 
 def test_a_failed_call_leaves_nothing_the_next_call_reads(packaged):

@@ -196,7 +196,8 @@ def test_package_causal_lm_refuses_what_is_not_a_tokenizer(tmp_path):
     (tmp_path / "vocab.txt").write_text("a\n")
     for bad, error in [(tmp_path / "empty", "holds neither a tokenizer.json nor a tokenizer.model"),
                        (tmp_path / "vocab.txt", "is not a tokenizer.json, a tokenizer.model or a folder"),
-                       (3, "must be a path or a transformers tokenizer, got a int")]:
+                       (3, "must be a path or a transformers tokenizer, got a int"),
+                       (lms.llama(), "is a model \\(LlamaForCausalLM\\), not a tokenizer")]:
         with pytest.raises(ValueError, match=f"package_causal_lm: tokenizer.*{error}"):
             customops.export.package_causal_lm(lms.llama(), tmp_path / "x.pt2", tokenizer=bad)
 

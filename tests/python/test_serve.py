@@ -339,10 +339,10 @@ def test_the_package_s_own_tokenizer_serves(served):
         assert own.stop() == 0
     r = run([customops.runner_path(), server.package, "--info"])
     assert re.search(r"^tokenizer: .*tokenizer\.json.*tokenizer_config\.json", r.stdout, re.M), r.stdout
-    # generate --text: the package's tokenizer in and out
-    r = run([customops.runner_path(), "generate", server.package, "--text", "--prompt", TEXTS[0], "--max-new-tokens",
-             "4", "--ignore-eos"])
-    assert r.returncode == 0 and r.stdout.strip(), r.stdout + r.stderr
+    # generate --text: the package's tokenizer in and out, as the folder's
+    outs = [run([customops.runner_path(), "generate", server.package, *how, "--prompt", TEXTS[0], "--max-new-tokens",
+                 "4", "--ignore-eos"]) for how in (["--text"], ["--tokenizer", server.proc.args[4]])]
+    assert all(r.returncode == 0 for r in outs) and outs[0].stdout == outs[1].stdout != "", outs
 
 
 def test_sigterm_stops_the_server_cleanly(served, tmp_path):

@@ -22,7 +22,7 @@ CUSTOMOPS_API void verify_package(const std::string& path);
 // The files a package holds under folder (a path in its archive's top folder, such as
 // "extra/customops/tokenizer/" where customops.export.package_causal_lm embeds the model's
 // tokenizer), by their names under it: empty where it holds none. Throws std::invalid_argument as
-// verify_package does for a file that is not a package; does not check the files' CRC-32s.
+// verify_package does for a file that is not a package or one of these files that is damaged.
 CUSTOMOPS_API std::map<std::string, std::string> package_files(const std::string& path, const std::string& folder);
 
 }  // namespace customops

@@ -8,6 +8,10 @@ Prefill tokens/s comes from a generation of one token; decode ms/token from the 
 decode times (stderr). The floor is the bytes a decode step must read (the weights once, plus the
 KV cache at the mean length) at the device-to-device copy speed measured in the same run.
 
+``--weights bf16,fp8,int4`` adds ``customops-run generate`` of a package of each quantized format
+(``package_causal_lm(..., weights=...)``), each against the floor of its own bytes: its decoder
+layers' weights at one byte (fp8) or half a byte (int4) an element, with their scales.
+
 With ``--rounds R`` every variant is timed once a round, in turn, R rounds: a variant's numbers are
 its medians, and its speed against eager the median of the rounds' ratios, so that a host whose
 speed drifts during the run (a shared CPU machine) moves both sides of each ratio together.
@@ -103,31 +107,62 @@ def _copy_speed(device) -> float:
     return 2 * a.numel() * 4 * 20 / (time.perf_counter() - t)
 
 
+def _weight_bytes(model, weights: str) -> float:
+    """The bytes of the model's weights as a package of this format reads them a decode step: the
+    decoder layers' linear weights quantized (fp8: a byte an element and a float32 scale a row;
+    int4: half a byte and a scale in the model's dtype a group of 128), everything else as it is.
+    parameters() counts a tied embedding once: the LM head reads it whole, the lookup a row a token."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    if weights == "bf16":
+        return total
+    from .. import causal_lm
+
+    for layer in model.model.layers:
+        for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                  layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            w = m.weight
+            total -= w.numel() * w.element_size()
+            n, k = w.shape
+            total += n * k + 4 * n if weights == "fp8" else n * k / 2 + n * (k // causal_lm.INT4_GROUP) * w.element_size()
+    return total
+
+
 def run(args) -> dict:
     model = _model(args)
     cfg = model.config
     wanted = [v.strip() for v in args.variants.split(",")] if args.variants else [
         v for v in VARIANTS if args.device == "cuda" or "cuda-graph" not in v]
+    formats = [w.strip() for w in args.weights.split(",")]
+    bad = [w for w in formats if w not in ("bf16", "fp8", "int4")]
+    if bad:
+        raise SystemExit(f"bench --generate: --weights takes bf16, fp8 and int4, not {', '.join(bad)}")
+    # a quantized package of each other format: customops-run generate of it, against its own floor
+    quantized = {f"customops-run generate, {w} weights": w for w in formats if w != "bf16"}
+    wanted += list(quantized)
     batches = [int(b) for b in args.batches.split(",")]
     max_seq_len = args.prompt_len + args.new_tokens
     g = torch.Generator().manual_seed(1)
-    # parameters() counts a tied embedding once: the LM head reads it whole, the lookup a row a token
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = _weight_bytes(model, "bf16")
     speed = _copy_speed(args.device)
     rows, notes = [], []
     package = None
-    if any(v.startswith("customops-run") for v in wanted):
+    if any(v.startswith("customops-run") and v not in quantized for v in wanted):
         t = time.perf_counter()
         package = customops.export.package_causal_lm(model, tempfile.mkdtemp() + "/llama.pt2", max_batch=max(batches),
                                                      max_seq_len=max_seq_len)
         notes.append(f"package_causal_lm: {time.perf_counter() - t:.0f} s (max_batch {max(batches)}, "
                      f"max_seq_len {max_seq_len})")
+    packages = {}
+    for v, w in quantized.items():
+        packages[v] = customops.export.package_causal_lm(model, tempfile.mkdtemp() + f"/llama-{w}.pt2",
+                                                         max_batch=max(batches), max_seq_len=max_seq_len, weights=w)
     for b in batches:
         ids = torch.randint(1, cfg.vocab_size, (b, args.prompt_len), generator=g).to(args.device)
         # keys and values of every layer at the mean length, in the model's dtype
         kv = 2 * cfg.num_hidden_layers * b * cfg.num_key_value_heads * cfg.head_dim * (args.prompt_len + args.new_tokens / 2) \
             * next(model.parameters()).element_size()
         floor_ms = (weight_bytes + kv) / speed * 1e3
+        floors = {v: (_weight_bytes(model, w) + kv) / speed * 1e3 for v, w in quantized.items()}
         times = {v: [] for v in wanted}  # (prefill, decode) a round
         errors = {}
         models = {}  # the variants' models, built at their first round
@@ -144,6 +179,8 @@ def run(args) -> dict:
                     models[v] = _model(args)
                     models[v].forward = torch.compile(models[v].forward, mode="reduce-overhead", fullgraph=True)
                 return _hf_times(models[v], ids, args.new_tokens, args.device, cache_implementation="static")
+            if v in packages:
+                return _runner_times(packages[v], ids.cpu(), args.new_tokens, runs=1 if args.rounds > 1 else 2)
             return _runner_times(package, ids.cpu(), args.new_tokens, *v.split()[2:], runs=1 if args.rounds > 1 else 2)
 
         for rnd in range(args.rounds):
@@ -157,18 +194,18 @@ def run(args) -> dict:
                     pre, dec = measure(v)
                     times[v].append((pre, dec))
                     if not args.no_progress:
-                        print(f"    prefill {pre:,.0f} tokens/s, decode {dec:.2f} ms/token (floor {floor_ms:.2f})",
-                              flush=True)
+                        print(f"    prefill {pre:,.0f} tokens/s, decode {dec:.2f} ms/token (floor "
+                              f"{floors.get(v, floor_ms):.2f})", flush=True)
                 except Exception as e:  # noqa: BLE001  (a variant that fails is reported, the others run)
                     msg = (str(e).strip().splitlines() or [""])[0][:200]
                     errors[v] = f"{type(e).__name__}: {msg}"
         eager = [d for _, d in times.get("eager", [])]
         for v in wanted:
             if v in errors:
-                rows.append({"variant": v, "batch": b, "error": errors[v], "floor_ms": floor_ms})
+                rows.append({"variant": v, "batch": b, "error": errors[v], "floor_ms": floors.get(v, floor_ms)})
                 continue
             row = {"variant": v, "batch": b, "prefill_tokens_per_s": statistics.median(p for p, _ in times[v]),
-                   "decode_ms": statistics.median(d for _, d in times[v]), "floor_ms": floor_ms,
+                   "decode_ms": statistics.median(d for _, d in times[v]), "floor_ms": floors.get(v, floor_ms),
                    "rounds": [{"prefill_tokens_per_s": p, "decode_ms": d} for p, d in times[v]]}
             if len(eager) == len(times[v]):  # eager's decode time over this variant's, round by round
                 ratios = [e / d for e, d in zip(eager, (d for _, d in times[v]))]
@@ -204,8 +241,9 @@ def print_report(report: dict) -> None:
     if m.get("rounds", 1) > 1:
         print(f"medians of {m['rounds']} rounds, each timing every variant in turn; vs eager: the median of the "
               "rounds' ratios (their range in brackets)")
-    floors = {r["batch"]: r["floor_ms"] for r in report["rows"]}
-    print("floor (weights + mean KV at the copy speed): " + ", ".join(f"batch {b} {f:.2f} ms" for b, f in floors.items()))
+    floors = {r["batch"]: r["floor_ms"] for r in report["rows"] if " weights" not in r["variant"]}
+    print("floor (weights + mean KV at the copy speed): " + ", ".join(f"batch {b} {f:.2f} ms" for b, f in floors.items())
+          + "; a quantized package's x floor is against its own bytes")
     for n in report["notes"]:
         print(n)
 
@@ -219,6 +257,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--new-tokens", type=int, help="default: 256 on CUDA, 32 on CPU")
     p.add_argument("--batches", default=None, help="comma-separated (default: 1,8 on CUDA, 1 on CPU)")
     p.add_argument("--variants", help=f"comma-separated subset of: {', '.join(VARIANTS)}")
+    p.add_argument("--weights", default="bf16", help="comma-separated package weight formats: bf16 (the model's "
+                   "dtype), fp8, int4; each beyond bf16 adds customops-run generate of such a package")
     p.add_argument("--rounds", type=int, help="time every variant in turn this many times, report medians "
                    "(default: 1 on CUDA, 5 on CPU)")
     p.add_argument("--json", metavar="PATH")

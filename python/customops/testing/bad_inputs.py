@@ -188,6 +188,8 @@ def _cache_write_bad_inputs(device):
         (Sample((kc, vc, k, k.double(), s)), rf"{op}: expected v to have the dtype of k_cache"),
         (Sample((kc, vc, k[:, :1], k[:, :1], s)), rf"{op}: expected k of shape \[B, Hkv, T, D\] with the cache's"),
         (Sample((kc[:1], vc[:1], k, k, s)), rf"{op}: the cache holds 1 sequences, fewer than k's batch \(2\)"),
+        (Sample((kc[:1], vc[:1], k, k, s, s)), rf"{op}: the cache holds 1 sequences, fewer than k's batch \(2\), so its "
+                                               "slots cannot be distinct"),
         (Sample((kc, vc, k, k, s.int())), rf"{op}: expected start of dtype int64"),
         (Sample((kc, vc, k, k, s[:1])), rf"{op}: expected start of shape \[B\] = \[2\]"),
         (Sample((kc, vc, torch.randn(2, 2, 7, 8, device=device), torch.randn(2, 2, 7, 8, device=device), s)),
