@@ -12,8 +12,6 @@
 #include <c10/core/GradMode.h>
 #include <torch/library.h>
 
-#include <tuple>
-
 #include "customops/customops.h"
 #include "ops/autocast.h"
 #include "ops/autograd.h"
@@ -35,22 +33,7 @@ const auto& fused_linear_op() {
   return op;
 }
 
-const auto& quantize_int4_op() {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("customops::quantize_int4", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, int64_t)>();
-  return op;
-}
 
-const auto& quantize_fp8_op() {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("customops::quantize_fp8", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&)>();
-  return op;
-}
-
-// The largest finite magnitude of float8_e4m3fn.
-constexpr double kE4M3Max = 448.0;
 
 bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
@@ -80,12 +63,6 @@ at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, const std
                         const std::optional<at::Tensor>& weight_scale) {
   return fused_linear_op().call(x, weight, bias, residual, c10::string_view(prologue.data(), prologue.size()),
                                 norm_weight, eps, constant_weight, weight_scale);
-}
-
-std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& weight) { return quantize_fp8_op().call(weight); }
-
-std::tuple<at::Tensor, at::Tensor> quantize_int4(const at::Tensor& weight, int64_t group_size) {
-  return quantize_int4_op().call(weight, group_size);
 }
 
 Prologue check_fused_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -314,143 +291,16 @@ at::Tensor fused_linear_autocast(const at::Tensor& x, const at::Tensor& weight, 
                                 constant_weight && w.is_same(weight), weight_scale);
 }
 
-// ---- quantize_fp8 -----------------------------------------------------------------------------
-void check_quantize_fp8(const at::Tensor& weight) {
-  constexpr const char* op = "customops::quantize_fp8";
-  checks::defined(op, "weight", weight);
-  const at::ScalarType t = weight.scalar_type();
-  TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, op,
-              ": weight must be float32, float16 or bfloat16, but it is ", t);
-  TORCH_CHECK(weight.dim() == 2, op, ": expected weight of shape [out_features, in_features], but got ",
-              weight.sym_sizes());
-}
-
-std::tuple<at::Tensor, at::Tensor> quantize_fp8_meta(const at::Tensor& weight) {
-  check_quantize_fp8(weight);
-  return {at::empty_symint(weight.sym_sizes(), weight.options().dtype(at::kFloat8_e4m3fn)),
-          at::empty_symint({weight.sym_size(0)}, weight.options().dtype(at::kFloat))};
-}
-
-// Any device: ATen ops. Each row's scale is its largest magnitude over 448 (1 for a row of zeros,
-// so that nothing divides by 0); the row divided by it rounds to E4M3 (to nearest even), whose
-// range it then fits. A non-finite weight is an error: it would quantize to NaN.
-std::tuple<at::Tensor, at::Tensor> quantize_fp8_kernel(const at::Tensor& weight) {
-  check_quantize_fp8(weight);
-  const at::Tensor w = weight.to(at::kFloat);
-  if (w.numel() > 0) {
-    TORCH_CHECK(at::isfinite(w).all().item<bool>(), "customops::quantize_fp8: weight holds NaN or infinite values");
-  }
-  const at::Tensor amax = w.numel() > 0 ? w.abs().amax(1) : at::zeros({w.size(0)}, w.options());
-  const at::Tensor scale = at::where(amax > 0, amax / kE4M3Max, at::ones_like(amax));
-  const at::Tensor q = (w / scale.unsqueeze(1)).clamp(-kE4M3Max, kE4M3Max).to(at::kFloat8_e4m3fn);
-  return {q.contiguous(), scale.contiguous()};
-}
-
-// ---- quantize_int4 ----------------------------------------------------------------------------
-void check_quantize_int4(const at::Tensor& weight, int64_t group_size) {
-  constexpr const char* op = "customops::quantize_int4";
-  checks::defined(op, "weight", weight);
-  const at::ScalarType t = weight.scalar_type();
-  TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, op,
-              ": weight must be float32, float16 or bfloat16, but it is ", t);
-  TORCH_CHECK(weight.dim() == 2, op, ": expected weight of shape [out_features, in_features], but got ",
-              weight.sym_sizes());
-  TORCH_CHECK(group_size >= 2 && group_size % 2 == 0, op, ": group_size must be an even number >= 2, but it is ",
-              group_size);
-  TORCH_SYM_CHECK((weight.sym_size(1) % group_size).sym_eq(0).sym_and(weight.sym_size(1).sym_ge(1)), op,
-                  ": weight's in_features (", weight.sym_size(1), ") must be a positive multiple of group_size (",
-                  group_size, ")");
-}
-
-std::tuple<at::Tensor, at::Tensor> quantize_int4_meta(const at::Tensor& weight, int64_t group_size) {
-  check_quantize_int4(weight, group_size);
-  const c10::SymInt n = weight.sym_size(0), k = weight.sym_size(1);
-  return {at::empty_symint({n, k / 2}, weight.options().dtype(at::kByte)),
-          at::empty_symint({n, k / group_size}, weight.options())};
-}
-
-// Any device: ATen ops. A group's scale is, of its largest magnitude over 7 times 1, 0.95, ...,
-// 0.7, the one whose rounding leaves the least squared error (a smaller scale clips the largest
-// elements but steps the others finer; llama.cpp's k-quants search so too), each candidate first
-// rounded to weight's dtype so that the elements round against the scale fused_linear reads; 1
-// for a group of zeros. Elements round to [-8, 7]. (On a small Llama trained on a Markov chain, the
-// search took int4's perplexity over the unquantized model's from 1.054x to 1.043x.)
-std::tuple<at::Tensor, at::Tensor> quantize_int4_kernel(const at::Tensor& weight, int64_t group_size) {
-  check_quantize_int4(weight, group_size);
-  const int64_t n = weight.size(0), k = weight.size(1);
-  const at::Tensor w = weight.to(at::kFloat).reshape({n, k / group_size, group_size});
-  if (w.numel() > 0) {
-    TORCH_CHECK(at::isfinite(w).all().item<bool>(), "customops::quantize_int4: weight holds NaN or infinite values");
-  }
-  const at::Tensor amax = w.abs().amax(2, /*keepdim=*/true);
-  at::Tensor best, best_err;
-  for (int i = 0; i <= 6; ++i) {
-    const double f = 1.0 - 0.05 * i;
-    const at::Tensor s =
-        at::where(amax > 0, amax * (f / 7.0), at::ones_like(amax)).to(weight.scalar_type()).to(at::kFloat);
-    const at::Tensor err = (at::round(w / s).clamp(-8, 7) * s - w).square().sum(2, /*keepdim=*/true);
-    if (i == 0) {
-      best = s;
-      best_err = err;
-    } else {
-      const at::Tensor better = err < best_err;
-      best = at::where(better, s, best);
-      best_err = at::where(better, err, best_err);
-    }
-  }
-  const at::Tensor scale = best.squeeze(2).to(weight.scalar_type());
-  const at::Tensor q = at::round(w / best).clamp(-8, 7).to(at::kInt).add(8).to(at::kByte);  // 0..15
-  const at::Tensor pairs = q.reshape({n, k / 2, 2});
-  const at::Tensor packed = at::bitwise_or(pairs.select(2, 0), at::bitwise_left_shift(pairs.select(2, 1), 4));
-  return {packed.contiguous(), scale.contiguous()};
-}
-
-std::tuple<at::Tensor, at::Tensor> quantize_int4_autograd(const at::Tensor& weight, int64_t group_size) {
-  if (at::GradMode::is_enabled()) {
-    TORCH_CHECK(!weight.requires_grad(), "customops::quantize_int4 is not differentiable (it rounds): call it under "
-                "torch.no_grad() or on a weight that does not require grad");
-  }
-  at::AutoDispatchBelowADInplaceOrView guard;
-  return quantize_int4_op().call(weight, group_size);
-}
-
-// Not differentiable: quantizing is rounding.
-std::tuple<at::Tensor, at::Tensor> quantize_fp8_autograd(const at::Tensor& weight) {
-  if (at::GradMode::is_enabled()) {
-    TORCH_CHECK(!weight.requires_grad(), "customops::quantize_fp8 is not differentiable (it rounds): call it under "
-                "torch.no_grad() or on a weight that does not require grad");
-  }
-  at::AutoDispatchBelowADInplaceOrView guard;
-  return quantize_fp8_op().call(weight);
-}
-
 }  // namespace
 
-// Meta kernels of fused_linear and quantize_fp8.
-TORCH_LIBRARY_IMPL(customops, Meta, m) {
-  m.impl("fused_linear", &fused_linear_meta);
-  m.impl("quantize_fp8", &quantize_fp8_meta);
-  m.impl("quantize_int4", &quantize_int4_meta);
-}
+// Meta kernel of fused_linear.
+TORCH_LIBRARY_IMPL(customops, Meta, m) { m.impl("fused_linear", &fused_linear_meta); }
 
-// CPU kernel of fused_linear: customops' CPU rms_norm or swiglu, ATen's linear (BLAS), the add;
-// quantize_fp8's ATen ops on the CPU and on CUDA.
-TORCH_LIBRARY_IMPL(customops, CPU, m) {
-  m.impl("fused_linear", &fused_linear_cpu);
-  m.impl("quantize_fp8", &quantize_fp8_kernel);
-  m.impl("quantize_int4", &quantize_int4_kernel);
-}
-TORCH_LIBRARY_IMPL(customops, CUDA, m) {
-  m.impl("quantize_fp8", &quantize_fp8_kernel);
-  m.impl("quantize_int4", &quantize_int4_kernel);
-}
+// CPU kernel of fused_linear: customops' CPU rms_norm or swiglu, ATen's linear (BLAS), the add.
+TORCH_LIBRARY_IMPL(customops, CPU, m) { m.impl("fused_linear", &fused_linear_cpu); }
 
-// Autograd kernels of fused_linear and quantize_fp8.
-TORCH_LIBRARY_IMPL(customops, Autograd, m) {
-  m.impl("fused_linear", &fused_linear_autograd);
-  m.impl("quantize_fp8", &quantize_fp8_autograd);
-  m.impl("quantize_int4", &quantize_int4_autograd);
-}
+// Autograd kernel of fused_linear.
+TORCH_LIBRARY_IMPL(customops, Autograd, m) { m.impl("fused_linear", &fused_linear_autograd); }
 
 // vmap: the ATen decomposition, which functorch batches.
 TORCH_LIBRARY_IMPL(customops, FuncTorchBatched, m) { m.impl("fused_linear", &fused_linear_decomposed); }
