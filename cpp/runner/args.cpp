@@ -45,19 +45,25 @@ options:
 )";
 
 int parse_count(const std::string& flag, const std::string& value, int min) {
-  const std::string expects = flag + " expects an integer >= " + std::to_string(min);
-  try {
-    size_t used = 0;
-    int n = std::stoi(value, &used);
-    if (used == value.size() && n >= min) return n;
-  } catch (const std::out_of_range&) {
-    throw UsageError(expects + " and <= " + std::to_string(std::numeric_limits<int>::max()) + ", got '" + value + "'");
-  } catch (const std::exception&) {
-  }
-  throw UsageError(expects + ", got '" + value + "'");
+  return static_cast<int>(parse_integer(flag, value, min, std::numeric_limits<int>::max()));
 }
 
 }  // namespace
+
+int64_t parse_integer(const std::string& flag, const std::string& value, int64_t min, int64_t max) {
+  const std::string expects = flag + " expects an integer >= " + std::to_string(min);
+  const std::string too_large = expects + " and <= " + std::to_string(max) + ", got " + runner::quoted(value);
+  try {
+    size_t used = 0;
+    const int64_t n = std::stoll(value, &used);
+    if (used == value.size() && n > max) throw UsageError(too_large);
+    if (used == value.size() && n >= min) return n;
+  } catch (const std::out_of_range&) {
+    throw UsageError(too_large);
+  } catch (const std::invalid_argument&) {
+  }
+  throw UsageError(expects + ", got " + runner::quoted(value));
+}
 
 std::string option_value(int argc, char** argv, int& i) {
   if (i + 1 >= argc) throw UsageError(std::string(argv[i]) + " expects a value");

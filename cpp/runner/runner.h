@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -92,6 +93,10 @@ struct Options {
 Options parse_args(int argc, char** argv);
 // The value of the option at argv[i] (argv[i + 1], and i moves past it); a UsageError if none.
 std::string option_value(int argc, char** argv, int& i);
+// value as an integer in [min, max] for the option flag, else a UsageError: "FLAG expects an
+// integer >= MIN, got 'VALUE'" (with "and <= MAX" for one past max).
+int64_t parse_integer(const std::string& flag, const std::string& value, int64_t min,
+                      int64_t max = std::numeric_limits<int64_t>::max());
 
 // ---- package_checks.cpp
 // A UserError naming `what` unless path is a regular file.

@@ -75,16 +75,6 @@ struct ServeOptions {
   bool cuda_graph = true;
 };
 
-int64_t int_arg(const std::string& flag, const char* value, int64_t min) {
-  try {
-    size_t used = 0;
-    const int64_t v = std::stoll(value, &used);
-    if (used == std::string(value).size() && v >= min) return v;
-  } catch (const std::exception&) {
-  }
-  throw UsageError(flag + " expects an integer >= " + std::to_string(min) + ", not " + runner::quoted(value));
-}
-
 ServeOptions parse_serve_args(int argc, char** argv) {
   ServeOptions o;
   for (int i = 1; i < argc; ++i) {
@@ -111,20 +101,19 @@ ServeOptions parse_serve_args(int argc, char** argv) {
     } else if (a == "--host") {
       o.host = v;
     } else if (a == "--port") {
-      o.port = static_cast<int>(int_arg(a, v, 0));
-      if (o.port > 65535) throw UsageError("--port expects a port number (0 to 65535)");
+      o.port = static_cast<int>(parse_integer(a, v, 0, 65535));
     } else if (a == "--api-key") {
       o.api_key = v;
     } else if (a == "--model-name") {
       o.model_name = v;
     } else if (a == "--max-batch") {
-      o.max_batch = int_arg(a, v, 1);
+      o.max_batch = parse_integer(a, v, 1);
     } else if (a == "--token-budget") {
-      o.token_budget = int_arg(a, v, 1);
+      o.token_budget = parse_integer(a, v, 1);
     } else if (a == "--max-body") {
-      o.max_body = int_arg(a, v, 1);
+      o.max_body = parse_integer(a, v, 1);
     } else if (a == "--threads") {
-      o.threads = int_arg(a, v, 1);
+      o.threads = parse_integer(a, v, 1);
     } else if (a == "--device") {
       o.device = v;
     } else {
