@@ -148,8 +148,12 @@ TORCH_LIBRARY_IMPL(customops, Meta, m) {
   m.impl("quantize_fp8", &quantize_fp8_meta);
   m.impl("quantize_int4", &quantize_int4_meta);
 }
-// The ATen kernels serve every device but Meta.
-TORCH_LIBRARY_IMPL(customops, CompositeExplicitAutograd, m) {
+// The ATen kernels, registered at each device's key (as every op's are: a registration test holds it).
+TORCH_LIBRARY_IMPL(customops, CPU, m) {
+  m.impl("quantize_fp8", &quantize_fp8_kernel);
+  m.impl("quantize_int4", &quantize_int4_kernel);
+}
+TORCH_LIBRARY_IMPL(customops, CUDA, m) {
   m.impl("quantize_fp8", &quantize_fp8_kernel);
   m.impl("quantize_int4", &quantize_int4_kernel);
 }
