@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "customops/customops.h"
+#include "ops/batching.h"
 #include "ops/checks.h"
 
 namespace customops {
@@ -33,12 +34,9 @@ const auto& quantize_int4_op() {
   return op;
 }
 
-// A [out_features, in_features] weight of float32, float16 or bfloat16.
+// A [out_features, in_features] floating-point weight.
 void check_weight(const char* op, const at::Tensor& weight) {
-  checks::defined(op, "weight", weight);
-  const at::ScalarType t = weight.scalar_type();
-  TORCH_CHECK(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, op,
-              ": weight must be float32, float16 or bfloat16, but it is ", t);
+  checks::float_dtype(op, "weight", weight);
   TORCH_CHECK(weight.dim() == 2, op, ": expected weight of shape [out_features, in_features], but got ",
               weight.sym_sizes());
 }
@@ -99,8 +97,8 @@ Pair quantize_int4_meta(const at::Tensor& weight, int64_t group_size) {
 
 // A group's scale is, of its largest magnitude over 7 times 1, 0.95, ..., 0.7, the one whose
 // rounding leaves the least squared error (a smaller scale clips the largest elements but steps
-// the others finer; llama.cpp's k-quants search so too), each candidate first rounded to weight's
-// dtype so that the elements round against the scale fused_linear reads; 1 for a group of zeros.
+// the others finer; llama.cpp's k-quants search so too), in float32 whatever the weight's dtype,
+// then stored in it; 1 for a group of zeros.
 // Elements round to [-8, 7], stored plus 8, two a byte (low nibble first). (On a small Llama
 // trained on a Markov chain, the search took int4's perplexity over the unquantized model's from
 // 1.054x to 1.043x.)
@@ -112,8 +110,7 @@ Pair quantize_int4_kernel(const at::Tensor& weight, int64_t group_size) {
   at::Tensor best, best_err;
   for (int i = 0; i <= 6; ++i) {
     const double f = 1.0 - 0.05 * i;
-    const at::Tensor s =
-        at::where(amax > 0, amax * (f / 7.0), at::ones_like(amax)).to(weight.scalar_type()).to(at::kFloat);
+    const at::Tensor s = at::where(amax > 0, amax * (f / 7.0), at::ones_like(amax));
     const at::Tensor err = (at::round(w / s).clamp(-8, 7) * s - w).square().sum(2, /*keepdim=*/true);
     if (i == 0) {
       best = s;
@@ -134,6 +131,29 @@ Pair quantize_int4_autograd(const at::Tensor& weight, int64_t group_size) {
   refuse_grad(kInt4, weight);
   at::AutoDispatchBelowADInplaceOrView guard;
   return quantize_int4_op().call(weight, group_size);
+}
+
+// vmap: rows quantize alone, so the entries fold into the rows (and unfold from both outputs).
+template <typename... Args>
+Pair quantize_batched(const c10::OperatorHandle& handle, const at::Tensor& weight, Args... args) {
+  const batching::Level level{c10::ArrayRef<at::Tensor>(weight)};
+  auto batch = level.batch_size(c10::ArrayRef<at::Tensor>(weight));
+  const auto& op = handle.typed<Pair(const at::Tensor&, Args...)>();
+  if (!batch) return op.call(weight, args...);
+  const at::Tensor w = level.front(weight, *batch);
+  auto [q, s] = op.call(w.flatten(0, 1), args...);
+  return {level.wrap(q.unflatten_symint(0, {*batch, w.sym_size(1)})),
+          level.wrap(s.unflatten_symint(0, {*batch, w.sym_size(1)}))};
+}
+
+Pair quantize_fp8_batched(const at::Tensor& weight) {
+  static const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(kFp8, "");
+  return quantize_batched(handle, weight);
+}
+
+Pair quantize_int4_batched(const at::Tensor& weight, int64_t group_size) {
+  static const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(kInt4, "");
+  return quantize_batched(handle, weight, group_size);
 }
 
 }  // namespace
@@ -160,6 +180,10 @@ TORCH_LIBRARY_IMPL(customops, CUDA, m) {
 TORCH_LIBRARY_IMPL(customops, Autograd, m) {
   m.impl("quantize_fp8", &quantize_fp8_autograd);
   m.impl("quantize_int4", &quantize_int4_autograd);
+}
+TORCH_LIBRARY_IMPL(customops, FuncTorchBatched, m) {
+  m.impl("quantize_fp8", &quantize_fp8_batched);
+  m.impl("quantize_int4", &quantize_int4_batched);
 }
 
 }  // namespace customops

@@ -198,7 +198,7 @@ def quantize_fp8(weight: Tensor) -> tuple[Tensor, Tensor]:
     :func:`fused_linear`'s ``weight_scale``.
 
     Args:
-        weight: ``[N, K]`` float32, float16 or bfloat16, finite.
+        weight: ``[N, K]`` float32, float64, float16 or bfloat16 (quantized from float32), finite.
 
     Returns:
         ``(q, scale)``: q float8_e4m3fn ``[N, K]`` and scale float32 ``[N]``, each row's largest
@@ -215,7 +215,7 @@ def quantize_int4(weight: Tensor, group_size: int = 128) -> tuple[Tensor, Tensor
     for :func:`fused_linear`'s ``weight_scale``.
 
     Args:
-        weight: ``[N, K]`` float32, float16 or bfloat16, finite; K a multiple of group_size.
+        weight: ``[N, K]`` float32, float64, float16 or bfloat16, finite; K a multiple of group_size.
         group_size: An even number (128, as GPTQ and AWQ checkpoints use).
 
     Returns:

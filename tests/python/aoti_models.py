@@ -59,7 +59,10 @@ class EveryOp(torch.nn.Module):
             y = op(*a, **{k: take(*v) for k, v in kwargs.items()})
             y = T.with_written(y, a, writes)  # what it wrote (into clones of the inputs) after what it returns
             outs.extend(y if isinstance(y, (tuple, list)) else (y,))
-        return tuple(outs)
+        # float8 outputs (quantize_fp8's) as their bytes: the tensor files the runner writes and
+        # reads (torch.save / pickle_save) carry no float8 in torch 2.13 (torch.load(weights_only)
+        # refuses its storage; the C++ unpickler, its rebuild)
+        return tuple(o.view(torch.uint8) if o.is_floating_point() and o.element_size() == 1 else o for o in outs)
 
 
 def _flat_tensors(samples: list[T.Sample]) -> tuple:

@@ -295,3 +295,24 @@ def _scale_clamp_bad_inputs(device):
     return _unary_bad_inputs("scale_clamp", (2.0, -1.0, 1.0))(device) + [
         (Sample((torch.randn(3, device=device), 2.0, 1.0, -1.0)), rf"{op}: expected lo <= hi"),
     ]
+
+
+def _quantize_fp8_bad_inputs(device):
+    op = "customops::quantize_fp8"
+    return [
+        (Sample((torch.ones(2, 2, dtype=torch.long, device=device),)), rf"{op}: weight has dtype Long"),
+        (Sample((torch.ones(4, device=device),)), rf"{op}: expected weight of shape \[out_features, in_features\]"),
+        (Sample((torch.tensor([[1.0, float("inf")]], device=device),)), rf"{op}: weight holds NaN or infinite values"),
+        (Sample((torch.ones(2, 2, device=device, requires_grad=True),)), rf"{op} is not differentiable"),
+    ]
+
+
+def _quantize_int4_bad_inputs(device):
+    op = "customops::quantize_int4"
+    return [
+        (Sample((torch.ones(2, 100, device=device), 128)),
+         rf"{op}: weight's in_features \(100\) must be a positive multiple of group_size \(128\)"),
+        (Sample((torch.ones(2, 6, device=device), 3)), rf"{op}: group_size must be an even number >= 2, but it is 3"),
+        (Sample((torch.full((1, 16), float("nan"), device=device), 16)), rf"{op}: weight holds NaN or infinite values"),
+        (Sample((torch.ones(2, 16, dtype=torch.int32, device=device), 16)), rf"{op}: weight has dtype Int"),
+    ]

@@ -32,7 +32,7 @@ def check_correctness(info: OpInfo, device, dtype) -> int:
         for i, (g, w) in enumerate(zip(got, want)):
             assert g.device.type == torch.device(device).type, f"{info.qualname}: output on {g.device}"
             assert g.shape == w.shape, f"{info.qualname} [{s.desc}] output {i}: shape {g.shape} != {w.shape}"
-            torch.testing.assert_close(g.to(torch.float64), w, atol=atol, rtol=rtol,
+            torch.testing.assert_close(g.to(torch.float64), w.to(torch.float64), atol=atol, rtol=rtol,
                                        msg=lambda m: f"{info.qualname} {dtype} [{s.desc}] output {i}: {m}")
     return len(samples)
 

@@ -85,7 +85,8 @@ class OpInfo:
     # dtype, a float32 weight is taken as it is), "add_norm" (x and residual promoted, then
     # "norm"), "first" (every tensor cast to the first one's dtype), "lower" (float32 tensors run
     # in the autocast dtype, as a linear layer), "float32" (any dtype read as it is, computed and
-    # returned in float32) or "none" (runs in its input's dtype).
+    # returned in float32), "as_is" (inputs taken as they come, outputs in dtypes of the op's own:
+    # the quantizers) or "none" (runs in its input's dtype).
     autocast: str = "none"
     # Positions of the differentiable tensor arguments; None: every floating-point tensor.
     grad_args: tuple | None = None

@@ -159,14 +159,15 @@ def _dequantized_ref(weight, scale, dtype):
 
 def _quantize_int4_ref(weight, group_size=128):
     """Each group of group_size inputs over the scale (of its largest magnitude / 7 times 1, 0.95,
-    ..., 0.7, each rounded to weight's dtype; 1 for zeros) whose rounding to [-8, 7] leaves the
-    least squared error (the first of equals), stored plus 8, two a byte (low nibble first)."""
+    ..., 0.7, in float32; 1 for zeros) whose rounding to [-8, 7] leaves the least squared error
+    (the first of equals), stored plus 8, two a byte (low nibble first); the scale in weight's
+    dtype."""
     n, k = weight.shape
     w = weight.to(torch.float32).reshape(n, k // group_size, group_size)
     amax = w.abs().amax(2, keepdim=True)
     best = best_err = None
     for i in range(7):
-        s = torch.where(amax > 0, amax * ((1 - 0.05 * i) / 7), torch.ones_like(amax)).to(weight.dtype).float()
+        s = torch.where(amax > 0, amax * ((1 - 0.05 * i) / 7), torch.ones_like(amax))
         err = ((torch.round(w / s).clamp(-8, 7) * s - w) ** 2).sum(2, keepdim=True)
         if best is None:
             best, best_err = s, err
@@ -177,7 +178,8 @@ def _quantize_int4_ref(weight, group_size=128):
 
 
 def _quantize_fp8_ref(weight):
-    """Each row over its largest magnitude / 448 (1 for zeros), rounded to float8_e4m3fn."""
+    """Each row over its largest magnitude / 448 (1 for zeros), rounded to float8_e4m3fn (in
+    float32, as the op computes whatever the weight's dtype)."""
     w = weight.to(torch.float32)
     amax = w.abs().amax(1) if w.numel() else torch.zeros(w.shape[0], device=w.device)
     scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))

@@ -479,3 +479,35 @@ def _fused_linear_batch(device, dtype, n):
 
 def _swiglu_batch(device, dtype, n):
     return Sample((torch.randn(n, 16, device=device, dtype=dtype),), {}, f"batch {n}")
+
+
+def _quantize_fp8_samples(device, dtype, requires_grad):
+    """Weights [N, K] with rows of very different magnitudes, a row of zeros, strided and
+    transposed layouts, empty rows and no rows."""
+    w = torch.randn(12, 40, device=device, dtype=dtype) * torch.logspace(-3, 2, 12, device=device, dtype=dtype)[:, None]
+    w[5] = 0
+    return [Sample((w,), {}, "contiguous [12, 40], a row of zeros"),
+            Sample((_rand((16, 24), device, dtype, layout="strided"),), {}, "strided [16, 24]"),
+            Sample((_rand((8, 32), device, dtype, layout="transposed"),), {}, "transposed [8, 32]"),
+            Sample((torch.randn(0, 16, device=device, dtype=dtype),), {}, "no rows"),
+            Sample((torch.randn(4, 0, device=device, dtype=dtype),), {}, "empty rows")]
+
+
+def _quantize_fp8_batch(device, dtype, n):
+    return Sample((torch.randn(n, 32, device=device, dtype=dtype),), {}, f"batch {n}")
+
+
+def _quantize_int4_samples(device, dtype, requires_grad):
+    """Weights [N, K] in groups of 128, 32 and 16, a group of zeros, strided and transposed
+    layouts, no rows."""
+    w = torch.randn(6, 256, device=device, dtype=dtype) * torch.logspace(-2, 1, 6, device=device, dtype=dtype)[:, None]
+    w[2, 128:] = 0
+    return [Sample((w, 128), {}, "contiguous [6, 256], groups of 128, a group of zeros"),
+            Sample((_rand((8, 64), device, dtype, layout="strided"), 32), {}, "strided [8, 64], groups of 32"),
+            Sample((_rand((4, 32), device, dtype, layout="transposed"), 16), {}, "transposed [4, 32], groups of 16"),
+            Sample((torch.randn(0, 32, device=device, dtype=dtype), 16), {}, "no rows"),
+            Sample((torch.randn(2, 512, device=device, dtype=dtype), 128), {}, "[2, 512], groups of 128")]
+
+
+def _quantize_int4_batch(device, dtype, n):
+    return Sample((torch.randn(n, 32, device=device, dtype=dtype), 16), {}, f"batch {n}")

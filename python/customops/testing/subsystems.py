@@ -207,6 +207,8 @@ def check_autocast(info: OpInfo, device) -> int:
             cases = [({ti[0]: low}, torch.float32), ({ti[0]: low, ti[1]: low}, low), ({i: low for i in ti}, low)]
         elif info.autocast == "float32":  # computes in float32 whatever it is given, returns float32
             cases = [({}, torch.float32), ({i: low for i in ti}, torch.float32)]
+        elif info.autocast == "as_is":  # inputs as they come, outputs of the op's own dtypes (a quantizer's)
+            cases = [({}, None), ({i: low for i in ti}, None)]
         elif info.autocast == "lower":  # output dtype: the op's on the cast inputs (checked below)
             cases = [({}, None), ({ti[0]: low}, None), ({i: low for i in ti}, None)]
         elif info.autocast == "first":

@@ -13,7 +13,7 @@ from .bad_inputs import (_add_rms_norm_bad_inputs, _attention_bad_inputs, _binar
                          _fused_linear_bad_inputs,
                          _linear_cross_entropy_bad_inputs, _merge_attention_bad_inputs, _rms_norm_bad_inputs,
                          _rope_bad_inputs, _scale_clamp_bad_inputs, _silu_mul_bad_inputs, _swiglu_bad_inputs,
-                         _unary_bad_inputs)
+                         _quantize_fp8_bad_inputs, _quantize_int4_bad_inputs, _unary_bad_inputs)
 from .core import ROUNDED_ONCE, SUMMED_THEN_ROUNDED, OpInfo
 from .fuzz import (_fuzz_attention, _fuzz_cache_attention, _fuzz_cache_write, _fuzz_cross_entropy, _fuzz_elementwise,
                    _fuzz_fused_linear, _fuzz_rope_cache_write,
@@ -22,7 +22,8 @@ from .fuzz import (_fuzz_attention, _fuzz_cache_attention, _fuzz_cache_write, _f
 from .references import (_add_rms_norm_ref, _attention_ref, _cache_attention_ref, _cache_write_ref, _rope_cache_write_ref,
                          _cross_entropy_ref, _fused_linear_ref, _linear_cross_entropy_ref, _merge_attention_ref,
                          _mul_ref, _muladd_ref,
-                         _rms_norm_ref, _rope_ref, _scale_clamp_ref, _silu_mul_ref, _silu_ref, _swiglu_ref)
+                         _quantize_fp8_ref, _quantize_int4_ref, _rms_norm_ref, _rope_ref, _scale_clamp_ref,
+                         _silu_mul_ref, _silu_ref, _swiglu_ref)
 from .samples import (_add_rms_norm_batch, _add_rms_norm_samples, _attention_batch, _attention_samples,
                       _cache_attention_batch, _cache_attention_samples, _cache_write_batch, _cache_write_samples,
                       _cross_entropy_batch, _cross_entropy_samples, _elementwise_batch, _elementwise_samples,
@@ -30,7 +31,8 @@ from .samples import (_add_rms_norm_batch, _add_rms_norm_samples, _attention_bat
                       _halves_samples, _linear_cross_entropy_batch, _linear_cross_entropy_samples,
                       _merge_attention_batch, _merge_attention_samples, _rms_norm_batch, _rms_norm_samples,
                       _rope_batch, _rope_cache_write_batch, _rope_cache_write_samples, _rope_samples, _swiglu_batch,
-                      _swiglu_samples)
+                      _swiglu_samples, _quantize_fp8_batch, _quantize_fp8_samples, _quantize_int4_batch,
+                      _quantize_int4_samples)
 
 
 OPS: list[OpInfo] = [
@@ -227,6 +229,28 @@ OPS: list[OpInfo] = [
         cancels=True,
         grad_args=(0, 1, 2, 3, 5),  # not weight_scale: a quantized weight is frozen
         fuzz=_fuzz_fused_linear,
+    ),
+    OpInfo(
+        name="quantize_fp8",
+        samples=_quantize_fp8_samples,
+        ref=_quantize_fp8_ref,
+        batch=_quantize_fp8_batch,
+        bad_inputs=_quantize_fp8_bad_inputs,
+        tolerances={d: (0.0, 0.0) for d in ROUNDED_ONCE},  # the same rounding
+        differentiable=False,  # rounding
+        autocast="as_is",
+    ),
+    OpInfo(
+        name="quantize_int4",
+        samples=_quantize_int4_samples,
+        ref=_quantize_int4_ref,
+        batch=_quantize_int4_batch,
+        bad_inputs=_quantize_int4_bad_inputs,
+        # the same rounding; the scale stored in the weight's dtype (the reference's is float64)
+        tolerances={torch.float32: (0.0, 0.0), torch.float64: (0.0, 0.0), torch.float16: (0.0, 2**-11),
+                    torch.bfloat16: (0.0, 2**-8)},
+        differentiable=False,
+        autocast="as_is",
     ),
     OpInfo(
         name="scale_clamp",
