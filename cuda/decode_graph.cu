@@ -4,10 +4,12 @@
 // capture's stream: the capture only records.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <ATen/cuda/CUDAGraphsUtils.cuh>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "generate/decode_graph.h"
+#include "ops/checks.h"
 
 namespace customops {
 
@@ -47,6 +49,10 @@ const std::vector<at::Tensor>& DecodeGraph::first() const { return impl_->first;
 const std::vector<at::Tensor>& DecodeGraph::replay() {
   impl_->graph.replay();
   return impl_->outputs;
+}
+
+bool checks::cuda_stream_capturing() {
+  return at::cuda::currentStreamCaptureStatusMayInitCtx() != at::cuda::CaptureStatus::None;
 }
 
 }  // namespace customops

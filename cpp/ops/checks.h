@@ -10,6 +10,12 @@
 
 namespace customops::checks {
 
+#ifdef CUSTOMOPS_WITH_CUDA
+// Whether the current CUDA stream is capturing a graph (cuda/decode_graph.cu): a check that reads
+// a device value on the host (a sync) cannot run then.
+bool cuda_stream_capturing();
+#endif
+
 inline bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
 }

@@ -7,6 +7,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/library.h>
 
+#include <limits>
 #include <tuple>
 
 #include "customops/customops.h"
@@ -41,11 +42,21 @@ void check_weight(const char* op, const at::Tensor& weight) {
               weight.sym_sizes());
 }
 
-// weight in float32, finite (a NaN or infinity would quantize to NaN).
+// weight in float32, finite: a NaN or infinity is a clear error, which reads the check's result on
+// the host. A CUDA graph's capture cannot wait for it: there the row or group holding one gets a
+// NaN scale (poisoned(), below), so that every product with it is NaN, never a wrong number.
 at::Tensor finite_float(const char* op, const at::Tensor& weight) {
   const at::Tensor w = weight.to(at::kFloat);
+#ifdef CUSTOMOPS_WITH_CUDA
+  if (w.is_cuda() && checks::cuda_stream_capturing()) return w;
+#endif
   if (w.numel() > 0) TORCH_CHECK(at::isfinite(w).all().item<bool>(), op, ": weight holds NaN or infinite values");
   return w;
+}
+
+// scale, NaN where amax (the largest magnitude its elements had) is not finite.
+at::Tensor poisoned(const at::Tensor& scale, const at::Tensor& amax) {
+  return at::where(at::isfinite(amax), scale, std::numeric_limits<double>::quiet_NaN());
 }
 
 void refuse_grad(const char* op, const at::Tensor& weight) {
@@ -67,7 +78,7 @@ Pair quantize_fp8_kernel(const at::Tensor& weight) {
   check_weight(kFp8, weight);
   const at::Tensor w = finite_float(kFp8, weight);
   const at::Tensor amax = w.numel() > 0 ? w.abs().amax(1) : at::zeros({w.size(0)}, w.options());
-  const at::Tensor scale = at::where(amax > 0, amax / kE4M3Max, at::ones_like(amax));
+  const at::Tensor scale = poisoned(at::where(amax > 0, amax / kE4M3Max, at::ones_like(amax)), amax);
   const at::Tensor q = (w / scale.unsqueeze(1)).clamp(-kE4M3Max, kE4M3Max).to(at::kFloat8_e4m3fn);
   return {q.contiguous(), scale.contiguous()};
 }
@@ -121,7 +132,9 @@ Pair quantize_int4_kernel(const at::Tensor& weight, int64_t group_size) {
       best_err = at::where(better, err, best_err);
     }
   }
-  const at::Tensor q = at::round(w / best).clamp(-8, 7).to(at::kInt).add(8).to(at::kByte);  // 0..15
+  best = poisoned(best, amax);
+  // (a NaN's nibble is whatever its conversion gives: its group's scale is NaN)
+  const at::Tensor q = at::round(w / best).nan_to_num(0).clamp(-8, 7).to(at::kInt).add(8).to(at::kByte);  // 0..15
   const at::Tensor pairs = q.reshape({n, k / 2, 2});
   const at::Tensor packed = at::bitwise_or(pairs.select(2, 0), at::bitwise_left_shift(pairs.select(2, 1), 4));
   return {packed.contiguous(), best.squeeze(2).to(weight.scalar_type()).contiguous()};
