@@ -20,6 +20,16 @@
 // are not a whole number of 16-byte vectors, unaligned weights) take the unfused path: the
 // prologue op, cuBLAS, the add. Measured on an H100 (README): a Llama-3.2-1B decode step at batch
 // 1 replays in 1.20 ms with these kernels (constant_weight), 1.28 when they wait before reading.
+// A quantized weight (weight_scale given: float8 e4m3 with a float32 scale a row, or int4 two a
+// byte with a scale a group) streams through the register kernel too, a 16-byte vector holding 16
+// or 32 weights, decoded in registers (float8 by the cvt instruction; a nibble q into the float
+// 2^23 + q by one byte permute, less 2^23 + 8) and dotted in float32; an int4 vector's partial
+// sums are scaled by its group's scale, a float8 row's sum by the row's. The activations sit in
+// shared memory in the order a vector's weights meet them (pack j of vector c at j * K/E + c), so
+// that the 32 lanes' loads of one pack are contiguous. Where it applies, the tensor-core kernel
+// (gemv_mma_kernel, below) takes a quantized weight's rows instead. Up to kMaxQuantRows rows, in
+// launches of up to 8 rows (each launch streams the weight once); more rows (prefill) take
+// quantized_rows.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -27,8 +37,13 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "cp_async.cuh"
 #include "elementwise.cuh"
@@ -50,6 +65,14 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kMaxRows = 4;  // more rows do as well or better through cuBLAS (bench --decode)
 constexpr int kUnroll = 4;
 constexpr int64_t kMaxSmem = 96 * 1024;
+// Rows of a quantized weight's product through the register kernel: int4's alternative is a
+// dequantized copy of the weight (its bytes 4x over, written and read), float8's the FP8 tensor
+// cores, which read the weight once for any number of rows.
+// Measured on an H100 (bench --linear, Llama-3-8B layer shapes): float8 through the FP8 tensor
+// cores at 16 rows was 0.9-1.5x bfloat16's time a product, the tensor-core kernel here at 8 rows
+// 0.74-1.34x (qkv the slowest): from 5 rows float8 takes the FP8 tensor cores.
+constexpr int kMaxQuantRows[] = {0, 4, 16};  // by Format: (dense: kMaxRows), float8, int4
+constexpr int kQuantRowsALaunch = 8;
 // The Hopper kernel (gemv_tma_kernel): consumer warps, one producer warp, chunks of weight rows.
 constexpr int kConsumers = 8;
 constexpr int kTmaThreads = (kConsumers + 1) * 32;
@@ -58,11 +81,23 @@ constexpr int kBarBytes = 128;  // the stages' barriers, before the ring
 constexpr int kStages = 4;
 constexpr int64_t kTmaMinBytesPerSm = 192 * 1024;  // weight bytes an SM from which it is used
 
+// A weight's format: T itself, float8 e4m3 (a byte a weight, a float32 scale a row), or int4 (two
+// a byte, low nibble first, stored + 8; a scale a group of inputs).
+enum class Format { kDense, kFp8, kInt4 };
+
+// Weights a 16-byte vector holds.
+template <typename T, Format W>
+constexpr int kElems = W == Format::kDense ? 16 / static_cast<int>(sizeof(T)) : W == Format::kFp8 ? 16 : 32;
+
 template <typename T>
 struct GemvArgs {
   const T* x;  // [M, K] (none, rms_norm) or [M, 2K] (swiglu: gate then up), rows x_stride apart
   int64_t x_stride;
-  const T* weight;  // [N, K], contiguous
+  const void* weight;  // [N, K] weights of the format, contiguous
+  const void* scale;   // float8: [N] float32; int4: [N, K / group] (T or float32); strides scale_s0, scale_s1
+  int64_t scale_s0, scale_s1;
+  bool scale_float;
+  int group_vectors;  // int4: 16-byte vectors a group
   const T* bias;    // [N] (bias_stride apart) or null
   int64_t bias_stride;
   const T* residual;  // [M, N] with strides (r_stride0, r_stride1), or null
@@ -86,6 +121,45 @@ __device__ __forceinline__ uint4 load_streaming(const void* p) {
   return r;
 }
 
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// The V weights of pack j (weights j V ... j V + V - 1) of a 16-byte vector, as floats (before
+// their scale).
+template <typename T, Format W, int V>
+__device__ __forceinline__ void decode(const uint4& v, int j, float* f) {
+  if constexpr (W == Format::kDense) {
+    const Pack<T, V> p = *reinterpret_cast<const Pack<T, V>*>(&v);
+#pragma unroll
+    for (int i = 0; i < V; ++i) f[i] = static_cast<float>(p.v[i]);
+  } else if constexpr (W == Format::kFp8) {
+#pragma unroll
+    for (int i = 0; i < V; i += 2) {
+      const int pair = (j * V + i) / 2;  // two bytes of word pair / 2
+      const auto bytes = static_cast<__nv_fp8x2_storage_t>(word(v, pair / 2) >> (16 * (pair % 2)));
+      const __half2 h = __half2(__nv_cvt_fp8x2_to_halfraw2(bytes, __NV_E4M3));
+      const float2 g = __half22float2(h);
+      f[i] = g.x;
+      f[i + 1] = g.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      const int e = j * V + i;  // weight e: byte e / 2 (word e / 8), the high nibble for odd e
+      const uint32_t w = word(v, e / 8), nibbles = (e % 2 ? w >> 4 : w) & 0x0F0F0F0Fu;
+      // the nibble q as the low byte of the float 2^23 + q, then q - 8 exactly
+      f[i] = __int_as_float(__byte_perm(nibbles, 0x4B000000u, 0x7650u | ((e / 2) % 4))) - 8388616.f;
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float scale_at(const GemvArgs<T>& a, int64_t n, int64_t g) {
+  const int64_t i = n * a.scale_s0 + g * a.scale_s1;
+  return a.scale_float ? static_cast<const float*>(a.scale)[i] : static_cast<float>(static_cast<const T*>(a.scale)[i]);
+}
+
 template <typename T>
 __device__ __forceinline__ float norm_weight_at(const GemvArgs<T>& a, int64_t k) {
   if (a.norm_weight == nullptr) return 1.f;
@@ -93,12 +167,14 @@ __device__ __forceinline__ float norm_weight_at(const GemvArgs<T>& a, int64_t k)
   return static_cast<float>(static_cast<const T*>(a.norm_weight)[k * a.norm_stride]);
 }
 
-// prologue(x) for every row, into xs ([M, K] of T), by the block's first kN threads; sync() is a
-// barrier over them.
-template <typename T, int V, Prologue P, int kN, typename Sync>
+// prologue(x) for every row, into xs ([M, K] of T, each row's packs of V in the order vectors of E
+// weights meet them: pack j of vector c at j * K/E + c), by the block's first kN threads; sync() is
+// a barrier over them.
+template <typename T, int V, Prologue P, int kN, int E, typename Sync>
 __device__ void prologue(const GemvArgs<T>& a, T* xs, Sync sync) {
   using PackT = Pack<T, V>;
-  const int kv = a.K / V;
+  constexpr int kPacks = E / V;  // packs of x a vector of weights meets
+  const int kv = a.K / V, kw = a.K / E;
   __shared__ float rstd[kMaxRows];
   if constexpr (P == Prologue::kRmsNorm) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -139,7 +215,7 @@ __device__ void prologue(const GemvArgs<T>& a, T* xs, Sync sync) {
         y.v[j] = static_cast<T>(g / (1.f + __expf(-g)) * static_cast<float>(u.v[j]));
       }
     }
-    reinterpret_cast<PackT*>(xs)[i] = y;
+    reinterpret_cast<PackT*>(xs)[m * kv + (c % kPacks) * kw + c / kPacks] = y;
   }
   sync();
 }
@@ -149,50 +225,65 @@ __device__ void prologue(const GemvArgs<T>& a, T* xs, Sync sync) {
 // two register buffers: the next task's loads are issued before this one's math, so every warp
 // keeps weight bytes in flight all the time, its reductions and writes included. The first two
 // tasks are loaded before the prologue, which then runs while they arrive.
-template <typename T, int V>
+template <Format W>
+struct Segment {
+  uint4 w[kUnroll];
+  float scale[W == Format::kInt4 ? kUnroll : 1];  // int4: each vector's group's
+};
+
+template <typename T, Format W>
 struct Tasks {
   const GemvArgs<T>& a;
   int64_t n0, stride;
-  int segments, kv, count;
+  int segments, kv, count;  // kv: 16-byte vectors a weight row
 
   __device__ int64_t row(int t) const { return n0 + static_cast<int64_t>(t / segments) * stride; }
 
-  __device__ __forceinline__ void load(int t, Pack<T, V>* w) const {
+  __device__ __forceinline__ void load(int t, Segment<W>& seg) const {
     if (t >= count) return;
-    const Pack<T, V>* r = reinterpret_cast<const Pack<T, V>*>(a.weight + row(t) * a.K);
+    const int64_t n = row(t);
+    const uint4* r = static_cast<const uint4*>(a.weight) + n * kv;
     const int s = t % segments, lane = threadIdx.x % 32;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int c = (s * kUnroll + u) * 32 + lane;
       if (c < kv) {
-        const uint4 v = load_streaming(r + c);
-        w[u] = *reinterpret_cast<const Pack<T, V>*>(&v);
+        seg.w[u] = load_streaming(r + c);
+        if constexpr (W == Format::kInt4) seg.scale[u] = scale_at(a, n, c / a.group_vectors);
       }
     }
   }
 };
 
 // acc += w . x over task t's segment; at a row's last segment, reduce, write and reset acc.
-template <typename T, int V, int R>
-__device__ __forceinline__ void consume(const Tasks<T, V>& k, int t, const Pack<T, V>* w, const Pack<T, V>* xp,
+template <typename T, Format W, int V, int R>
+__device__ __forceinline__ void consume(const Tasks<T, W>& k, int t, const Segment<W>& seg, const Pack<T, V>* xp,
                                         float* acc) {
+  constexpr int kPacks = kElems<T, W> / V;
   const GemvArgs<T>& a = k.a;
-  const int s = t % k.segments, lane = threadIdx.x % 32;
+  const int s = t % k.segments, lane = threadIdx.x % 32, kx = a.K / V;
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int c = (s * kUnroll + u) * 32 + lane;
     if (c < k.kv) {
-      float wf[V];
+      float part[R];  // int4: the vector's sums, then times its group's scale
 #pragma unroll
-      for (int j = 0; j < V; ++j) wf[j] = static_cast<float>(w[u].v[j]);
+      for (int m = 0; m < R; ++m) part[m] = 0.f;
 #pragma unroll
-      for (int m = 0; m < R; ++m) {
-        if (m < a.M) {
-          const Pack<T, V> xv = xp[m * k.kv + c];
+      for (int j = 0; j < kPacks; ++j) {
+        float wf[V];
+        decode<T, W, V>(seg.w[u], j, wf);
 #pragma unroll
-          for (int j = 0; j < V; ++j) acc[m] += wf[j] * static_cast<float>(xv.v[j]);
+        for (int m = 0; m < R; ++m) {
+          if (m < a.M) {
+            const Pack<T, V> xv = xp[m * kx + j * k.kv + c];
+#pragma unroll
+            for (int i = 0; i < V; ++i) part[m] += wf[i] * static_cast<float>(xv.v[i]);
+          }
         }
       }
+#pragma unroll
+      for (int m = 0; m < R; ++m) acc[m] += W == Format::kInt4 ? part[m] * seg.scale[u] : part[m];
     }
   }
   if (s != k.segments - 1) return;
@@ -204,10 +295,11 @@ __device__ __forceinline__ void consume(const Tasks<T, V>& k, int t, const Pack<
   if (lane == 0) {
     const int64_t n = k.row(t);
     const float b = a.bias != nullptr ? static_cast<float>(a.bias[n * a.bias_stride]) : 0.f;
+    const float rs = W == Format::kFp8 ? static_cast<const float*>(a.scale)[n * a.scale_s0] : 1.f;
 #pragma unroll
     for (int m = 0; m < R; ++m) {
       if (m < a.M) {
-        float y = acc[m] + b;
+        float y = acc[m] * rs + b;
         if (a.residual != nullptr) y += static_cast<float>(a.residual[m * a.r_stride0 + n * a.r_stride1]);
         a.out[m * a.N + n] = static_cast<T>(y);
       }
@@ -217,36 +309,37 @@ __device__ __forceinline__ void consume(const Tasks<T, V>& k, int t, const Pack<
   for (int m = 0; m < R; ++m) acc[m] = 0.f;
 }
 
-// R: rows the kernel is compiled for (a.M <= R).
-template <typename T, int R, Prologue P>
-__global__ void __launch_bounds__(kThreads, 2) gemv_kernel(GemvArgs<T> a) {
-  constexpr int V = 16 / sizeof(T);
+// R: rows the kernel is compiled for (a.M <= R). (8 rows need more registers: one block an SM.)
+template <typename T, Format W, int R, Prologue P>
+__global__ void __launch_bounds__(kThreads, R > 4 ? 1 : 2) gemv_kernel(GemvArgs<T> a) {
+  constexpr int V = 16 / sizeof(T), E = kElems<T, W>;
   using PackT = Pack<T, V>;
   extern __shared__ __align__(16) unsigned char smem[];
   T* xs = reinterpret_cast<T*>(smem);
   const int warp = threadIdx.x / 32;
-  Tasks<T, V> k{a, int64_t{blockIdx.x} * kWarps + warp, int64_t{gridDim.x} * kWarps, 0, a.K / V, 0};
+  Tasks<T, W> k{a, int64_t{blockIdx.x} * kWarps + warp, int64_t{gridDim.x} * kWarps, 0, a.K / E, 0};
   k.segments = (k.kv + 32 * kUnroll - 1) / (32 * kUnroll);
   const int64_t rows = k.n0 < a.N ? (a.N - k.n0 + k.stride - 1) / k.stride : 0;
   k.count = static_cast<int>(rows * k.segments);
 
-  PackT wa[kUnroll], wb[kUnroll];
+  Segment<W> wa, wb;
   if (!a.constant_weight) wait_prerequisites();
   k.load(0, wa);
   k.load(1, wb);
   launch_dependents();
   wait_prerequisites();
-  prologue<T, V, P, kThreads>(a, xs, [] { __syncthreads(); });  // ends at a block barrier: no warp returns before it
+  // (ends at a block barrier: no warp returns before it)
+  prologue<T, V, P, kThreads, E>(a, xs, [] { __syncthreads(); });
 
   const PackT* xp = reinterpret_cast<const PackT*>(xs);
   float acc[R];
 #pragma unroll
   for (int m = 0; m < R; ++m) acc[m] = 0.f;
   for (int t = 0; t < k.count; t += 2) {
-    consume<T, V, R>(k, t, wa, xp, acc);
+    consume<T, W, V, R>(k, t, wa, xp, acc);
     k.load(t + 2, wa);
     if (t + 1 < k.count) {
-      consume<T, V, R>(k, t + 1, wb, xp, acc);
+      consume<T, W, V, R>(k, t + 1, wb, xp, acc);
       k.load(t + 3, wb);
     }
   }
@@ -307,7 +400,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) gemv_tma_kernel(GemvArgs<T> a)
   // stage's chunks are one contiguous range too, copied as one.
   const int64_t row_bytes = int64_t{a.K} * sizeof(T);
   auto offset = [&](int c) { return (c / cpr) * row_bytes + (c % cpr) * int64_t{kChunkBytes}; };
-  const char* wblock = reinterpret_cast<const char*>(a.weight) + r0 * row_bytes;
+  const char* wblock = static_cast<const char*>(a.weight) + r0 * row_bytes;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
@@ -347,7 +440,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) gemv_tma_kernel(GemvArgs<T> a)
     if (a.residual != nullptr) y += static_cast<float>(a.residual[m * a.r_stride0 + n * a.r_stride1]);
     acc[r * R + m] = y;
   }
-  prologue<T, V, P, kConsumers * 32>(a, xs, [] { tma::consumers_sync(); });
+  prologue<T, V, P, kConsumers * 32, V>(a, xs, [] { tma::consumers_sync(); });
 
   const PackT* xp = reinterpret_cast<const PackT*>(xs);
   const int kv = a.K / V;
@@ -405,9 +498,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1) gemv_tma_kernel(GemvArgs<T> a)
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-template <typename T, int R, Prologue P>
+template <typename T, Format W, int R, Prologue P>
 void launch_gemv(const GemvArgs<T>& a, int64_t smem, cudaStream_t stream) {
-  auto* kernel = &gemv_kernel<T, R, P>;
+  auto* kernel = &gemv_kernel<T, W, R, P>;
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
@@ -463,7 +556,7 @@ void launch_r(const GemvArgs<T>& a, int64_t smem, cudaStream_t stream) {
       launch_tma<T, R, P, kStages>(a, stream)) {
     return;
   }
-  launch_gemv<T, R, P>(a, smem, stream);
+  launch_gemv<T, Format::kDense, R, P>(a, smem, stream);
 }
 
 template <typename T, Prologue P>
@@ -471,6 +564,466 @@ void launch_rows(const GemvArgs<T>& a, int64_t smem, cudaStream_t stream) {
   if (a.M == 1) return launch_r<T, 1, P>(a, smem, stream);
   if (a.M == 2) return launch_r<T, 2, P>(a, smem, stream);
   launch_r<T, 4, P>(a, smem, stream);
+}
+
+// ---- Tensor cores for a quantized weight's few rows ---------------------------------------------
+// The register kernel's float32 math is the bound for a quantized weight (decoding 16 or 32 weights
+// a 16-byte vector, a multiply-add a weight a row of x). Here the warps run mma.sync m16n8k16
+// (bfloat16 or half in, float32 accumulate) with the weight as the A operand (a tile of 16 output
+// features) and up to 8 rows of x as the B operand, so one instruction takes 16 x 16 weights for
+// every row at once. A thread of group g (lane / 4) and slice c (lane % 4) loads 16 bytes of rows g
+// and g + 8 of the tile at vector 4 j + c of chunk j (4 vectors of a row: 64 float8 or 128 int4
+// weights), and decodes them into pairs of 16-bit values by bit operations (int4: a nibble q into
+// 128 + q or 1024 + q, less 136 or 1032; float8 into bfloat16 bits times 2^120, or half by cvt).
+// The reduction order inside an instruction is free, so a pair is whatever two weights decode
+// together (int4: nibbles p and p + 4 of a word); the prologue writes x in shared memory in that
+// pair order, so each thread's B fragments are plain loads. The 8 warps split a tile's chunks; at
+// the tile's end their sums meet in shared memory, where bias, residual and the float8 row scale are
+// added. An int4 chunk lies in one group (groups of 128, or a multiple): its sums take the group's
+// scale before they are added.
+constexpr int kMmaWarps = 8;
+constexpr int kMmaThreads = kMmaWarps * 32;
+constexpr int kMmaChunks = 4;  // chunks a task (a load of 2 x kMmaChunks 16-byte vectors a thread)
+constexpr int kMmaRowPad = 16;  // bytes after each row of x in shared memory (fewer bank conflicts)
+
+// The position of weight e (of a 16-byte vector) in its vector's pair order.
+template <typename T, Format W>
+__host__ __device__ constexpr int pair_position(int e) {
+  if constexpr (W == Format::kInt4) {
+    return e / 8 * 8 + e % 4 * 2 + e % 8 / 4;  // word e / 8: nibbles p and p + 4 a pair
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    return e / 4 * 4 + e % 2 * 2 + e % 4 / 2;  // word e / 4: bytes p and p + 2 a pair
+  } else {
+    return e;  // (half: bytes 2q and 2q + 1, the cvt's pair)
+  }
+}
+
+// a * b + c on two bfloat16 (or half) in 32-bit words
+template <typename T>
+__device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  } else {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  }
+  return d;
+}
+
+// Pair q (0 ... E / 2 - 1) of a vector as two 16-bit values of T, in a 32-bit word.
+template <typename T, Format W>
+__device__ __forceinline__ uint32_t decode_pair(const uint4& v, int q) {
+  constexpr bool bf16 = std::is_same_v<T, c10::BFloat16>;
+  if constexpr (W == Format::kInt4) {
+    const uint32_t w = word(v, q / 4) >> (4 * (q % 4));
+    uint32_t r;
+    // (w & 0x000F000F) | magic: 128 + q (bfloat16) or 1024 + q (half); then 1 x that - 136 or - 1032
+    constexpr uint32_t magic = bf16 ? 0x43004300u : 0x64006400u;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "n"(0x000F000F), "n"(magic));
+    return bf16 ? fma2<T>(r, 0x3F803F80u, 0xC308C308u) : fma2<T>(r, 0x3C003C00u, 0xE408E408u);
+  } else if constexpr (bf16) {
+    // bytes p and p + 2 of word q / 2, each sign-extended into 16 bits, shifted left 4: the sign at
+    // bit 15 and the 7 bits of exponent and mantissa at bits 4-10, a bfloat16 of the value times
+    // 2^-120 (subnormals too); times 2^120 (exact; + -0 keeps a +0)
+    const uint32_t sel = q % 2 == 0 ? 0xA280u : 0xB391u;
+    uint32_t r;  // (prmt itself: __byte_perm ignores the selector's sign-replicate bit)
+    asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(word(v, q / 2)), "r"(sel));
+    r = (r << 4) & 0x87F087F0u;
+    return fma2<T>(r, 0x7B807B80u, 0x80008000u);
+  } else {
+    const auto bytes = static_cast<__nv_fp8x2_storage_t>(word(v, q / 2) >> (16 * (q % 2)));
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(bytes, __NV_E4M3);
+    return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// A task: a warp's next kMmaChunks chunks of a tile (tasks_a_tile a tile for every warp, so that
+// all reach the tile's end together; a warp's chunks are a contiguous range of the tile's).
+template <Format W>
+struct MmaTask {
+  uint4 w[kMmaChunks][2];  // rows g and g + 8
+  float scale[W == Format::kInt4 ? kMmaChunks : 1][2];
+};
+
+template <typename T, Format W>
+struct MmaTasks {
+  const GemvArgs<T>& a;
+  int tile0, tile_stride, tasks_a_tile, chunks, chunks_a_warp, count;
+
+  __device__ int tile(int t) const { return tile0 + t / tasks_a_tile * tile_stride; }
+  // chunk u of task t, or -1
+  __device__ int chunk(int t, int u) const {
+    const int warp = threadIdx.x / 32, c = warp * chunks_a_warp + t % tasks_a_tile * kMmaChunks + u;
+    return c < min(chunks, (warp + 1) * chunks_a_warp) ? c : -1;
+  }
+
+  __device__ __forceinline__ void load(int t, MmaTask<W>& task) const {
+    if (t >= count) return;
+    const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const int kv = a.K / kElems<T, W>;
+    const int64_t n0 = int64_t{tile(t)} * 16 + g;
+#pragma unroll
+    for (int u = 0; u < kMmaChunks; ++u) {
+      const int j = chunk(t, u);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int64_t n = n0 + 8 * h;
+        if (j >= 0 && n < a.N) {
+          task.w[u][h] = load_streaming(static_cast<const uint4*>(a.weight) + n * kv + j * 4 + c);
+          if constexpr (W == Format::kInt4) task.scale[u][h] = scale_at(a, n, j * 4 / a.group_vectors);
+        } else {
+          task.w[u][h] = make_uint4(0, 0, 0, 0);
+          if constexpr (W == Format::kInt4) task.scale[u][h] = 0.f;
+        }
+      }
+    }
+  }
+};
+
+template <typename T, Format W, Prologue P>
+__global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a) {
+  constexpr int V = 16 / sizeof(T), E = kElems<T, W>;
+  using PackT = Pack<T, V>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int row_elems = a.K + kMmaRowPad / static_cast<int>(sizeof(T));
+  T* xs = reinterpret_cast<T*>(smem);  // [M, row_elems], each vector's slice in pair order
+  float* red = reinterpret_cast<float*>(smem + int64_t{a.M} * row_elems * sizeof(T));  // [warps, 16, 8]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+
+  MmaTasks<T, W> k{a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), 0, a.K / (4 * E), 0, 0};
+  k.chunks_a_warp = (k.chunks + kMmaWarps - 1) / kMmaWarps;
+  k.tasks_a_tile = max(1, (k.chunks_a_warp + kMmaChunks - 1) / kMmaChunks);
+  const int tiles = static_cast<int>((a.N + 15) / 16);
+  k.count = blockIdx.x < tiles ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x * k.tasks_a_tile : 0;
+
+  MmaTask<W> ta, tb;
+  if (!a.constant_weight) wait_prerequisites();
+  k.load(0, ta);
+  k.load(1, tb);
+  launch_dependents();
+  wait_prerequisites();
+  // prologue(x), each pack of V permuted into pair order (a pack lies within a vector's slice)
+  {
+    const GemvArgs<T>& b = a;
+    const int kv = b.K / V;
+    __shared__ float rstd[kQuantRowsALaunch];
+    if constexpr (P == Prologue::kRmsNorm) {
+      for (int m = warp; m < b.M; m += kMmaWarps) {
+        const PackT* row = reinterpret_cast<const PackT*>(b.x + m * b.x_stride);
+        float ss = 0.f;
+        for (int i = lane; i < kv; i += 32) {
+          const PackT p = row[i];
+#pragma unroll
+          for (int j = 0; j < V; ++j) ss += static_cast<float>(p.v[j]) * static_cast<float>(p.v[j]);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) rstd[m] = rsqrtf(ss / static_cast<float>(b.K) + b.eps);
+      }
+      __syncthreads();
+    }
+    for (int i = threadIdx.x; i < b.M * kv; i += kMmaThreads) {
+      const int m = i / kv, pc = i % kv;
+      const T* row = b.x + m * b.x_stride;
+      const PackT p = reinterpret_cast<const PackT*>(row)[pc];
+      float y[V];
+      if constexpr (P == Prologue::kNone) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) y[j] = static_cast<float>(p.v[j]);
+      } else if constexpr (P == Prologue::kRmsNorm) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) y[j] = static_cast<float>(p.v[j]) * rstd[m] * norm_weight_at(b, int64_t{pc} * V + j);
+      } else {
+        const PackT u = reinterpret_cast<const PackT*>(row + b.K)[pc];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const float gt = static_cast<float>(p.v[j]);
+          y[j] = gt / (1.f + __expf(-gt)) * static_cast<float>(u.v[j]);
+        }
+      }
+      PackT o;
+      const int e0 = pc * V % E;  // the pack's first weight in its vector
+#pragma unroll
+      for (int j = 0; j < V; ++j) o.v[pair_position<T, W>(e0 + j) - e0] = static_cast<T>(y[j]);
+      *reinterpret_cast<PackT*>(xs + int64_t{m} * row_elems + pc * V) = o;
+    }
+    __syncthreads();
+  }
+
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows g, g (tokens 2c, 2c + 1), g + 8, g + 8
+  auto consume = [&](int t, const MmaTask<W>& task) {
+#pragma unroll
+    for (int u = 0; u < kMmaChunks; ++u) {
+      const int j = k.chunk(t, u);
+      if (j < 0) continue;
+      // this thread's x: token g's slice c of chunk j, E values in pair order (none past M)
+      uint32_t xw[E / 2];
+      const uint4* xv = reinterpret_cast<const uint4*>(xs + int64_t{g} * row_elems + (j * 4 + c) * E);
+#pragma unroll
+      for (int i = 0; i < E / 8; ++i) {
+        const uint4 v = g < a.M ? xv[i] : make_uint4(0, 0, 0, 0);
+        xw[4 * i] = v.x;
+        xw[4 * i + 1] = v.y;
+        xw[4 * i + 2] = v.z;
+        xw[4 * i + 3] = v.w;
+      }
+      float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int s = 0; s < E / 4; ++s) {  // steps: pairs 2s and 2s + 1 of each row
+        const uint32_t fa[4] = {decode_pair<T, W>(task.w[u][0], 2 * s), decode_pair<T, W>(task.w[u][1], 2 * s),
+                                decode_pair<T, W>(task.w[u][0], 2 * s + 1), decode_pair<T, W>(task.w[u][1], 2 * s + 1)};
+        if constexpr (W == Format::kInt4) {
+          mma16816<T>(d, fa, xw[2 * s], xw[2 * s + 1]);
+        } else {
+          mma16816<T>(acc, fa, xw[2 * s], xw[2 * s + 1]);
+        }
+      }
+      if constexpr (W == Format::kInt4) {
+        acc[0] += d[0] * task.scale[u][0];
+        acc[1] += d[1] * task.scale[u][0];
+        acc[2] += d[2] * task.scale[u][1];
+        acc[3] += d[3] * task.scale[u][1];
+      }
+    }
+    if (t % k.tasks_a_tile != k.tasks_a_tile - 1) return;
+    // the tile's end: every warp's sums into red, then bias, residual and the row scale
+    float* r = red + warp * 128;
+    r[g * 8 + 2 * c] = acc[0];
+    r[g * 8 + 2 * c + 1] = acc[1];
+    r[(g + 8) * 8 + 2 * c] = acc[2];
+    r[(g + 8) * 8 + 2 * c + 1] = acc[3];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] = 0.f;
+    __syncthreads();
+    if (threadIdx.x < 128) {
+      const int row = threadIdx.x / 8, m = threadIdx.x % 8;
+      const int64_t n = int64_t{k.tile(t)} * 16 + row;
+      if (m < a.M && n < a.N) {
+        float y = 0.f;
+#pragma unroll
+        for (int w = 0; w < kMmaWarps; ++w) y += red[w * 128 + row * 8 + m];
+        if constexpr (W == Format::kFp8) y *= static_cast<const float*>(a.scale)[n * a.scale_s0];
+        if (a.bias != nullptr) y += static_cast<float>(a.bias[n * a.bias_stride]);
+        if (a.residual != nullptr) y += static_cast<float>(a.residual[m * a.r_stride0 + n * a.r_stride1]);
+        a.out[m * a.N + n] = static_cast<T>(y);
+      }
+    }
+    __syncthreads();
+  };
+  for (int t = 0; t < k.count; t += 2) {
+    consume(t, ta);
+    k.load(t + 2, ta);
+    if (t + 1 < k.count) {
+      consume(t + 1, tb);
+      k.load(t + 3, tb);
+    }
+  }
+}
+
+int64_t mma_smem(int64_t m, int64_t k, int64_t element_size) {
+  return m * (k * element_size + kMmaRowPad) + kMmaWarps * 16 * 8 * sizeof(float);
+}
+
+// Launches gemv_mma_kernel for a.M <= 8 rows; false where it does not apply (before sm_80,
+// in_features not a whole number of chunks, int4 groups that are not whole chunks, or x past
+// shared memory).
+template <typename T, Format W, Prologue P>
+bool launch_mma(const GemvArgs<T>& a, cudaStream_t stream) {
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  constexpr int E = kElems<T, W>;
+  if (prop->major < 8 || a.K % (4 * E) != 0 || (W == Format::kInt4 && a.group_vectors % 4 != 0)) return false;
+  const int64_t smem = mma_smem(a.M, a.K, sizeof(T));
+  if (smem + 1024 > static_cast<int64_t>(prop->sharedMemPerBlockOptin)) return false;
+  auto* kernel = &gemv_mma_kernel<T, W, P>;
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  }
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMmaThreads, smem));
+  const int64_t blocks = std::min<int64_t>((a.N + 15) / 16, int64_t{prop->multiProcessorCount} * std::max(per_sm, 1));
+  launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kMmaThreads), static_cast<size_t>(smem), stream, a);
+  return true;
+}
+
+// A quantized weight's rows through the register kernel, up to `chunk` rows a launch.
+template <typename T, Format W, Prologue P>
+void launch_quantized(const GemvArgs<T>& a, int chunk, cudaStream_t stream) {
+  for (int m0 = 0; m0 < a.M; m0 += chunk) {
+    GemvArgs<T> c = a;
+    c.M = std::min(chunk, a.M - m0);
+    c.x = a.x + m0 * a.x_stride;
+    if (a.residual != nullptr) c.residual = a.residual + m0 * a.r_stride0;
+    c.out = a.out + m0 * a.N;
+    const int64_t smem = int64_t{c.M} * a.K * sizeof(T);
+    if (launch_mma<T, W, P>(c, stream)) continue;  // (the register kernel where it does not apply)
+    if (c.M == 1) {
+      launch_gemv<T, W, 1, P>(c, smem, stream);
+    } else if (c.M == 2) {
+      launch_gemv<T, W, 2, P>(c, smem, stream);
+    } else if (c.M <= 4) {
+      launch_gemv<T, W, 4, P>(c, smem, stream);
+    } else {
+      launch_gemv<T, W, 8, P>(c, smem, stream);
+    }
+  }
+}
+
+// ---- A quantized weight's product over many rows (prefill) -------------------------------------
+
+// The weight dequantized into T ([N, K], contiguous): a thread a 16-byte vector.
+template <typename T, Format W>
+__global__ void __launch_bounds__(256) dequantize_kernel(GemvArgs<T> a, int64_t vectors, T* out) {
+  constexpr int V = 16 / sizeof(T), E = kElems<T, W>;
+  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (i >= vectors) return;
+  const int kv = a.K / E;
+  const int64_t n = i / kv;
+  const uint4 v = static_cast<const uint4*>(a.weight)[i];
+  const float s = W == Format::kFp8 ? static_cast<const float*>(a.scale)[n * a.scale_s0]
+                                    : scale_at(a, n, (i % kv) / a.group_vectors);
+#pragma unroll
+  for (int j = 0; j < E / V; ++j) {
+    float f[V];
+    decode<T, W, V>(v, j, f);
+    Pack<T, V> p;
+#pragma unroll
+    for (int e = 0; e < V; ++e) p.v[e] = static_cast<T>(f[e] * s);
+    reinterpret_cast<Pack<T, V>*>(out)[i * (E / V) + j] = p;
+  }
+}
+
+// The pointers and strides of a quantized weight (and its scale), for the kernels.
+template <typename T>
+void set_weight(GemvArgs<T>& a, const at::Tensor& weight, const std::optional<at::Tensor>& scale, int64_t group) {
+  a.weight = weight.const_data_ptr();
+  if (!scale.has_value()) return;
+  a.scale = scale->const_data_ptr();
+  a.scale_s0 = scale->stride(0);
+  a.scale_s1 = scale->dim() > 1 ? scale->stride(1) : 0;
+  a.scale_float = scale->scalar_type() == at::kFloat;
+  a.group_vectors = static_cast<int>(group / 32);
+}
+
+at::Tensor dequantize(const at::Tensor& weight, const at::Tensor& scale, Format w, int64_t k, int64_t group,
+                      at::ScalarType t) {
+  at::Tensor out = at::empty({weight.size(0), k}, weight.options().dtype(t));
+  const int64_t vectors = weight.numel() * weight.element_size() / 16;
+  if (vectors == 0) return out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t, "customops::fused_linear", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      GemvArgs<scalar_t> a{};
+      set_weight(a, weight, scale, group);
+      a.K = static_cast<int>(k);
+      const dim3 grid(static_cast<unsigned>((vectors + 255) / 256));
+      const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+      auto* out_p = out.mutable_data_ptr<scalar_t>();
+      if (w == Format::kFp8) {
+        dequantize_kernel<scalar_t, Format::kFp8><<<grid, 256, 0, stream>>>(a, vectors, out_p);
+      } else {
+        dequantize_kernel<scalar_t, Format::kInt4><<<grid, 256, 0, stream>>>(a, vectors, out_p);
+      }
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return out;
+}
+
+// The float8 product on Hopper's FP8 tensor cores (cuBLASLt, by at::_scaled_mm): each row of `in`
+// ([M, K], contiguous) quantized to float8 e4m3 with a float32 scale of its own (its largest
+// magnitude over 448, e4m3's largest), the products scaled by the row's and the output feature's
+// scales in float32; bfloat16 out. (The activations' rounding to float8 is this path's own error:
+// docs/quantization.md.)
+// Rows of x to float8 e4m3, each with its scale (a block a row: its largest magnitude, then the
+// row over it; the second read comes from L2). A NaN or infinity in a row makes its scale NaN.
+template <typename T>
+__global__ void __launch_bounds__(256) quantize_rows_kernel(const T* x, int64_t k, __nv_fp8_storage_t* xq,
+                                                            float* row_scale) {
+  constexpr int V = 16 / sizeof(T);
+  using PackT = Pack<T, V>;
+  const PackT* row = reinterpret_cast<const PackT*>(x + blockIdx.x * k);
+  const int64_t kv = k / V;
+  float amax = 0.f;
+  for (int64_t i = threadIdx.x; i < kv; i += 256) {
+    const PackT p = row[i];
+#pragma unroll
+    for (int j = 0; j < V; ++j) amax = fmaxf(amax, fabsf(static_cast<float>(p.v[j])));
+  }
+  __shared__ float warp_max[8];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = amax;
+  __syncthreads();
+  amax = warp_max[0];
+#pragma unroll
+  for (int w = 1; w < 8; ++w) amax = fmaxf(amax, warp_max[w]);
+  const float scale = isfinite(amax) ? fmaxf(amax / 448.f, 1e-30f) : __int_as_float(0x7fc00000);
+  if (threadIdx.x == 0) row_scale[blockIdx.x] = scale;
+  const float inv = 1.f / scale;
+  for (int64_t i = threadIdx.x; i < kv; i += 256) {
+    const PackT p = row[i];
+    Pack<__nv_fp8_storage_t, V> q;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      q.v[j] = __nv_cvt_float_to_fp8(static_cast<float>(p.v[j]) * inv, __NV_SATFINITE, __NV_E4M3);
+    }
+    reinterpret_cast<Pack<__nv_fp8_storage_t, V>*>(xq + blockIdx.x * k)[i] = q;
+  }
+}
+
+at::Tensor fp8_tensor_cores(const at::Tensor& in, const at::Tensor& weight, const at::Tensor& scale) {
+  const int64_t m = in.size(0), k = in.size(1);
+  at::Tensor xq = at::empty({m, k}, in.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor row_scale = at::empty({m, 1}, in.options().dtype(at::kFloat));
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(in.scalar_type(), "customops::fused_linear", [&] {
+    quantize_rows_kernel<scalar_t><<<static_cast<unsigned>(m), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
+        in.const_data_ptr<scalar_t>(), k, static_cast<__nv_fp8_storage_t*>(xq.data_ptr()),
+        row_scale.mutable_data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return at::_scaled_mm(xq, weight.t(), row_scale, scale.to(at::kFloat).reshape({1, -1}).contiguous(), std::nullopt,
+                        std::nullopt, at::kBFloat16, false);
+}
+
+// prologue(x) @ dequantized(weight).T + bias + residual for the rows the register kernel does not
+// take: float8 on the FP8 tensor cores where there are some (sm_90 on, half types, features that
+// are multiples of 16), else the weight dequantized into x's dtype and cuBLAS.
+at::Tensor quantized_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                          const std::optional<at::Tensor>& residual, Prologue p,
+                          const std::optional<at::Tensor>& norm_weight, double eps, const at::Tensor& scale, Format w,
+                          int64_t k, int64_t group) {
+  const at::Tensor in = apply_prologue(p, x, norm_weight, eps).reshape({-1, k}).contiguous();
+  const at::ScalarType t = x.scalar_type();
+  const int64_t n = weight.size(0);
+  const bool has_bias = bias.has_value() && bias->defined();
+  at::Tensor y;
+  if (w == Format::kFp8 && at::cuda::getCurrentDeviceProperties()->major >= 9 && t != at::kFloat && k % 16 == 0 &&
+      n % 16 == 0) {
+    y = fp8_tensor_cores(in, weight, scale).to(t);
+    if (has_bias) y.add_(*bias);
+  } else {
+    const at::Tensor wt = dequantize(weight, scale, w, k, group, t).t();
+    y = has_bias ? at::addmm(*bias, in, wt) : at::mm(in, wt);
+  }
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = n;
+  y = y.view(sizes);
+  if (residual.has_value() && residual->defined()) y.add_(*residual);
+  return y;
 }
 
 at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
@@ -482,15 +1035,36 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
     return fused_linear_unfused(x, weight, bias, residual, prologue_name, norm_weight, eps, weight_scale);
   };
   const at::ScalarType t = x.scalar_type();
-  // (a quantized weight: ATen's ops on the dequantized weight, until its kernels come)
-  if (t != at::kFloat && t != at::kHalf && t != at::kBFloat16 || weight_scale.has_value()) return unfused();
-  const int64_t k = weight.size(1), n = weight.size(0), k_in = x.size(-1);
+  if (t != at::kFloat && t != at::kHalf && t != at::kBFloat16) return unfused();
+  const Format w = !weight_scale.has_value() || !weight_scale->defined() ? Format::kDense
+                   : weight.scalar_type() == at::kFloat8_e4m3fn       ? Format::kFp8
+                                                                        : Format::kInt4;
+  const int64_t k = w == Format::kInt4 ? weight.size(1) * 2 : weight.size(1), n = weight.size(0), k_in = x.size(-1);
   const int64_t v = 16 / x.element_size();
-  if (k == 0 || n == 0 || k % v != 0 || k > (int64_t{1} << 30)) return unfused();
-  const int64_t m = x.numel() / k_in;
-  const int64_t smem = m * k * x.element_size();
-  if (m < 1 || m > kMaxRows || smem > kMaxSmem) return unfused();
+  const int64_t e = w == Format::kDense ? v : w == Format::kFp8 ? 16 : 32;  // weights a 16-byte vector
+  if (k == 0 || n == 0 || k % e != 0 || k > (int64_t{1} << 30)) return unfused();
   if (!weight.is_contiguous() || !aligned16(weight.data_ptr())) return unfused();
+  const int64_t group = w == Format::kInt4 ? k / weight_scale->size(1) : 0;
+  if (w == Format::kInt4 && (group % 32 != 0 || (weight_scale->scalar_type() != at::kFloat &&
+                                                 weight_scale->scalar_type() != t))) {
+    return unfused();  // (a group within a vector, or a scale of a third dtype: the ATen ops)
+  }
+  const int64_t m = x.numel() / k_in;
+  if (m < 1) return unfused();
+  const int64_t row_bytes = k * x.element_size();
+  int chunk = 0;  // a quantized weight's rows a launch
+  if (w == Format::kDense) {
+    if (m > kMaxRows || m * row_bytes > kMaxSmem) return unfused();
+  } else {
+    const auto* prop = at::cuda::getCurrentDeviceProperties();
+    // (as many rows a launch as fit the tensor-core kernel's shared memory)
+    chunk = static_cast<int>(std::min<int64_t>(
+        kQuantRowsALaunch, (static_cast<int64_t>(prop->sharedMemPerBlockOptin) - 1024 - mma_smem(0, k, x.element_size())) /
+                               (row_bytes + kMmaRowPad)));
+    if (t == at::kFloat || m > kMaxQuantRows[static_cast<int>(w)] || chunk < 1) {
+      return quantized_rows(x, weight, bias, residual, p, norm_weight, eps, *weight_scale, w, k, group);
+    }
+  }
   at::Tensor x2 = x.reshape({m, k_in});
   if (x2.stride(1) != 1 || x2.stride(0) % v != 0 || !aligned16(x2.data_ptr())) x2 = x2.contiguous();
 
@@ -503,7 +1077,7 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
     GemvArgs<scalar_t> a{};
     a.x = x2.const_data_ptr<scalar_t>();
     a.x_stride = x2.stride(0);
-    a.weight = weight.const_data_ptr<scalar_t>();
+    set_weight(a, weight, weight_scale, group);
     if (bias.has_value() && bias->defined()) {
       a.bias = bias->const_data_ptr<scalar_t>();
       a.bias_stride = bias->stride(0);
@@ -525,14 +1099,24 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
     a.eps = static_cast<float>(eps);
     a.constant_weight = constant_weight;
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-    if constexpr (!std::is_same_v<scalar_t, double>) {
-      if (p == Prologue::kRmsNorm) {
-        launch_rows<scalar_t, Prologue::kRmsNorm>(a, smem, stream);
-      } else if (p == Prologue::kSwiglu) {
-        launch_rows<scalar_t, Prologue::kSwiglu>(a, smem, stream);
-      } else {
-        launch_rows<scalar_t, Prologue::kNone>(a, smem, stream);
+    const int64_t smem = m * row_bytes;
+    auto launch = [&](auto prologue) {
+      constexpr Prologue P = decltype(prologue)::value;
+      using T = scalar_t;
+      if constexpr (std::is_same_v<T, float>) {
+        launch_rows<T, P>(a, smem, stream);  // (float32 x: dense weights only, above)
+      } else if constexpr (!std::is_same_v<T, double>) {  // (float64: the unfused path, above)
+        if (w == Format::kFp8) return launch_quantized<T, Format::kFp8, P>(a, chunk, stream);
+        if (w == Format::kInt4) return launch_quantized<T, Format::kInt4, P>(a, chunk, stream);
+        launch_rows<T, P>(a, smem, stream);
       }
+    };
+    if (p == Prologue::kRmsNorm) {
+      launch(std::integral_constant<Prologue, Prologue::kRmsNorm>{});
+    } else if (p == Prologue::kSwiglu) {
+      launch(std::integral_constant<Prologue, Prologue::kSwiglu>{});
+    } else {
+      launch(std::integral_constant<Prologue, Prologue::kNone>{});
     }
   });
   return out.view(out_sizes);

@@ -50,12 +50,11 @@ at::Tensor dequantized(const at::Tensor& weight, const at::Tensor& weight_scale,
   return (q * weight_scale.to(dtype).unsqueeze(2)).reshape_symint({n, k});
 }
 
-// prologue(x) by customops' rms_norm or swiglu op (x itself for none).
+}  // namespace
+
 at::Tensor apply_prologue(Prologue p, const at::Tensor& x, const std::optional<at::Tensor>& norm_weight, double eps) {
   return p == Prologue::kRmsNorm ? rms_norm(x, norm_weight, eps) : p == Prologue::kSwiglu ? swiglu(x) : x;
 }
-
-}  // namespace
 
 at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& residual, std::string_view prologue,

@@ -17,6 +17,9 @@ Prologue check_fused_linear(const at::Tensor& x, const at::Tensor& weight, const
                             const std::optional<at::Tensor>& norm_weight,
                             const std::optional<at::Tensor>& weight_scale);
 
+// prologue(x) by customops' rms_norm or swiglu op (x itself for none).
+at::Tensor apply_prologue(Prologue p, const at::Tensor& x, const std::optional<at::Tensor>& norm_weight, double eps);
+
 // customops' rms_norm or swiglu, then a linear layer, then the add: the kernels the fused op
 // stands for, called one after another (below autograd).
 // A quantized weight (weight_scale given) is dequantized in float32 (float64 for float64 x) and

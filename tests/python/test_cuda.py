@@ -127,6 +127,42 @@ def test_fused_linear_kernel_paths(m, n, k, dtype, prologue, bias, residual, con
     torch.testing.assert_close(y.double(), ref, **tol)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 12, 16, 40])
+@pytest.mark.parametrize("n, k, dtype, prologue, bias, residual, group", [
+    (1000, 4096, torch.bfloat16, "rms_norm", True, False, 128),  # vectors of 16 / 32 weights, 2 / 1 segments a row
+    (2064, 14336, torch.bfloat16, "swiglu", False, True, 128),  # a down product of Llama-3-8B: 8 rows of x fill shared memory
+    (48, 256, torch.float16, "none", True, True, 64),  # a float32 int4 scale (below), groups of 2 vectors
+    (40, 512, torch.float16, "rms_norm", False, True, 128),  # a last tile of 8 features
+])
+def test_fused_linear_quantized_kernel_paths(fmt, m, n, k, dtype, prologue, bias, residual, group):
+    """A float8 or int4 weight through the tensor-core kernel (up to 4 float8 rows, 16 int4 rows, in
+    launches of up to 8 rows; the register kernel for int4 groups of 64), and more rows: float8 on
+    the FP8 tensor cores (the rows rounded to float8: their own, larger, error), int4 dequantized
+    for cuBLAS."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=torch.float32, generator=g) / k**0.5
+    q, s = customops.quantize_fp8(w) if fmt == "fp8" else customops.quantize_int4(w.to(dtype), group)
+    if fmt == "int4" and n == 48:
+        s = s.float()
+    b = torch.randn(n, device="cuda", dtype=dtype, generator=g) if bias else None
+    r = torch.randn(m, n, device="cuda", dtype=dtype, generator=g) if residual else None
+    nw = (1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.float32, generator=g)) if prologue == "rms_norm" else None
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=True, weight_scale=s)
+    ops = {e.name for e in prof.events()}
+    tensor_cores = fmt == "fp8" and m > 4 and n % 16 == 0
+    assert ("aten::_scaled_mm" in ops) == tensor_cores, sorted(ops)
+    ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, *(t.double() if t is not None else None for t in (b, r)),
+                                            prologue=prologue, norm_weight=None if nw is None else nw.double(),
+                                            weight_scale=s)
+    assert y.dtype == dtype and y.shape == ref.shape
+    # relative to the outputs' spread: float8 activations round each to 2^-4 of itself
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    assert err < (0.05 if tensor_cores else 0.01), err
+
+
 def test_fused_linear_under_deterministic_algorithms_sums_in_one_order():
     """The Hopper kernel adds its warps' partial sums in shared memory by atomics (order varies run to
     run); under torch.use_deterministic_algorithms the register kernel runs instead, same values, the

@@ -107,7 +107,8 @@ CUSTOMOPS_API at::Tensor swiglu(const at::Tensor& x);
 // constant_weight: weight is not written by a kernel still running on the stream (a parameter),
 // so the CUDA kernel may start reading it before the kernels ahead of it finish. weight_scale:
 // weight is quantized (quantize_fp8's or quantize_int4's weight and scale), and the product reads
-// the dequantized weight, accumulating in float32; such a weight takes no gradient.
+// the dequantized weight, accumulating in float32; such a weight takes no gradient. (On CUDA, fp8
+// rows past 4 go through the FP8 tensor cores with x rounded to float8 a row: docs/quantization.md.)
 CUSTOMOPS_API at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& weight,
                                       const std::optional<at::Tensor>& bias = std::nullopt,
                                       const std::optional<at::Tensor>& residual = std::nullopt,
@@ -119,8 +120,10 @@ CUSTOMOPS_API at::Tensor fused_linear(const at::Tensor& x, const at::Tensor& wei
 // per output feature (the row's largest magnitude over 448): (weight, scale) for fused_linear.
 CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> quantize_fp8(const at::Tensor& weight);
 // A weight [out, in] quantized to int4 in groups of group_size consecutive inputs (symmetric: a
-// group's scale, in weight's dtype, is its largest magnitude over 7): (packed uint8 [out, in / 2],
-// scale [out, in / group_size]) for fused_linear (see its schema for the packing).
+// group's scale, in weight's dtype, is of its largest magnitude over 7 times 1, 0.95, ..., 0.7 the
+// one leaving the least squared error): (packed uint8 [out, in / 2], scale [out, in / group_size])
+// for fused_linear (see its schema for the packing). Both quantizers raise on a NaN or infinity,
+// but inside a CUDA graph's capture, where that row's (group's) scale is NaN instead.
 CUSTOMOPS_API std::tuple<at::Tensor, at::Tensor> quantize_int4(const at::Tensor& weight, int64_t group_size = 128);
 // clamp(x * scale, lo, hi); requires lo <= hi.
 CUSTOMOPS_API at::Tensor scale_clamp(const at::Tensor& x, double scale, double lo, double hi);
