@@ -35,6 +35,8 @@ USAGE = """commands:
                                     attention against SDPA, forward and forward+backward
   python -m customops bench --ring [options]
                                     ring attention across GPUs (under torchrun)
+  python -m customops bench --linear [options]
+                                    a decoder layer's products with bf16, fp8 and int4 weights (CUDA)
 Each has its own --help."""
 
 

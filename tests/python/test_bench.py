@@ -73,7 +73,7 @@ def test_help_lists_every_command():
     out = subprocess.run([sys.executable, "-m", "customops", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "python -m customops bench [OP ...]" in out.stdout and "bench --model llama" in out.stdout
-    for family in ("--generate", "--decode", "--attention", "--ring"):
+    for family in ("--generate", "--decode", "--attention", "--ring", "--linear"):
         assert f"python -m customops bench {family}" in out.stdout, family
 
 

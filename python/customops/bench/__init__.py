@@ -7,7 +7,8 @@ against one (:mod:`.ring`); ``--generate`` times text generation, Python's again
 cache, customops' split-KV kernel against SDPA (:mod:`.decode`); ``--attention`` times attention
 against SDPA at the attention issue's shapes, forward and forward+backward (:mod:`.attention`);
 ``--serve`` times ``customops-run serve`` under concurrent clients against ``customops-run
-generate`` of the same batch (:mod:`.serve`).
+generate`` of the same batch (:mod:`.serve`); ``--linear`` times a decoder layer's products with
+bfloat16, float8 and int4 weights (:mod:`.linear`).
 The families share :mod:`.timers` and :mod:`.common`.
 
 A family is a module whose ``main(argv) -> int`` parses its own options and runs it; a new family
@@ -27,6 +28,7 @@ FAMILIES = {
     "--decode": "customops.bench.decode",
     "--attention": "customops.bench.attention",
     "--serve": "customops.bench.serve",
+    "--linear": "customops.bench.linear",
 }
 
 
