@@ -1,12 +1,17 @@
-"""``python -m customops bench --generate``: text generation with a Hugging Face Llama, Python's
+"""``python -m customops bench --generate``: text generation with Hugging Face causal LMs, Python's
 ``generate`` against ``customops-run generate`` on a package_causal_lm package, side by side.
 
-Every variant generates greedily from the same random-weight model (Llama-3.2-1B shapes on CUDA,
-16 layers; a small config on CPU) for prompts of ``--prompt-len`` random ids, batch 1 and 8.
+Every variant generates greedily from the same random-weight model for prompts of ``--prompt-len``
+random ids, batch 1 and 8. ``--models`` names the models, each put through all of it in turn: the
+shapes of a model of each family package_causal_lm supports (``llama-3.2-1b``, the default,
+``llama-3-8b``, ``qwen2.5-1.5b``, ``qwen3-1.7b``, ``mistral-7b``: bench/model.py's MODELS) with
+``--layers`` decoder layers (16) in bfloat16 on CUDA; on CPU a small float32 model of the same
+family (Qwen2's q, k and v biases, Qwen3's q and k norms, the real model's tied or untied embedding).
 Prefill tokens/s comes from a generation of one token; decode ms/token from the difference between
 ``--new-tokens`` tokens and one, over the extra tokens. The runner reports its own prefill and
-decode times (stderr). The floor is the bytes a decode step must read (the weights once, plus the
-KV cache at the mean length) at the device-to-device copy speed measured in the same run.
+decode times (stderr). The floor is the bytes a decode step must read (the weights once, an untied
+input embedding a row a token, plus the KV cache at the mean length) at the device-to-device copy
+speed, measured once in the run.
 
 ``--weights bf16,fp8,int4`` adds ``customops-run generate`` of a package of each quantized format
 (``package_causal_lm(..., weights=...)``), each against the floor of its own bytes: its decoder
@@ -20,6 +25,7 @@ speed drifts during the run (a shared CPU machine) moves both sides of each rati
 from __future__ import annotations
 
 import argparse
+import gc
 import re
 import statistics
 import subprocess
@@ -32,7 +38,7 @@ import customops
 
 from .. import _cli
 from .common import pick_device, versions, write_json
-from .model import LLAMA_1B
+from .model import MODELS
 
 SMALL = dict(hidden_size=256, intermediate_size=768, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
              vocab_size=4096, tie_word_embeddings=True, max_position_embeddings=4096)
@@ -40,14 +46,18 @@ VARIANTS = ("eager", "customops.optimize", "static cache + torch.compile", "cust
             "customops-run generate --no-cuda-graph")
 
 
-def _model(args):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _model(args, name: str = "llama-3.2-1b"):
+    import transformers
 
-    kw = dict(LLAMA_1B, num_hidden_layers=args.layers) if args.device == "cuda" else dict(SMALL, num_hidden_layers=args.layers)
-    cfg = LlamaConfig(**kw, attn_implementation="sdpa", eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    arch, kw = MODELS[name]
+    if args.device != "cuda":  # SMALL in the family's classes (its biases and norms), tied or not as the real one
+        kw = dict(SMALL, **{k: kw[k] for k in ("tie_word_embeddings", "sliding_window") if k in kw})
+    cfg = getattr(transformers, arch + "Config")(**kw, num_hidden_layers=args.layers, attn_implementation="sdpa",
+                                                 eos_token_id=None, bos_token_id=None, pad_token_id=None)
     torch.manual_seed(0)
     with torch.device(args.device):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16 if args.device == "cuda" else torch.float32).eval()
+        model = getattr(transformers, arch + "ForCausalLM")(cfg).to(
+            torch.bfloat16 if args.device == "cuda" else torch.float32).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
@@ -110,13 +120,18 @@ def _copy_speed(device) -> float:
 def _weight_bytes(model, weights: str) -> float:
     """The bytes of the model's weights as a package of this format reads them a decode step: the
     decoder layers' linear weights quantized (fp8: a byte an element and a float32 scale a row;
-    int4: half a byte and a scale in the model's dtype a group of 128), everything else as it is.
-    parameters() counts a tied embedding once: the LM head reads it whole, the lookup a row a token."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    if weights == "bf16":
-        return total
+    int4: half a byte and a scale in the model's dtype a group of INT4_GROUP), everything else as
+    it is (their biases, Qwen2's q, k and v ones; Qwen3's q and k norms), but for an untied input
+    embedding, whose lookup reads a row a token. parameters() counts a tied embedding once: the LM
+    head reads it whole."""
     from .. import causal_lm
 
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    if embed is not model.get_output_embeddings().weight:
+        total -= embed.numel() * embed.element_size()
+    if weights == "bf16":
+        return total
     for layer in model.model.layers:
         for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
@@ -128,8 +143,10 @@ def _weight_bytes(model, weights: str) -> float:
 
 
 def run(args) -> dict:
-    model = _model(args)
-    cfg = model.config
+    names = [n.strip() for n in args.models.split(",")]
+    bad = [n for n in names if n not in MODELS]
+    if bad:
+        raise SystemExit(f"bench --generate: --models takes {', '.join(MODELS)}, not {', '.join(bad)}")
     wanted = [v.strip() for v in args.variants.split(",")] if args.variants else [
         v for v in VARIANTS if args.device == "cuda" or "cuda-graph" not in v]
     formats = [w.strip() for w in args.weights.split(",")]
@@ -138,31 +155,50 @@ def run(args) -> dict:
         raise SystemExit(f"bench --generate: --weights takes bf16, fp8 and int4, not {', '.join(bad)}")
     # a quantized package of each other format: customops-run generate of it, against its own floor
     quantized = {f"customops-run generate, {w} weights": w for w in formats if w != "bf16"}
-    wanted += list(quantized)
+    speed = _copy_speed(args.device)
+    rows, notes, metas = [], [], {}
+    for name in names:
+        metas[name], model_rows, model_notes = _run_model(args, name, wanted + list(quantized), quantized, speed)
+        rows += model_rows
+        notes += model_notes
+        gc.collect()  # the model and its variants' copies leave the device before the next is built
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "versions": versions(args.device),
+            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "copy_gb_s": speed / 1e9,
+            "rounds": args.rounds, "models": metas}
+    return {"meta": meta, "rows": rows, "notes": notes}
+
+
+def _run_model(args, name: str, wanted: list[str], quantized: dict[str, str],
+               speed: float) -> tuple[dict, list[dict], list[str]]:
+    """The meta, rows and notes of one model of MODELS: every variant of wanted at every batch."""
+    model = _model(args, name)
+    cfg = model.config
     batches = [int(b) for b in args.batches.split(",")]
     max_seq_len = args.prompt_len + args.new_tokens
     g = torch.Generator().manual_seed(1)
-    weight_bytes = _weight_bytes(model, "bf16")
-    speed = _copy_speed(args.device)
     rows, notes = [], []
+    weight_bytes = {w: _weight_bytes(model, w) for w in ("bf16", *quantized.values())}
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # Qwen2's config has none
+    # keys and values of every layer a sequence at the mean length, in the model's dtype
+    kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * (args.prompt_len + args.new_tokens / 2) \
+        * next(model.parameters()).element_size()
+    floors = {w: {b: (n + b * kv) / speed * 1e3 for b in batches} for w, n in weight_bytes.items()}
     package = None
     if any(v.startswith("customops-run") and v not in quantized for v in wanted):
         t = time.perf_counter()
-        package = customops.export.package_causal_lm(model, tempfile.mkdtemp() + "/llama.pt2", max_batch=max(batches),
+        package = customops.export.package_causal_lm(model, tempfile.mkdtemp() + f"/{name}.pt2", max_batch=max(batches),
                                                      max_seq_len=max_seq_len)
-        notes.append(f"package_causal_lm: {time.perf_counter() - t:.0f} s (max_batch {max(batches)}, "
+        notes.append(f"package_causal_lm of {name}: {time.perf_counter() - t:.0f} s (max_batch {max(batches)}, "
                      f"max_seq_len {max_seq_len})")
     packages = {}
     for v, w in quantized.items():
-        packages[v] = customops.export.package_causal_lm(model, tempfile.mkdtemp() + f"/llama-{w}.pt2",
+        packages[v] = customops.export.package_causal_lm(model, tempfile.mkdtemp() + f"/{name}-{w}.pt2",
                                                          max_batch=max(batches), max_seq_len=max_seq_len, weights=w)
     for b in batches:
         ids = torch.randint(1, cfg.vocab_size, (b, args.prompt_len), generator=g).to(args.device)
-        # keys and values of every layer at the mean length, in the model's dtype
-        kv = 2 * cfg.num_hidden_layers * b * cfg.num_key_value_heads * cfg.head_dim * (args.prompt_len + args.new_tokens / 2) \
-            * next(model.parameters()).element_size()
-        floor_ms = (weight_bytes + kv) / speed * 1e3
-        floors = {v: (_weight_bytes(model, w) + kv) / speed * 1e3 for v, w in quantized.items()}
+        floor = {v: floors[quantized.get(v, "bf16")][b] for v in wanted}
         times = {v: [] for v in wanted}  # (prefill, decode) a round
         errors = {}
         models = {}  # the variants' models, built at their first round
@@ -172,11 +208,11 @@ def run(args) -> dict:
                 return _hf_times(model, ids, args.new_tokens, args.device)
             if v == "customops.optimize":
                 if v not in models:
-                    models[v] = customops.optimize(_model(args))[0].eval()
+                    models[v] = customops.optimize(_model(args, name))[0].eval()
                 return _hf_times(models[v], ids, args.new_tokens, args.device)
             if v == "static cache + torch.compile":
                 if v not in models:
-                    models[v] = _model(args)
+                    models[v] = _model(args, name)
                     models[v].forward = torch.compile(models[v].forward, mode="reduce-overhead", fullgraph=True)
                 return _hf_times(models[v], ids, args.new_tokens, args.device, cache_implementation="static")
             if v in packages:
@@ -188,24 +224,25 @@ def run(args) -> dict:
                 if v in errors:
                     continue
                 if not args.no_progress:
-                    print(f"... batch {b}" + (f", round {rnd + 1}/{args.rounds}" if args.rounds > 1 else "") + f": {v}",
-                          flush=True)
+                    print(f"... {name}, batch {b}" + (f", round {rnd + 1}/{args.rounds}" if args.rounds > 1 else "")
+                          + f": {v}", flush=True)
                 try:
                     pre, dec = measure(v)
                     times[v].append((pre, dec))
                     if not args.no_progress:
                         print(f"    prefill {pre:,.0f} tokens/s, decode {dec:.2f} ms/token (floor "
-                              f"{floors.get(v, floor_ms):.2f})", flush=True)
+                              f"{floor[v]:.2f})", flush=True)
                 except Exception as e:  # noqa: BLE001  (a variant that fails is reported, the others run)
                     msg = (str(e).strip().splitlines() or [""])[0][:200]
                     errors[v] = f"{type(e).__name__}: {msg}"
         eager = [d for _, d in times.get("eager", [])]
         for v in wanted:
             if v in errors:
-                rows.append({"variant": v, "batch": b, "error": errors[v], "floor_ms": floors.get(v, floor_ms)})
+                rows.append({"model": name, "variant": v, "batch": b, "error": errors[v], "floor_ms": floor[v]})
                 continue
-            row = {"variant": v, "batch": b, "prefill_tokens_per_s": statistics.median(p for p, _ in times[v]),
-                   "decode_ms": statistics.median(d for _, d in times[v]), "floor_ms": floors.get(v, floor_ms),
+            row = {"model": name, "variant": v, "batch": b,
+                   "prefill_tokens_per_s": statistics.median(p for p, _ in times[v]),
+                   "decode_ms": statistics.median(d for _, d in times[v]), "floor_ms": floor[v],
                    "rounds": [{"prefill_tokens_per_s": p, "decode_ms": d} for p, d in times[v]]}
             if len(eager) == len(times[v]):  # eager's decode time over this variant's, round by round
                 ratios = [e / d for e, d in zip(eager, (d for _, d in times[v]))]
@@ -216,34 +253,36 @@ def run(args) -> dict:
         torch._dynamo.reset()
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "versions": versions(args.device),
-            "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "vocab": cfg.vocab_size,
-            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "weight_gb": weight_bytes / 1e9,
-            "copy_gb_s": speed / 1e9, "rounds": args.rounds}
-    return {"meta": meta, "rows": rows, "notes": notes}
+    meta = {"family": cfg.model_type, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size,
+            "vocab": cfg.vocab_size, "weight_gb": {w: n / 1e9 for w, n in weight_bytes.items()}, "floor_ms": floors}
+    return meta, rows, notes
 
 
 def print_report(report: dict) -> None:
     m = report["meta"]
     print(f"{m['device']}; " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
-    print(f"Llama {m['layers']} layers, hidden {m['hidden']}, vocabulary {m['vocab']}, {m['weight_gb']:.2f} GB of "
-          f"weights; prompt {m['prompt_len']}, {m['new_tokens']} greedy new tokens; copy speed "
-          f"{m['copy_gb_s']:.0f} GB/s")
-    print(f"{'variant':32s} {'batch':>5s} {'prefill tok/s':>14s} {'decode ms/tok':>14s} {'x floor':>8s} {'vs eager':>9s}")
+    print(f"prompt {m['prompt_len']}, {m['new_tokens']} greedy new tokens; copy speed {m['copy_gb_s']:.0f} GB/s; "
+          "floor: the weights a decode step reads and the mean KV cache at the copy speed, a quantized package's "
+          "against its own bytes")
+    for name, mm in m["models"].items():
+        floors = "; ".join(f"{w} {gb:.2f} GB, floor " + ", ".join(f"batch {b} {f:.2f} ms" for b, f in
+                                                              mm["floor_ms"][w].items())
+                           for w, gb in mm["weight_gb"].items())
+        print(f"{name} ({mm['family']}): {mm['layers']} layers, hidden {mm['hidden']}, vocabulary {mm['vocab']}; "
+              f"{floors}")
+    print(f"{'variant':38s} {'model':13s} {'batch':>5s} {'prefill tok/s':>14s} {'decode ms/tok':>14s} {'x floor':>8s} "
+          f"{'vs eager':>9s}")
     for r in report["rows"]:
         if "error" in r:
-            print(f"{r['variant']:32s} {r['batch']:5d}  {r['error']}")
+            print(f"{r['variant']:38s} {r['model']:13s} {r['batch']:5d}  {r['error']}")
             continue
         spread = f"  ({r['vs_eager_range'][0]:.2f}-{r['vs_eager_range'][1]:.2f}x)" if len(r["rounds"]) > 1 and \
             "vs_eager_range" in r and r["variant"] != "eager" else ""
-        print(f"{r['variant']:32s} {r['batch']:5d} {r['prefill_tokens_per_s']:14,.0f} {r['decode_ms']:14.2f} "
-              f"{r['decode_ms'] / r['floor_ms']:7.2f}x {r.get('vs_eager', float('nan')):8.2f}x{spread}")
+        print(f"{r['variant']:38s} {r['model']:13s} {r['batch']:5d} {r['prefill_tokens_per_s']:14,.0f} "
+              f"{r['decode_ms']:14.2f} {r['decode_ms'] / r['floor_ms']:7.2f}x {r.get('vs_eager', float('nan')):8.2f}x{spread}")
     if m.get("rounds", 1) > 1:
         print(f"medians of {m['rounds']} rounds, each timing every variant in turn; vs eager: the median of the "
               "rounds' ratios (their range in brackets)")
-    floors = {r["batch"]: r["floor_ms"] for r in report["rows"] if " weights" not in r["variant"]}
-    print("floor (weights + mean KV at the copy speed): " + ", ".join(f"batch {b} {f:.2f} ms" for b, f in floors.items())
-          + "; a quantized package's x floor is against its own bytes")
     for n in report["notes"]:
         print(n)
 
@@ -252,6 +291,8 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m customops bench --generate", description=__doc__.split("\n\n")[0])
     p.add_argument("--generate", action="store_true", required=True)
     p.add_argument("--device", choices=["cpu", "cuda"])
+    p.add_argument("--models", default="llama-3.2-1b", help=f"comma-separated, each measured in turn: "
+                   f"{', '.join(MODELS)} (their shapes on CUDA, a small model of the family on CPU)")
     p.add_argument("--layers", type=int, help="decoder layers (default: 16 on CUDA, 4 on CPU)")
     p.add_argument("--prompt-len", type=int, help="default: 512 on CUDA, 64 on CPU")
     p.add_argument("--new-tokens", type=int, help="default: 256 on CUDA, 32 on CPU")

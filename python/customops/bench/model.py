@@ -36,6 +36,26 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32
                 vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
                 max_position_embeddings=131072)
 
+# The Hugging Face architecture and config of each family's model that package_causal_lm supports
+# (bench --generate --models); the benches set the number of layers.
+MODELS = {
+    "llama-3.2-1b": ("Llama", LLAMA_1B),
+    "llama-3-8b": ("Llama", dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                                 num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
+                                 rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=8192)),
+    # Qwen2's config has no head_dim (hidden / heads = 128); its q, k and v projections have biases
+    "qwen2.5-1.5b": ("Qwen2", dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12,
+                                   num_key_value_heads=2, vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6,
+                                   tie_word_embeddings=True, max_position_embeddings=32768)),
+    "qwen3-1.7b": ("Qwen3", dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=16,
+                                 num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1e6,
+                                 rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=40960)),
+    "mistral-7b": ("Mistral", dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                                   num_key_value_heads=8, head_dim=128, vocab_size=32000, rope_theta=1e6,
+                                   rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None,
+                                   max_position_embeddings=32768)),
+}
+
 OPT, CO = "customops.optimize", 'torch.compile(backend="customops")'
 OPT_ATTN = f'{OPT}(attention="customops")'  # customops' attention in place of SDPA
 OPT_SDPA = f'{OPT}(attention="sdpa")'  # SDPA kept (optimize's default, "auto", times the two per shape class)
