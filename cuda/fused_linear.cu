@@ -73,6 +73,7 @@ constexpr int64_t kMaxSmem = 96 * 1024;
 // 0.74-1.34x (qkv the slowest): from 5 rows float8 takes the FP8 tensor cores.
 constexpr int kMaxQuantRows[] = {0, 4, 16};  // by Format: (dense: kMaxRows), float8, int4
 constexpr int kQuantRowsALaunch = 8;
+static_assert(kQuantRowsALaunch >= kMaxRows, "prologue's rstd holds every kernel's rows");
 // The Hopper kernel (gemv_tma_kernel): consumer warps, one producer warp, chunks of weight rows.
 constexpr int kConsumers = 8;
 constexpr int kTmaThreads = (kConsumers + 1) * 32;
@@ -175,7 +176,7 @@ __device__ void prologue(const GemvArgs<T>& a, T* xs, Sync sync) {
   using PackT = Pack<T, V>;
   constexpr int kPacks = E / V;  // packs of x a vector of weights meets
   const int kv = a.K / V, kw = a.K / E;
-  __shared__ float rstd[kMaxRows];
+  __shared__ float rstd[kQuantRowsALaunch];  // (a.M: up to kMaxRows, or a quantized launch's rows)
   if constexpr (P == Prologue::kRmsNorm) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int m = warp; m < a.M; m += kN / 32) {
@@ -911,7 +912,7 @@ __global__ void __launch_bounds__(256) dequantize_kernel(GemvArgs<T> a, int64_t 
 template <typename T>
 void set_weight(GemvArgs<T>& a, const at::Tensor& weight, const std::optional<at::Tensor>& scale, int64_t group) {
   a.weight = weight.const_data_ptr();
-  if (!scale.has_value()) return;
+  if (!scale.has_value() || !scale->defined()) return;
   a.scale = scale->const_data_ptr();
   a.scale_s0 = scale->stride(0);
   a.scale_s1 = scale->dim() > 1 ? scale->stride(1) : 0;
@@ -949,7 +950,8 @@ at::Tensor dequantize(const at::Tensor& weight, const at::Tensor& scale, Format 
 // scales in float32; bfloat16 out. (The activations' rounding to float8 is this path's own error:
 // docs/quantization.md.)
 // Rows of x to float8 e4m3, each with its scale (a block a row: its largest magnitude, then the
-// row over it; the second read comes from L2). A NaN or infinity in a row makes its scale NaN.
+// row over it; the second read comes from L2). An infinity makes its row's scale NaN; a NaN (which
+// fmaxf passes over) stays a NaN in float8: either way the row's products are NaN.
 template <typename T>
 __global__ void __launch_bounds__(256) quantize_rows_kernel(const T* x, int64_t k, __nv_fp8_storage_t* xq,
                                                             float* row_scale) {
@@ -999,20 +1001,26 @@ at::Tensor fp8_tensor_cores(const at::Tensor& in, const at::Tensor& weight, cons
                         std::nullopt, at::kBFloat16, false);
 }
 
-// prologue(x) @ dequantized(weight).T + bias + residual for the rows the register kernel does not
-// take: float8 on the FP8 tensor cores where there are some (sm_90 on, half types, features that
-// are multiples of 16), else the weight dequantized into x's dtype and cuBLAS.
+// Whether a float8 product takes the FP8 tensor cores: sm_90 on, half types, features that are
+// multiples of 16.
+bool fp8_tensor_cores_apply(at::ScalarType t, int64_t k, int64_t n) {
+  return at::cuda::getCurrentDeviceProperties()->major >= 9 && t != at::kFloat && k % 16 == 0 && n % 16 == 0;
+}
+
+// prologue(x) @ dequantized(weight).T + bias + residual for the rows the matrix-vector kernels do
+// not take: float8 on the FP8 tensor cores where fp8_tensor_cores_apply, else the weight
+// dequantized into x's dtype and cuBLAS.
 at::Tensor quantized_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                           const std::optional<at::Tensor>& residual, Prologue p,
                           const std::optional<at::Tensor>& norm_weight, double eps, const at::Tensor& scale, Format w,
                           int64_t k, int64_t group) {
-  const at::Tensor in = apply_prologue(p, x, norm_weight, eps).reshape({-1, k}).contiguous();
+  at::Tensor in = apply_prologue(p, x, norm_weight, eps).reshape({-1, k}).contiguous();
+  if (!aligned16(in.data_ptr())) in = in.clone();  // (16-byte loads: x itself may start anywhere)
   const at::ScalarType t = x.scalar_type();
   const int64_t n = weight.size(0);
   const bool has_bias = bias.has_value() && bias->defined();
   at::Tensor y;
-  if (w == Format::kFp8 && at::cuda::getCurrentDeviceProperties()->major >= 9 && t != at::kFloat && k % 16 == 0 &&
-      n % 16 == 0) {
+  if (w == Format::kFp8 && fp8_tensor_cores_apply(t, k, n)) {
     y = fp8_tensor_cores(in, weight, scale).to(t);
     if (has_bias) y.add_(*bias);
   } else {
@@ -1031,6 +1039,7 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
                              const std::optional<at::Tensor>& norm_weight, double eps, bool constant_weight,
                              const std::optional<at::Tensor>& weight_scale) {
   const Prologue p = check_fused_linear(x, weight, bias, residual, prologue_name, norm_weight, weight_scale);
+  c10::cuda::CUDAGuard guard(x.device());  // (before the device's properties are read)
   auto unfused = [&] {
     return fused_linear_unfused(x, weight, bias, residual, prologue_name, norm_weight, eps, weight_scale);
   };
@@ -1061,14 +1070,16 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
     chunk = static_cast<int>(std::min<int64_t>(
         kQuantRowsALaunch, (static_cast<int64_t>(prop->sharedMemPerBlockOptin) - 1024 - mma_smem(0, k, x.element_size())) /
                                (row_bytes + kMmaRowPad)));
-    if (t == at::kFloat || m > kMaxQuantRows[static_cast<int>(w)] || chunk < 1) {
+    // (float8 keeps the matrix-vector kernel up to 8 rows where the FP8 tensor cores do not apply)
+    const int max_rows = w == Format::kFp8 && !fp8_tensor_cores_apply(t, k, n) ? kQuantRowsALaunch
+                                                                               : kMaxQuantRows[static_cast<int>(w)];
+    if (t == at::kFloat || m > max_rows || chunk < 1) {
       return quantized_rows(x, weight, bias, residual, p, norm_weight, eps, *weight_scale, w, k, group);
     }
   }
   at::Tensor x2 = x.reshape({m, k_in});
   if (x2.stride(1) != 1 || x2.stride(0) % v != 0 || !aligned16(x2.data_ptr())) x2 = x2.contiguous();
 
-  c10::cuda::CUDAGuard guard(x.device());
   std::vector<int64_t> out_sizes = x.sizes().vec();
   out_sizes.back() = n;
   at::Tensor out = at::empty({m, n}, x.options());

@@ -132,12 +132,15 @@ def test_fused_linear_kernel_paths(m, n, k, dtype, prologue, bias, residual, con
 @pytest.mark.parametrize("n, k, dtype, prologue, bias, residual, group", [
     (1000, 4096, torch.bfloat16, "rms_norm", True, False, 128),  # vectors of 16 / 32 weights, 2 / 1 segments a row
     (2064, 14336, torch.bfloat16, "swiglu", False, True, 128),  # a down product of Llama-3-8B: 8 rows of x fill shared memory
-    (48, 256, torch.float16, "none", True, True, 64),  # a float32 int4 scale (below), groups of 2 vectors
+    (48, 256, torch.float16, "rms_norm", True, True, 64),  # a float32 int4 scale (below), groups of 2 vectors:
+    # the register kernel, 8 rows a launch
+    (48, 208, torch.bfloat16, "swiglu", False, True, 16),  # fp8: in_features not whole chunks (the register
+    # kernel); int4 groups of 16 (ATen's dequantized product)
     (40, 512, torch.float16, "rms_norm", False, True, 128),  # a last tile of 8 features
 ])
 def test_fused_linear_quantized_kernel_paths(fmt, m, n, k, dtype, prologue, bias, residual, group):
     """A float8 or int4 weight through the tensor-core kernel (up to 4 float8 rows, 16 int4 rows, in
-    launches of up to 8 rows; the register kernel for int4 groups of 64), and more rows: float8 on
+    launches of up to 8 rows; the register kernel where it does not apply), and more rows: float8 on
     the FP8 tensor cores (the rows rounded to float8: their own, larger, error), int4 dequantized
     for cuBLAS."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -152,7 +155,7 @@ def test_fused_linear_quantized_kernel_paths(fmt, m, n, k, dtype, prologue, bias
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=True, weight_scale=s)
     ops = {e.name for e in prof.events()}
-    tensor_cores = fmt == "fp8" and m > 4 and n % 16 == 0
+    tensor_cores = fmt == "fp8" and m > 4 and n % 16 == 0 and torch.cuda.get_device_capability()[0] >= 9
     assert ("aten::_scaled_mm" in ops) == tensor_cores, sorted(ops)
     ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, *(t.double() if t is not None else None for t in (b, r)),
                                             prologue=prologue, norm_weight=None if nw is None else nw.double(),

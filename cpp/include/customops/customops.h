@@ -104,8 +104,9 @@ CUSTOMOPS_API at::Tensor swiglu(const at::Tensor& x);
 // prologue(x) @ weight.T + bias + residual, one kernel for a few rows on CUDA (decoding).
 // prologue: "none", "rms_norm" (customops::rms_norm(x, norm_weight, eps)) or "swiglu"
 // (customops::swiglu(x), x twice weight's in_features wide); bias and residual optional.
-// constant_weight: weight is not written by a kernel still running on the stream (a parameter),
-// so the CUDA kernel may start reading it before the kernels ahead of it finish. weight_scale:
+// constant_weight: weight (and weight_scale) are not written by a kernel still running on the
+// stream (parameters), so the CUDA kernel may start reading them before the kernels ahead of it
+// finish. weight_scale:
 // weight is quantized (quantize_fp8's or quantize_int4's weight and scale), and the product reads
 // the dequantized weight, accumulating in float32; such a weight takes no gradient. (On CUDA, fp8
 // rows past 4 go through the FP8 tensor cores with x rounded to float8 a row: docs/quantization.md.)
