@@ -133,7 +133,7 @@ Pair quantize_int4_kernel(const at::Tensor& weight, int64_t group_size) {
     }
   }
   best = poisoned(best, amax);
-  // (a NaN's nibble is whatever its conversion gives: its group's scale is NaN)
+  // (a NaN rounds to 0, stored 8: its group's scale is NaN)
   const at::Tensor q = at::round(w / best).nan_to_num(0).clamp(-8, 7).to(at::kInt).add(8).to(at::kByte);  // 0..15
   const at::Tensor pairs = q.reshape({n, k / 2, 2});
   const at::Tensor packed = at::bitwise_or(pairs.select(2, 0), at::bitwise_left_shift(pairs.select(2, 1), 4));
