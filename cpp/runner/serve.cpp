@@ -326,6 +326,10 @@ class Histogram {
 
 struct Metrics {
   std::atomic<int64_t> requests{0}, failed{0}, prompt_tokens{0}, generated_tokens{0};
+  // generation requests ended, by why: stop (an eos or stop id, or a stop string), length,
+  // cancelled (the client went away, or the server is stopping), error
+  static constexpr const char* kEnds[] = {"stop", "length", "cancelled", "error"};
+  std::atomic<int64_t> ended[4] = {};
   Histogram ttft{{0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}};
   Histogram itl{{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1}};
 };
@@ -674,15 +678,25 @@ class Server {
 
   // A request in flight: its engine request, its text, and its counts.
   struct Run {
-    Run(std::shared_ptr<Request> r, TextOut t) : request(std::move(r)), text(std::move(t)) {}
+    Run(std::shared_ptr<Request> r, TextOut t, Metrics& m) : request(std::move(r)), text(std::move(t)), metrics(m) {}
     Run(const Run&) = delete;
     Run& operator=(const Run&) = delete;
     std::shared_ptr<Request> request;
     TextOut text;
+    Metrics& metrics;
     int64_t completion_tokens = 0;
     Clock::time_point last = Clock::now();
     bool first = true;
-    ~Run() { request->cancel(); }  // a no-op where it ended; else its slot is freed
+    FinishReason reason = FinishReason::none;  // the engine's, once an update said it finished
+    ~Run() {
+      request->cancel();  // a no-op where it ended; else its slot is freed
+      // a run whose end the server never read was dropped (its client went away) or stopped
+      const int end = text.stopped() || reason == FinishReason::stop ? 0
+                      : reason == FinishReason::length                ? 1
+                      : reason == FinishReason::error                 ? 3
+                                                                      : 2;
+      ++metrics.ended[end];
+    }
   };
 
   // Takes an update's ids into run (its text, metrics); returns the text to send.
@@ -702,6 +716,7 @@ class Server {
       metrics_.generated_tokens += static_cast<int64_t>(u.ids.size());
     }
     std::string out = run.text.push(u.ids);
+    if (u.finished) run.reason = u.reason;
     if (u.finished && !run.text.stopped()) out += run.text.finish();
     if (run.text.stopped()) run.request->cancel();
     return out;
@@ -721,7 +736,7 @@ class Server {
     const json body = parse_body(req);
     Job job = parse_job(body, chat);
     ++metrics_.requests;
-    auto run = std::make_shared<Run>(engine_.submit(job.prompt, job.options), TextOut(tokenizer_, job.stops));
+    auto run = std::make_shared<Run>(engine_.submit(job.prompt, job.options), TextOut(tokenizer_, job.stops), metrics_);
     metrics_.prompt_tokens += static_cast<int64_t>(job.prompt.size());
     const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id_++);
     if (!job.stream) {
@@ -837,6 +852,12 @@ class Server {
     counter("customops_runs_total", "Runs of the package.", s.runs);
     counter("customops_graph_runs_total", "Runs of the package replayed from a CUDA graph.", s.graph_runs);
     counter("customops_computed_tokens_total", "Positions the package computed, padding included.", s.tokens);
+    out << "# HELP customops_requests_finished_total Generation requests ended, by why: stop (an eos or stop id, or "
+           "a stop string), length, cancelled (the client went away, or the server is stopping), error.\n"
+           "# TYPE customops_requests_finished_total counter\n";
+    for (int i = 0; i < 4; ++i) {
+      out << "customops_requests_finished_total{reason=\"" << Metrics::kEnds[i] << "\"} " << metrics_.ended[i] << "\n";
+    }
     gauge("customops_requests_running", "Requests holding a KV cache slot.", s.running);
     gauge("customops_requests_waiting", "Requests waiting for a slot.", s.waiting);
     metrics_.ttft.write(out, "customops_time_to_first_token_seconds", "Time from a request to its first token.");

@@ -121,7 +121,7 @@ class Server:
 
     def metric(self, name):
         _, text = self.http("GET", "/metrics")
-        return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+        return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
 
     def stop(self):
         if self.proc.poll() is None:
@@ -247,6 +247,35 @@ def test_concurrent_clients_each_get_their_result_alone(served):
     assert server.http("GET", "/health") == (200, {"status": "ok"})
 
 
+def test_a_dropped_stream_is_cancelled_not_finished(served):
+    """A client that closes a long stream after its first chunk ends its request: the server sees
+    the closed connection at its next write, cancels the request (counted as cancelled, not
+    length) and frees its slot, short of the max_tokens it asked for."""
+    server, model, hf_tok = served
+    n = MAX_SEQ_LEN - 40
+    # a prompt whose greedy continuation runs the whole n ids (no eos), so that finishing it would show
+    prompt = next((t for t in TEXTS if greedy_text(server, model, hf_tok, hf_tok(t).input_ids, n)[1] == n), None)
+    if prompt is None:
+        pytest.skip("every prompt's greedy continuation ends at eos before max_tokens")
+
+    def ended(reason):
+        return server.metric(f'customops_requests_finished_total{{reason="{reason}"}}')
+
+    before = {r: ended(r) for r in ("stop", "length", "cancelled")}
+    tokens = server.metric("customops_generated_tokens_total")
+    stream = server.client().completions.create(model=NAME, prompt=prompt, max_tokens=n, temperature=0, stream=True)
+    next(iter(stream))
+    stream.close()
+    deadline = time.time() + 30
+    while (server.metric("customops_requests_running") > 0 or ended("cancelled") == before["cancelled"]) and \
+            time.time() < deadline:
+        time.sleep(0.05)
+    assert {r: ended(r) - before[r] for r in before} == {"stop": 0, "length": 0, "cancelled": 1}
+    assert server.metric("customops_requests_running") == 0
+    assert 1 <= server.metric("customops_generated_tokens_total") - tokens < n
+    assert server.http("GET", "/health") == (200, {"status": "ok"})
+
+
 @pytest.mark.parametrize("path,body,status,match", [
     ("/v1/completions", b"{not json", 400, "not valid JSON"),
     ("/v1/completions", b"[1, 2]", 400, "must be a JSON object"),
@@ -315,7 +344,7 @@ def test_models_tokenize_detokenize_and_metrics(served):
     _, metrics = server.http("GET", "/metrics")
     for name in ("customops_requests_total", "customops_prompt_tokens_total", "customops_generated_tokens_total",
                  "customops_requests_running", "customops_requests_waiting", "customops_steps_total",
-                 "customops_runs_total", "customops_computed_tokens_total",
+                 "customops_runs_total", "customops_computed_tokens_total", "customops_requests_finished_total",
                  "customops_time_to_first_token_seconds_count", "customops_inter_token_latency_seconds_bucket"):
         assert re.search(rf"^{name}(\{{[^}}]*\}})? \d", metrics, re.M), name
     assert server.metric("customops_requests_total") > 0
