@@ -43,6 +43,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "cp_async.cuh"
@@ -499,6 +500,25 @@ __global__ void __launch_bounds__(kTmaThreads, 1) gemv_tma_kernel(GemvArgs<T> a)
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// The blocks of a matrix-vector kernel's one wave: per_sm blocks an SM (as many as fit), or fewer
+// where CUSTOMOPS_LINEAR_BLOCKS_PER_SM says (read at each call, so that bench --linear --variant
+// can time both in one run). A wave that leaves room on every SM lets the next kernel's first
+// blocks start there while this one streams (programmatic dependent launch), loading their first
+// weights before this kernel ends, where a full wave has them wait for its blocks to exit; it
+// streams with fewer warps. Measured in a CUDA graph (bench --linear's graph column): the fixed
+// cost a product pays there, about 5-9 us on an H200, is what it is for.
+int64_t wave_blocks(int64_t work, int per_sm) {
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  if (const char* env = std::getenv("CUSTOMOPS_LINEAR_BLOCKS_PER_SM"); env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    const long n = std::strtol(env, &end, 10);
+    TORCH_CHECK(*end == '\0' && n >= 0, "customops.fused_linear: CUSTOMOPS_LINEAR_BLOCKS_PER_SM must be a count of "
+                "blocks, not '", env, "'");
+    if (n > 0) per_sm = std::min<int>(per_sm, static_cast<int>(n));
+  }
+  return std::min<int64_t>(work, int64_t{prop->multiProcessorCount} * std::max(per_sm, 1));
+}
+
 template <typename T, Format W, int R, Prologue P>
 void launch_gemv(const GemvArgs<T>& a, int64_t smem, cudaStream_t stream) {
   auto* kernel = &gemv_kernel<T, W, R, P>;
@@ -507,9 +527,7 @@ void launch_gemv(const GemvArgs<T>& a, int64_t smem, cudaStream_t stream) {
   }
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
-  const auto* prop = at::cuda::getCurrentDeviceProperties();
-  const int64_t blocks =
-      std::min<int64_t>((a.N + kWarps - 1) / kWarps, int64_t{prop->multiProcessorCount} * std::max(per_sm, 1));
+  const int64_t blocks = wave_blocks((a.N + kWarps - 1) / kWarps, per_sm);
   // At most one wave, all resident at once: the next kernel's blocks (launched once all of these
   // have started) take the SMs these leave, load their first weights and wait for these to end.
   launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), static_cast<size_t>(smem), stream, a);
@@ -856,7 +874,7 @@ bool launch_mma(const GemvArgs<T>& a, cudaStream_t stream) {
   }
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMmaThreads, smem));
-  const int64_t blocks = std::min<int64_t>((a.N + 15) / 16, int64_t{prop->multiProcessorCount} * std::max(per_sm, 1));
+  const int64_t blocks = wave_blocks((a.N + 15) / 16, per_sm);
   launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kMmaThreads), static_cast<size_t>(smem), stream, a);
   return true;
 }
