@@ -1,0 +1,82 @@
+"""Every kernel of one decode step of customops-run generate, with its GPU time (ncu).
+
+    python3 .ci/profile-decode.py MODEL[,MODEL...] [--batch B] [--layers L] [--base-clocks]
+
+MODEL: a name of bench/model.py's MODELS (llama-3.2-1b, llama-3-8b, qwen2.5-1.5b, qwen3-1.7b,
+mistral-7b), built with random weights in bfloat16 and packaged (package_causal_lm, 8 slots of 256
+tokens). The runner generates 8 ids without its CUDA graph under ncu, which times each kernel
+alone (gpu__time_duration); the last decode step is found as the period of the kernel names. By
+default at the GPU's own clocks and without ncu's cache flush (a decode step's weights are cold in
+L2 anyway); --base-clocks takes ncu's defaults (clocks locked to base, L2 flushed). The step's
+kernels summed against its time in the graph (bench --generate) say how much is launch and ramp.
+Writes each model's raw CSV to $OUT (or /tmp) as ncu-MODEL.csv.
+"""
+import argparse
+import collections
+import csv
+import io
+import os
+import re
+import subprocess
+import types
+
+import torch
+
+import customops
+from customops.bench.generate import _model
+from customops.export import package_causal_lm
+
+
+def kernels(cmd, base_clocks):
+    flags = [] if base_clocks else ["--clock-control", "none", "--cache-control", "none"]
+    r = subprocess.run(["ncu", "--metrics", "gpu__time_duration.sum", "--csv", "--print-units", "base", *flags, *cmd],
+                       capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        raise SystemExit(f"ncu failed ({r.returncode}): {r.stderr[-2000:]}")
+    text = r.stdout[r.stdout.find('"ID"'):]
+    rows = [row for row in csv.DictReader(io.StringIO(text)) if row.get("Metric Name") == "gpu__time_duration.sum"]
+    names = [re.sub(r"\(.*", "", row["Kernel Name"]).replace("void ", "").replace("customops::<unnamed>::", "")
+             for row in rows]
+    return r.stdout, names, [float(row["Metric Value"].replace(",", "")) / 1e3 for row in rows]  # us
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("models")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--base-clocks", action="store_true")
+    args = p.parse_args()
+    out = os.environ.get("OUT", "/tmp")
+    for name in args.models.split(","):
+        model = _model(types.SimpleNamespace(device="cuda", layers=args.layers), name)
+        path = f"/tmp/profile-{name}-{args.layers}.pt2"
+        if not os.path.exists(path):
+            package_causal_lm(model, path, max_batch=8, max_seq_len=256)
+        del model
+        torch.cuda.empty_cache()
+        cmd = [customops.runner_path(), "generate", path, "--max-new-tokens", "8", "--ignore-eos", "--no-cuda-graph"]
+        for b in range(args.batch):
+            cmd += ["--prompt", " ".join(str(10 + i + b) for i in range(64))]
+        raw, names, us = kernels(cmd, args.base_clocks)
+        with open(f"{out}/ncu-{name}.csv", "w") as f:
+            f.write(raw)
+        period = next((n for n in range(8, len(names) // 2 + 1) if names[-n:] == names[-2 * n:-n]), None)
+        if period is None:
+            raise SystemExit(f"{name}: no repeating decode step among {len(names)} kernels")
+        step = list(zip(names[-period:], us[-period:]))
+        print(f"=== {name}, batch {args.batch}, {args.layers} layers: one decode step is {period} kernels, "
+              f"{sum(t for _, t in step):.1f} us summed")
+        total = collections.defaultdict(lambda: [0, 0.0])
+        for n, t in step:
+            total[n][0] += 1
+            total[n][1] += t
+        for n, (count, t) in sorted(total.items(), key=lambda kv: -kv[1][1]):
+            print(f"{t:9.1f} us {count:4d}x {t / count:8.2f} us each  {n[:100]}")
+        print("in order:")
+        for n, t in step:
+            print(f"  {t:8.1f}  {n[:100]}")
+
+
+if __name__ == "__main__":
+    main()
