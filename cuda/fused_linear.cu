@@ -500,22 +500,28 @@ __global__ void __launch_bounds__(kTmaThreads, 1) gemv_tma_kernel(GemvArgs<T> a)
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// The count environment variable `name` is set to, 0 where it is unset or empty: the decode
+// kernels' experiment switches below, read at each call, so that bench --linear --variant can time
+// both sides in one run.
+int env_count(const char* name) {
+  const char* env = std::getenv(name);
+  if (env == nullptr || *env == '\0') return 0;
+  char* end = nullptr;
+  const long n = std::strtol(env, &end, 10);
+  TORCH_CHECK(*end == '\0' && n >= 0 && n <= 1024, "customops.fused_linear: ", name, " must be a count, not '", env,
+              "'");
+  return static_cast<int>(n);
+}
+
 // The blocks of a matrix-vector kernel's one wave: per_sm blocks an SM (as many as fit), or fewer
-// where CUSTOMOPS_LINEAR_BLOCKS_PER_SM says (read at each call, so that bench --linear --variant
-// can time both in one run). A wave that leaves room on every SM lets the next kernel's first
-// blocks start there while this one streams (programmatic dependent launch), loading their first
-// weights before this kernel ends, where a full wave has them wait for its blocks to exit; it
-// streams with fewer warps. Measured in a CUDA graph (bench --linear's graph column): the fixed
-// cost a product pays there, about 5-9 us on an H200, is what it is for.
+// where CUSTOMOPS_LINEAR_BLOCKS_PER_SM says. A wave that leaves room on every SM lets the next
+// kernel's first blocks start there while this one streams (programmatic dependent launch),
+// loading their first weights before this kernel ends, where a full wave has them wait for its
+// blocks to exit; it streams with fewer warps. Measured in a CUDA graph (bench --linear's graph
+// column): the fixed cost a product pays there, about 5-9 us on an H200, is what it is for.
 int64_t wave_blocks(int64_t work, int per_sm) {
   const auto* prop = at::cuda::getCurrentDeviceProperties();
-  if (const char* env = std::getenv("CUSTOMOPS_LINEAR_BLOCKS_PER_SM"); env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    const long n = std::strtol(env, &end, 10);
-    TORCH_CHECK(*end == '\0' && n >= 0, "customops.fused_linear: CUSTOMOPS_LINEAR_BLOCKS_PER_SM must be a count of "
-                "blocks, not '", env, "'");
-    if (n > 0) per_sm = std::min<int>(per_sm, static_cast<int>(n));
-  }
+  if (const int n = env_count("CUSTOMOPS_LINEAR_BLOCKS_PER_SM"); n > 0) per_sm = std::min(per_sm, n);
   return std::min<int64_t>(work, int64_t{prop->multiProcessorCount} * std::max(per_sm, 1));
 }
 
@@ -1081,7 +1087,10 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
   const int64_t row_bytes = k * x.element_size();
   int chunk = 0;  // a quantized weight's rows a launch
   if (w == Format::kDense) {
-    if (m > kMaxRows || m * row_bytes > kMaxSmem) return unfused();
+    // CUSTOMOPS_LINEAR_MAX_ROWS lowers kMaxRows (an experiment: in a graph on an H200 the 4-row
+    // kernel was 1.5-1.8x slower than the unfused path at 8 rows, benchmarks.md "on an H200")
+    const int cap = env_count("CUSTOMOPS_LINEAR_MAX_ROWS");
+    if (m > (cap > 0 ? std::min(cap, kMaxRows) : kMaxRows) || m * row_bytes > kMaxSmem) return unfused();
   } else {
     const auto* prop = at::cuda::getCurrentDeviceProperties();
     // (as many rows a launch as fit the tensor-core kernel's shared memory)
