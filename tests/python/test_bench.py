@@ -158,3 +158,17 @@ def test_bench_generate_times_a_quantized_package_against_its_own_floor(tmp_path
     q = rows["customops-run generate, int4 weights"]
     assert "error" not in q and q["decode_ms"] > 0, q
     assert q["floor_ms"] < rows["eager"]["floor_ms"]  # fewer bytes a step
+
+
+def test_bench_generate_report_without_eager_says_so(capsys):
+    """A run without the eager variant has no ratio to eager: the column says '-', not nanx."""
+    from customops.bench import generate
+
+    row = {"model": "m", "variant": "customops-run generate", "batch": 1, "prefill_tokens_per_s": 1000.0,
+           "decode_ms": 2.0, "floor_ms": 1.0, "rounds": [{"prefill_tokens_per_s": 1000.0, "decode_ms": 2.0}]}
+    meta = {"device": "cpu", "versions": {}, "prompt_len": 8, "new_tokens": 3, "copy_gb_s": 10.0,
+            "models": {"m": {"family": "llama", "layers": 1, "hidden": 8, "vocab": 16, "weight_gb": {"bf16": 0.1},
+                             "floor_ms": {"bf16": {1: 1.0}}}}}
+    generate.print_report({"meta": meta, "rows": [row], "notes": []})
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.split()[-1] == "-" and "nan" not in line, line

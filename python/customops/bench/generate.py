@@ -278,8 +278,9 @@ def print_report(report: dict) -> None:
             continue
         spread = f"  ({r['vs_eager_range'][0]:.2f}-{r['vs_eager_range'][1]:.2f}x)" if len(r["rounds"]) > 1 and \
             "vs_eager_range" in r and r["variant"] != "eager" else ""
+        vs = f"{r['vs_eager']:8.2f}x" if "vs_eager" in r else f"{'-':>9s}"  # (eager not among the variants)
         print(f"{r['variant']:38s} {r['model']:13s} {r['batch']:5d} {r['prefill_tokens_per_s']:14,.0f} "
-              f"{r['decode_ms']:14.2f} {r['decode_ms'] / r['floor_ms']:7.2f}x {r.get('vs_eager', float('nan')):8.2f}x{spread}")
+              f"{r['decode_ms']:14.2f} {r['decode_ms'] / r['floor_ms']:7.2f}x {vs}{spread}")
     if m.get("rounds", 1) > 1:
         print(f"medians of {m['rounds']} rounds, each timing every variant in turn; vs eager: the median of the "
               "rounds' ratios (their range in brackets)")
