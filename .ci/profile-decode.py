@@ -9,7 +9,8 @@ alone (gpu__time_duration); the last decode step is found as the period of the k
 default at the GPU's own clocks and without ncu's cache flush (a decode step's weights are cold in
 L2 anyway); --base-clocks takes ncu's defaults (clocks locked to base, L2 flushed). The step's
 kernels summed against its time in the graph (bench --generate) say how much is launch and ramp.
-Writes each model's raw CSV to $OUT (or /tmp) as ncu-MODEL.csv.
+Writes each model's raw CSV to $OUT (or /tmp) as ncu-MODEL.csv. A package is kept in /tmp and
+reused by the next run on the same machine (delete /tmp/profile-*.pt2 after rebuilding customops).
 """
 import argparse
 import collections
@@ -47,6 +48,8 @@ def main():
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--base-clocks", action="store_true")
     args = p.parse_args()
+    if not 1 <= args.batch <= 8:
+        p.error("--batch takes 1 to 8 (the package's slots)")
     out = os.environ.get("OUT", "/tmp")
     for name in args.models.split(","):
         model = _model(types.SimpleNamespace(device="cuda", layers=args.layers), name)

@@ -518,7 +518,8 @@ int env_count(const char* name) {
 // kernel's first blocks start there while this one streams (programmatic dependent launch),
 // loading their first weights before this kernel ends, where a full wave has them wait for its
 // blocks to exit; it streams with fewer warps. Measured in a CUDA graph (bench --linear's graph
-// column): the fixed cost a product pays there, about 5-9 us on an H200, is what it is for.
+// column): the fixed cost a product pays there, 5-21 us on an H200 (Llama-3-8B's products), is
+// what it is for. (gemv_tma_kernel, one block an SM already, is not capped.)
 int64_t wave_blocks(int64_t work, int per_sm) {
   const auto* prop = at::cuda::getCurrentDeviceProperties();
   if (const int n = env_count("CUSTOMOPS_LINEAR_BLOCKS_PER_SM"); n > 0) per_sm = std::min(per_sm, n);

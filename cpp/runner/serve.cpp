@@ -735,17 +735,22 @@ class Server {
   void generate(const httplib::Request& req, httplib::Response& res, bool chat) {
     const json body = parse_body(req);
     Job job = parse_job(body, chat);
-    ++metrics_.requests;
     auto run = std::make_shared<Run>(engine_.submit(job.prompt, job.options), TextOut(tokenizer_, job.stops), metrics_);
+    ++metrics_.requests;  // (accepted: every request counted here ends in customops_requests_finished_total)
     metrics_.prompt_tokens += static_cast<int64_t>(job.prompt.size());
     const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id_++);
     if (!job.stream) {
       std::string text;
       Request::Update u;
-      do {
-        u = run->request->next();
-        text += advance(*run, u);
-      } while (!u.finished && !run->text.stopped());
+      try {
+        do {
+          u = run->request->next();
+          text += advance(*run, u);
+        } while (!u.finished && !run->text.stopped());
+      } catch (...) {  // (the text's failure: the run ends as an error, not as dropped)
+        if (run->reason == FinishReason::none) run->reason = FinishReason::error;
+        throw;
+      }
       const std::string reason = finish_reason(*run, u);
       json out = envelope(job, id);
       out["choices"] = json::array({choice(job, text, reason)});
@@ -761,6 +766,7 @@ class Server {
             return stream(job, id, *run, sink);
           } catch (const std::exception& e) {  // thrown here, it would end the process
             ++metrics_.failed;
+            if (run->reason == FinishReason::none) run->reason = FinishReason::error;
             const std::string line = "data: " + error_body(message_of(e), "server_error").dump() + "\n\n";
             sink.write(line.data(), line.size());
             return false;
