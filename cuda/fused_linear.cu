@@ -169,14 +169,12 @@ __device__ __forceinline__ float norm_weight_at(const GemvArgs<T>& a, int64_t k)
   return static_cast<float>(static_cast<const T*>(a.norm_weight)[k * a.norm_stride]);
 }
 
-// prologue(x) for every row, into xs ([M, K] of T, each row's packs of V in the order vectors of E
-// weights meet them: pack j of vector c at j * K/E + c), by the block's first kN threads; sync() is
-// a barrier over them.
-template <typename T, int V, Prologue P, int kN, int E, typename Sync>
-__device__ void prologue(const GemvArgs<T>& a, T* xs, Sync sync) {
+// prologue(x) for every row, each pack of V rounded to T and handed to store(m, c, pack) (row m,
+// pack c of the row), by the block's first kN threads; sync() is a barrier over them.
+template <typename T, int V, Prologue P, int kN, typename Store, typename Sync>
+__device__ void prologue_packs(const GemvArgs<T>& a, Store store, Sync sync) {
   using PackT = Pack<T, V>;
-  constexpr int kPacks = E / V;  // packs of x a vector of weights meets
-  const int kv = a.K / V, kw = a.K / E;
+  const int kv = a.K / V;
   __shared__ float rstd[kQuantRowsALaunch];  // (a.M: up to kMaxRows, or a quantized launch's rows)
   if constexpr (P == Prologue::kRmsNorm) {
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -217,9 +215,23 @@ __device__ void prologue(const GemvArgs<T>& a, T* xs, Sync sync) {
         y.v[j] = static_cast<T>(g / (1.f + __expf(-g)) * static_cast<float>(u.v[j]));
       }
     }
-    reinterpret_cast<PackT*>(xs)[m * kv + (c % kPacks) * kw + c / kPacks] = y;
+    store(m, c, y);
   }
   sync();
+}
+
+// prologue(x) for every row, into xs ([M, K] of T, each row's packs of V in the order vectors of E
+// weights meet them: pack j of vector c at j * K/E + c).
+template <typename T, int V, Prologue P, int kN, int E, typename Sync>
+__device__ void prologue(const GemvArgs<T>& a, T* xs, Sync sync) {
+  constexpr int kPacks = E / V;  // packs of x a vector of weights meets
+  const int kv = a.K / V, kw = a.K / E;
+  prologue_packs<T, V, P, kN>(
+      a,
+      [&](int m, int c, const Pack<T, V>& y) {
+        reinterpret_cast<Pack<T, V>*>(xs)[m * kv + (c % kPacks) * kw + c / kPacks] = y;
+      },
+      sync);
 }
 
 // A warp's rows: n0, n0 + stride, ... (stride: all warps of the grid); each row is split into
@@ -744,52 +756,16 @@ __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a)
   launch_dependents();
   wait_prerequisites();
   // prologue(x), each pack of V permuted into pair order (a pack lies within a vector's slice)
-  {
-    const GemvArgs<T>& b = a;
-    const int kv = b.K / V;
-    __shared__ float rstd[kQuantRowsALaunch];
-    if constexpr (P == Prologue::kRmsNorm) {
-      for (int m = warp; m < b.M; m += kMmaWarps) {
-        const PackT* row = reinterpret_cast<const PackT*>(b.x + m * b.x_stride);
-        float ss = 0.f;
-        for (int i = lane; i < kv; i += 32) {
-          const PackT p = row[i];
+  prologue_packs<T, V, P, kMmaThreads>(
+      a,
+      [&](int m, int pc, const PackT& y) {
+        PackT o;
+        const int e0 = pc * V % E;  // the pack's first weight in its vector
 #pragma unroll
-          for (int j = 0; j < V; ++j) ss += static_cast<float>(p.v[j]) * static_cast<float>(p.v[j]);
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (lane == 0) rstd[m] = rsqrtf(ss / static_cast<float>(b.K) + b.eps);
-      }
-      __syncthreads();
-    }
-    for (int i = threadIdx.x; i < b.M * kv; i += kMmaThreads) {
-      const int m = i / kv, pc = i % kv;
-      const T* row = b.x + m * b.x_stride;
-      const PackT p = reinterpret_cast<const PackT*>(row)[pc];
-      float y[V];
-      if constexpr (P == Prologue::kNone) {
-#pragma unroll
-        for (int j = 0; j < V; ++j) y[j] = static_cast<float>(p.v[j]);
-      } else if constexpr (P == Prologue::kRmsNorm) {
-#pragma unroll
-        for (int j = 0; j < V; ++j) y[j] = static_cast<float>(p.v[j]) * rstd[m] * norm_weight_at(b, int64_t{pc} * V + j);
-      } else {
-        const PackT u = reinterpret_cast<const PackT*>(row + b.K)[pc];
-#pragma unroll
-        for (int j = 0; j < V; ++j) {
-          const float gt = static_cast<float>(p.v[j]);
-          y[j] = gt / (1.f + __expf(-gt)) * static_cast<float>(u.v[j]);
-        }
-      }
-      PackT o;
-      const int e0 = pc * V % E;  // the pack's first weight in its vector
-#pragma unroll
-      for (int j = 0; j < V; ++j) o.v[pair_position<T, W>(e0 + j) - e0] = static_cast<T>(y[j]);
-      *reinterpret_cast<PackT*>(xs + int64_t{m} * row_elems + pc * V) = o;
-    }
-    __syncthreads();
-  }
+        for (int j = 0; j < V; ++j) o.v[pair_position<T, W>(e0 + j) - e0] = y.v[j];
+        *reinterpret_cast<PackT*>(xs + int64_t{m} * row_elems + pc * V) = o;
+      },
+      [] { __syncthreads(); });
 
   float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows g, g (tokens 2c, 2c + 1), g + 8, g + 8
   auto consume = [&](int t, const MmaTask<W>& task) {
