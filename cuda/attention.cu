@@ -51,6 +51,7 @@
 #include "attention_sm90.cuh"
 #include "attention_sm90_bwd.cuh"
 #include "cp_async.cuh"
+#include "env.cuh"
 #include "ops/attention.h"
 #include "ops/layout.h"
 
@@ -442,22 +443,10 @@ __global__ void __launch_bounds__(kWarps * 32) attention_bwd_kernel(BwdParams p)
 constexpr int kFwdRowTiles = 1, kFwdKeys = 64, kFwdRows = 16 * kFwdRowTiles * kFwdWarps;
 constexpr int kBwdWarps = 8;
 
-// Whether environment variable `name` is set to `value`: the kernel paths' switches below, read at
-// each call so that tests and benchmarks can flip them.
-bool env_is(const char* name, std::string_view value) {
-  const char* env = std::getenv(name);
-  return env != nullptr && value == env;
-}
-// The count environment variable `name` is set to, if it is set (`what`: what it counts, for the
-// error that a value other than a count raises).
+// The kernel paths' switches below (env.cuh).
+bool env_is(const char* name, std::string_view value) { return env::is(name, value); }
 std::optional<int64_t> env_count(const char* name, const char* what) {
-  const char* env = std::getenv(name);
-  if (env == nullptr || *env == '\0') return std::nullopt;
-  char* end = nullptr;
-  const int64_t n = std::strtoll(env, &end, 10);
-  TORCH_CHECK(*end == '\0' && n >= 0, "customops.attention: ", name, " must be a count of ", what, ", not '", env,
-              "'");
-  return n;
+  return env::count("customops.attention", name, what);
 }
 
 // Heads a chunk of a causal grid's block order (order_tile in attention.cuh): as many as keep the

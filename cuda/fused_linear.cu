@@ -43,11 +43,11 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 
 #include "cp_async.cuh"
 #include "elementwise.cuh"
+#include "env.cuh"
 #include "pdl.cuh"
 #include "tma.cuh"
 #include "ops/fused_linear.h"
@@ -512,17 +512,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1) gemv_tma_kernel(GemvArgs<T> a)
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
-// The count environment variable `name` is set to, 0 where it is unset or empty: the decode
-// kernels' experiment switches below, read at each call, so that bench --linear --variant can time
-// both sides in one run.
-int env_count(const char* name) {
-  const char* env = std::getenv(name);
-  if (env == nullptr || *env == '\0') return 0;
-  char* end = nullptr;
-  const long n = std::strtol(env, &end, 10);
-  TORCH_CHECK(*end == '\0' && n >= 0 && n <= 1024, "customops.fused_linear: ", name, " must be a count, not '", env,
-              "'");
-  return static_cast<int>(n);
+// The decode kernels' experiment switches (env.cuh): a count, 0 where unset.
+int64_t env_count(const char* name) {
+  return env::count("customops.fused_linear", name, "blocks or rows").value_or(0);
 }
 
 // The blocks of a matrix-vector kernel's one wave: per_sm blocks an SM (as many as fit), or fewer
@@ -534,7 +526,9 @@ int env_count(const char* name) {
 // what it is for. (gemv_tma_kernel, one block an SM already, is not capped.)
 int64_t wave_blocks(int64_t work, int per_sm) {
   const auto* prop = at::cuda::getCurrentDeviceProperties();
-  if (const int n = env_count("CUSTOMOPS_LINEAR_BLOCKS_PER_SM"); n > 0) per_sm = std::min(per_sm, n);
+  if (const int64_t n = env_count("CUSTOMOPS_LINEAR_BLOCKS_PER_SM"); n > 0) {
+    per_sm = static_cast<int>(std::min<int64_t>(per_sm, n));
+  }
   return std::min<int64_t>(work, int64_t{prop->multiProcessorCount} * std::max(per_sm, 1));
 }
 
@@ -1066,8 +1060,8 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
   if (w == Format::kDense) {
     // CUSTOMOPS_LINEAR_MAX_ROWS lowers kMaxRows (an experiment: in a graph on an H200 the 4-row
     // kernel was 1.5-1.8x slower than the unfused path at 8 rows, benchmarks.md "on an H200")
-    const int cap = env_count("CUSTOMOPS_LINEAR_MAX_ROWS");
-    if (m > (cap > 0 ? std::min(cap, kMaxRows) : kMaxRows) || m * row_bytes > kMaxSmem) return unfused();
+    const int64_t cap = env_count("CUSTOMOPS_LINEAR_MAX_ROWS");
+    if (m > (cap > 0 ? std::min<int64_t>(cap, kMaxRows) : kMaxRows) || m * row_bytes > kMaxSmem) return unfused();
   } else {
     const auto* prop = at::cuda::getCurrentDeviceProperties();
     // (as many rows a launch as fit the tensor-core kernel's shared memory)
