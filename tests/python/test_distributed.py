@@ -726,6 +726,27 @@ def test_ring_attention_says_what_is_wrong():
         cd.ring_attention(q, q, q)
 
 
+def test_one_rank_needs_no_collective(monkeypatch):
+    """With one rank, gather_sequence and ring_attention's agreement communicate nothing (which
+    also keeps a script that ends right after them clear of torch's gloo exit race: docs/distributed.md)."""
+    import customops
+    import customops.distributed as cd
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a collective with one rank")
+
+    monkeypatch.setattr(dist, "all_gather", no_collective)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    for causal in (False, True):
+        shard = cd.shard_sequence(q, causal=causal)
+        torch.testing.assert_close(cd.gather_sequence(shard, causal=causal), q, rtol=0, atol=0)
+    out, lse = cd.ring_attention(q, k, v, causal=True)
+    torch.testing.assert_close(out, customops.attention(q, k, v, causal=True))
+
+
 # ---- NCCL on the GPU machine ---------------------------------------------------------------------
 
 _gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -69,8 +69,14 @@ def gather_sequence(x: Tensor, *, causal: bool = False, group=None, seq_dim: int
     """The whole sequence from every rank's shard (the inverse of :func:`shard_sequence`), on every
     rank. Not differentiable."""
     rank, world = _world(group)
-    shards = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(shards, x.contiguous(), group=group)
+    if world == 1:
+        # nothing to gather. (A collective just before exit also risks torch's gloo race: its
+        # worker thread frees the work's tensors, which needs the GIL, after Python began to
+        # finalize, and the process aborts with "terminate called without an active exception".)
+        shards = [x]
+    else:
+        shards = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(shards, x.contiguous(), group=group)
     n = 2 * world if causal else world
     parts: list = [None] * n
     for r, shard in enumerate(shards):
@@ -206,7 +212,10 @@ def _is_dtensor(t) -> bool:
 def _agree(q, k, v, causal, scale, seq_dim, group) -> None:
     """Raises the same ValueError on every rank of group where the ranks called with different
     shapes, dtypes or arguments (one all-gather of a few integers); after it, a check that depends
-    on these alone raises on every rank or on none."""
+    on these alone raises on every rank or on none. One rank has no one to disagree with."""
+    if dist.get_world_size(group) == 1:
+        return
+
     def shape(t):
         return [t.dim(), *t.shape[:4]] + [0] * (4 - min(t.dim(), 4))
 
