@@ -172,3 +172,23 @@ def test_bench_generate_report_without_eager_says_so(capsys):
     generate.print_report({"meta": meta, "rows": [row], "notes": []})
     line = capsys.readouterr().out.splitlines()[-1]
     assert line.split()[-1] == "-" and "nan" not in line, line
+
+
+def test_bench_serve_report_with_a_variant(tmp_path):
+    """--serve at one client: the server's row beside generate's, and again under --variant's
+    environment (the server process gets the variables); --llama-cpp without a built llama-server is
+    refused before any work."""
+    pytest.importorskip("transformers")
+    out = subprocess.run(
+        [sys.executable, "-m", "customops", "bench", "--serve", "--device", "cpu", "--layers", "1", "--prompt-len", "8",
+         "--new-tokens", "3", "--concurrency", "1", "--requests", "1", "--variant", "CUSTOMOPS_BENCH_PROBE=1",
+         "--no-progress", "--json", "report.json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    [row] = json.loads((tmp_path / "report.json").read_text())["rows"]
+    assert row["serve"]["requests"] == 1 and row["generate"]["tokens_per_s"] > 0, row
+    assert row["variants"]["CUSTOMOPS_BENCH_PROBE=1"]["requests"] == 1, row
+    assert "[CUSTOMOPS_BENCH_PROBE=1]" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "customops", "bench", "--serve", "--device", "cpu", "--llama-cpp",
+                          str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and f"--llama-cpp: no build/bin/llama-server in {tmp_path}" in bad.stderr, bad.stderr

@@ -16,6 +16,15 @@ decode step of C rows reads at the copy speed measured here.
 
 The tokenizer is one made here whose every id decodes to one to three ASCII letters, so that each
 token is a chunk of text the server can send at once.
+
+``--variant VAR=VALUE[,VAR=VALUE]`` (repeatable) runs the server again at each concurrency with
+those environment variables set (a kernel's switches), e.g.
+``CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES=64`` for prefill chunks on the split-KV kernel.
+
+With ``--llama-cpp DIR`` (a llama.cpp checkout with ``build/bin/llama-server`` built), the same
+model is converted by llama.cpp's own ``convert_hf_to_gguf.py`` (same dtype) and ``llama-server``
+(``--parallel C``, a context of C full sequences, every layer on the GPU under CUDA) takes the same
+clients and prompts (token ids, ``ignore_eos``), the bar the serving issue set.
 """
 
 from __future__ import annotations
@@ -23,9 +32,12 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import re
+import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -36,6 +48,7 @@ import torch
 import customops
 
 from .. import _cli
+from .attention import parse_variant
 from .common import pick_device, versions, write_json
 from .generate import _copy_speed, _model
 
@@ -66,9 +79,10 @@ def _tokenizer_json(vocab_size: int, path: Path) -> None:
 
 
 class _Server:
-    def __init__(self, package, tokenizer, max_batch):
+    def __init__(self, package, tokenizer, max_batch, env=None):
         self.proc = subprocess.Popen([customops.runner_path(), "serve", package, "--tokenizer", tokenizer, "--port",
-                                      "0", "--max-batch", str(max_batch)], stderr=subprocess.PIPE, text=True)
+                                      "0", "--max-batch", str(max_batch)], stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
         line = self.proc.stderr.readline()
         m = re.search(r":(\d+) \(", line)
         if not m:
@@ -80,11 +94,67 @@ class _Server:
         self.proc.wait(timeout=60)
 
 
-def _stream(port, prompt, new_tokens) -> dict:
+class _LlamaServer:
+    """llama.cpp's llama-server on a GGUF file, C slots of max_seq_len each."""
+
+    def __init__(self, llama_cpp: Path, gguf: Path, slots: int, max_seq_len: int, device: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.cmd = [str(llama_cpp / "build" / "bin" / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1",
+                    "--port", str(self.port), "--parallel", str(slots), "--ctx-size", str(slots * max_seq_len),
+                    "--n-gpu-layers", "999" if device == "cuda" else "0", "--no-webui"]
+        self.log = tempfile.TemporaryFile("w+")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.log.seek(0)
+                raise RuntimeError(f"llama-server did not start: {self.log.read()[-2000:]}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        self.log.close()
+
+
+def _gguf(model, tokenizer_json: Path, llama_cpp: Path, root: Path) -> Path:
+    """The model in llama.cpp's format, converted by llama.cpp's convert_hf_to_gguf.py. Its check of
+    the BPE pre-tokenizer knows only published tokenizers' hashes; this one's is GPT-2's design
+    (the prompts are ids, so only the vocabulary matters to the server)."""
+    from transformers import PreTrainedTokenizerFast
+
+    hf = root / "hf"
+    model.save_pretrained(hf)
+    PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json)).save_pretrained(hf)
+    out = root / "model.gguf"
+    dtype = {torch.bfloat16: "bf16", torch.float16: "f16"}.get(next(model.parameters()).dtype, "f32")
+    convert = (f"import sys; sys.path[:0] = [{str(llama_cpp / 'gguf-py')!r}, {str(llama_cpp)!r}]\n"
+               "import convert_hf_to_gguf as c\n"
+               "from conversion.base import TextModel\n"
+               "TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt2'\n"
+               f"sys.argv = ['convert_hf_to_gguf.py', {str(hf)!r}, '--outfile', {str(out)!r}, '--outtype', {dtype!r}]\n"
+               "c.main()\n")
+    r = subprocess.run([sys.executable, "-c", convert], capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "NO_LOCAL_GGUF": ""})
+    if r.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed: {r.stderr[-2000:]}")
+    return out
+
+
+def _stream(port, prompt, new_tokens, extra=None) -> dict:
     """One streamed completion: its TTFT, its token count and its chunks' arrival times."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     body = json.dumps({"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
-                       "stream_options": {"include_usage": True}})
+                       "stream_options": {"include_usage": True}, **(extra or {})})
     t0 = time.perf_counter()
     conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
     r = conn.getresponse()
@@ -95,22 +165,36 @@ def _stream(port, prompt, new_tokens) -> dict:
         line = raw.decode()
         if not line.startswith("data: ") or line.startswith("data: [DONE]"):
             continue
-        if '"usage":{' in line:
-            usage = json.loads(line[6:])["usage"]
-        elif '"text":""' not in line:
+        event = json.loads(line[6:])
+        if any(choice.get("text") for choice in event.get("choices") or ()):
             times.append(time.perf_counter())
+        if event.get("usage"):
+            usage = event["usage"]
     conn.close()
-    return {"start": t0, "times": times, "tokens": usage["completion_tokens"]}
+    return {"start": t0, "times": times, "tokens": usage["completion_tokens"] if usage else len(times)}
 
 
-def _load(port, prompts, concurrency, requests, new_tokens) -> dict:
+def _complete(port, prompt, new_tokens, extra=None) -> str:
+    """One greedy completion's text, not streamed."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": new_tokens, "temperature": 0,
+                                                        **(extra or {})}), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    body = r.read()
+    conn.close()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {body[:200]!r}")
+    return json.loads(body)["choices"][0]["text"]
+
+
+def _load(port, prompts, concurrency, requests, new_tokens, extra=None) -> dict:
     results, errors = [], []
     lock = threading.Lock()
 
     def client(k):
         for j in range(requests):
             try:
-                res = _stream(port, prompts[(k * requests + j) % len(prompts)], new_tokens)
+                res = _stream(port, prompts[(k * requests + j) % len(prompts)], new_tokens, extra)
             except Exception as e:  # noqa: BLE001
                 errors.append(str(e))
                 return
@@ -164,6 +248,12 @@ def run(args) -> dict:
     notes = [f"package_causal_lm: {time.perf_counter() - t:.0f} s (max_batch {max(levels)})"]
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     speed = _copy_speed(args.device)
+    gguf = None
+    if args.llama_cpp:
+        t = time.perf_counter()
+        gguf = _gguf(model, root / "tokenizer.json", args.llama_cpp, root)
+        notes.append(f"convert_hf_to_gguf.py: {time.perf_counter() - t:.0f} s; llama-server "
+                     f"{_llama_version(args.llama_cpp)}")
     del model
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -184,12 +274,31 @@ def run(args) -> dict:
             median = sorted(prompts, key=len)[len(prompts) // 2]
             alone = _generate(package, [median], 1)  # the prefill of a prompt of the median length alone
             row["prefill_alone_ms"] = alone["prefill_ms"]
-            server = _Server(package, root / "tokenizer.json", c)
-            try:
-                _load(server.port, prompts[:c], c, 1, 8)  # warm-up: the batch sizes' CUDA graphs
-                row["serve"] = _load(server.port, prompts, c, args.requests, args.new_tokens)
-            finally:
-                server.stop()
+            for env in [{}, *args.variant]:
+                server = _Server(package, root / "tokenizer.json", c, env)
+                try:
+                    _load(server.port, prompts[:c], c, 1, 8)  # warm-up: the batch sizes' CUDA graphs
+                    result = _load(server.port, prompts, c, args.requests, args.new_tokens)
+                    if env:
+                        row.setdefault("variants", {})[_label(env)] = result
+                    else:
+                        row["serve"], text = result, _complete(server.port, prompts[0], 16)
+                finally:
+                    server.stop()
+            if gguf is not None:
+                if not args.no_progress:
+                    print("    llama-server", flush=True)
+                llama = _LlamaServer(args.llama_cpp, gguf, c, args.prompt_len + args.new_tokens + 8, args.device)
+                try:
+                    extra = {"ignore_eos": True}
+                    _load(llama.port, prompts[:c], c, 1, 8, extra)
+                    row["llama_server"] = _load(llama.port, prompts, c, args.requests, args.new_tokens, extra)
+                    theirs = _complete(llama.port, prompts[0], 16, extra)
+                    row["same_greedy_text"] = text == theirs
+                    if c == levels[0]:
+                        notes.append(f"llama-server: {' '.join(llama.cmd[1:])}")
+                finally:
+                    llama.stop()
         except Exception as e:  # noqa: BLE001  (reported; the other levels run)
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
@@ -198,8 +307,18 @@ def run(args) -> dict:
                   f"{row['generate']['tokens_per_s']:,.0f}", flush=True)
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "versions": versions(args.device),
             "layers": cfg.num_hidden_layers, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-            "requests": args.requests, "copy_gb_s": speed / 1e9}
+            "requests": args.requests, "copy_gb_s": speed / 1e9, "variants": [_label(env) for env in args.variant]}
     return {"meta": meta, "rows": rows, "notes": notes}
+
+
+def _label(env: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in env.items())
+
+
+def _llama_version(llama_cpp: Path) -> str:
+    r = subprocess.run([str(llama_cpp / "build" / "bin" / "llama-server"), "--version"], capture_output=True, text=True)
+    m = re.search(r"version: (\S+ \(\w+\))", r.stdout + r.stderr)
+    return m.group(1) if m else "(version unknown)"
 
 
 def print_report(report: dict) -> None:
@@ -220,6 +339,25 @@ def print_report(report: dict) -> None:
               f"{s['itl_p50_ms']:7.2f}/{s['itl_p99_ms']:<7.2f} {g['decode_ms']:15.2f} {s['max_gap_ms']:10.1f}")
     print("ratio: serve's tokens/s over generate's for the same prompts at once; floor: C tokens per decode step "
           "at the copy speed; prefill ms: the prefill of a prompt of the median length alone (customops-run generate)")
+    for label in report["meta"]["variants"]:
+        print(f"\n[{label}]\n{'C':>3s} {'serve tok/s':>12s} {'vs default':>10s} {'TTFT p50/p99 ms':>17s} "
+              f"{'ITL p50/p99 ms':>15s} {'max gap ms':>10s}")
+        for r in report["rows"]:
+            if label in r.get("variants", {}):
+                s, v = r["serve"], r["variants"][label]
+                print(f"{r['concurrency']:3d} {v['tokens_per_s']:12,.0f} {v['tokens_per_s'] / s['tokens_per_s']:9.2f}x "
+                      f"{v['ttft_p50_ms']:8.1f}/{v['ttft_p99_ms']:<8.1f} {v['itl_p50_ms']:7.2f}/{v['itl_p99_ms']:<7.2f} "
+                      f"{v['max_gap_ms']:10.1f}")
+    if any("llama_server" in r for r in report["rows"]):
+        print(f"\n{'C':>3s} {'llama-server tok/s':>18s} {'serve/llama':>11s} {'TTFT p50/p99 ms':>17s} "
+              f"{'ITL p50/p99 ms':>15s} {'max gap ms':>10s} {'same greedy text':>16s}")
+        for r in report["rows"]:
+            if "llama_server" in r:
+                s, ll = r["serve"], r["llama_server"]
+                print(f"{r['concurrency']:3d} {ll['tokens_per_s']:18,.0f} {s['tokens_per_s'] / ll['tokens_per_s']:10.2f}x "
+                      f"{ll['ttft_p50_ms']:8.1f}/{ll['ttft_p99_ms']:<8.1f} {ll['itl_p50_ms']:7.2f}/{ll['itl_p99_ms']:<7.2f} "
+                      f"{ll['max_gap_ms']:10.1f} {str(r['same_greedy_text']):>16s}")
+        print("same greedy text: both servers' first 16 greedy tokens of the first prompt")
     for n in report["notes"]:
         print(n)
 
@@ -233,11 +371,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("--new-tokens", type=int, help="default: 128 on CUDA, 16 on CPU")
     p.add_argument("--concurrency", help="comma-separated (default: 1,8,32 on CUDA, 1,2 on CPU)")
     p.add_argument("--requests", type=int, default=2, help="requests each client sends, one after another")
+    p.add_argument("--variant", action="append", type=parse_variant, default=[], metavar="VAR=VALUE[,VAR=VALUE]",
+                   help="also serve with these environment variables set (repeatable)")
+    p.add_argument("--llama-cpp", type=Path, metavar="DIR",
+                   help="a llama.cpp checkout with build/bin/llama-server: runs it beside customops-run serve")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     _cli.require("python -m customops bench --serve", {"transformers": "hf", "tokenizers": "hf"})
     args.device = pick_device(p, args.device)
+    if args.llama_cpp and not (args.llama_cpp / "build" / "bin" / "llama-server").is_file():
+        p.error(f"--llama-cpp: no build/bin/llama-server in {args.llama_cpp}")
     cuda = args.device == "cuda"
     args.layers = args.layers or (16 if cuda else 2)
     args.prompt_len = args.prompt_len or (512 if cuda else 32)
