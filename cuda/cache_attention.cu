@@ -36,18 +36,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
 #include <map>
 #include <mutex>
 #include <optional>
-#include <string_view>
 #include <tuple>
 
 #include "attention.cuh"
 #include "attention_host.h"
 #include "cp_async.cuh"
 #include "elementwise.cuh"
+#include "env.cuh"
 #include "ops/attention.h"
 #include "ops/cache_attention.h"
 #include "ops/layout.h"
@@ -613,8 +612,9 @@ int choose_splits(int sms, int64_t work, int64_t s, int max_splits, int keys) {
 // CUSTOMOPS_CACHE_ATTENTION_WARPS=4 or =8 takes that count where it fits (the tests run each).
 int block_warps(int d, int smem_optin, int sms, int64_t work, int64_t s) {
   if (d > 128 || ring_bytes(d, 3, 8) > smem_optin) return 4;
-  const char* env = std::getenv("CUSTOMOPS_CACHE_ATTENTION_WARPS");
-  if (env != nullptr && (std::string_view(env) == "4" || std::string_view(env) == "8")) return std::atoi(env);
+  for (const int warps : {4, 8}) {
+    if (env::is("CUSTOMOPS_CACHE_ATTENTION_WARPS", warps == 4 ? "4" : "8")) return warps;
+  }
   // The splits launch_cache_attention will take, about: a cluster's 8 at most, unless a sequence wants
   // more than twice that (then the merge kernel's, as before sm_90, where this undercounts them)
   int64_t splits = sms / work;
@@ -671,8 +671,9 @@ int cluster_limit(const void* kernel, int smem, int threads) {
       }
     }
   }
-  const char* cap = std::getenv("CUSTOMOPS_CACHE_ATTENTION_CLUSTER");
-  return std::clamp(cap != nullptr && *cap != '\0' ? std::atoi(cap) : 8, 0, limit);
+  const int64_t cap = env::count("customops::cache_attention", "CUSTOMOPS_CACHE_ATTENTION_CLUSTER", "blocks a cluster")
+                          .value_or(8);
+  return static_cast<int>(std::clamp<int64_t>(cap, 0, limit));
 }
 
 // The kernel (clustered, or with the merge kernel after it) for p, whose fields but the split count
@@ -732,9 +733,17 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_cuda(const at::Tensor& q_in, 
   const int64_t rows = hq / hkv * t, groups = (rows + kRows - 1) / kRows;
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(q_in.get_device());
   const int smem_optin = static_cast<int>(prop->sharedMemPerBlockOptin);
+  // The kernel takes kCacheAttentionMaxQueries new queries a sequence (decoding, drafts), or up to
+  // CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES: an experiment for the serving engine's prefill chunks
+  // beside decoding rows, one launch for every row with the lengths on the device, where the generic
+  // path waits for the lengths and attends one sequence at a time.
+  const int64_t max_queries = env::count("customops::cache_attention", "CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES",
+                                         "new queries a sequence")
+                                  .value_or(kCacheAttentionMaxQueries);
   // (a GPU whose blocks cannot take two tiles, D = 256 below compute capability 9.0 but 8.0's, and a
   // cache of more than 2^30 positions, past the kernel's 32-bit positions, take the other paths)
-  if (!cache_attention_on_device(q_in.scalar_type(), q_in.size(3), t) || !(scale > 0.0) || !std::isfinite(scale) ||
+  if (!cache_attention_on_device(q_in.scalar_type(), q_in.size(3), std::min(t, kCacheAttentionMaxQueries)) ||
+      t > max_queries || !(scale > 0.0) || !std::isfinite(scale) ||
       b * hkv > 65535 || groups > 65535 || s > (int64_t{1} << 30) || hq > (int64_t{1} << 30) || prop->major < 8 ||
       ring_bytes(static_cast<int>(q_in.size(3)), 2, 4) > smem_optin) {
     if (at::cuda::currentStreamCaptureStatusMayInitCtx() != at::cuda::CaptureStatus::None) {
@@ -774,9 +783,7 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_cuda(const at::Tensor& q_in, 
   p.kstep = static_cast<int>(k.stride(2) * k.element_size());
   p.vstep = static_cast<int>(v.stride(2) * v.element_size());
   // (CUSTOMOPS_CACHE_ATTENTION_PREFETCH=0: none)
-  const char* prefetch = std::getenv("CUSTOMOPS_CACHE_ATTENTION_PREFETCH");
-  p.prefetch = k.stride(2) == k.size(3) && v.stride(2) == v.size(3) &&
-               !(prefetch != nullptr && std::string_view(prefetch) == "0");
+  p.prefetch = k.stride(2) == k.size(3) && v.stride(2) == v.size(3) && !env::is("CUSTOMOPS_CACHE_ATTENTION_PREFETCH", "0");
   const int sms = prop->multiProcessorCount;
   const auto stream = at::cuda::getCurrentCUDAStream();
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);

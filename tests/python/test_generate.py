@@ -455,6 +455,44 @@ def test_cache_attention_cuda_merges_its_splits(monkeypatch, cluster, warps, d, 
             torch.testing.assert_close(lse[i:i + 1], l, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.skipif(not any(d == "cuda" for d in DEVICES), reason="the CUDA kernel's paths")
+@pytest.mark.parametrize("d,t,dtype", [(64, 17, torch.float16), (128, 64, torch.bfloat16), (128, 128, torch.bfloat16),
+                                       (256, 33, torch.bfloat16)])
+def test_cache_attention_cuda_takes_prefill_chunks_when_asked(monkeypatch, d, t, dtype):
+    # CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES lets the split-KV kernel take chunks of a prompt (t past
+    # 16 queries, causal within the chunk) for every row in one launch, lengths on the device: rows of
+    # different lengths, through slots, in and out of a CUDA graph. Unset, such a chunk takes the
+    # generic path, which reads the lengths on the host and raises for one out of range; the kernel
+    # gives that sequence NaN rows instead.
+    g = torch.Generator().manual_seed(d + t)
+    lengths, slots, size = [t, 300, 4096, 4097], [3, 0, 2, 1], 4096
+    q = torch.randn(4, 32, t, d, generator=g).to("cuda", dtype)
+    k_cache, v_cache = (torch.randn(4, 8, size, d, generator=g).to("cuda", dtype) for _ in range(2))
+    lens, where = torch.tensor(lengths, device="cuda"), torch.tensor(slots, device="cuda")
+    monkeypatch.delenv("CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES", raising=False)
+    with pytest.raises(RuntimeError, match="cache_attention"):
+        customops.cache_attention(q, k_cache, v_cache, lens, slots=where)
+    monkeypatch.setenv("CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES", "128")
+    out, lse = customops.cache_attention(q, k_cache, v_cache, lens, slots=where)
+    graph, static = torch.cuda.CUDAGraph(), q.clone()
+    customops.cache_attention(static, k_cache, v_cache, lens, slots=where)  # (warm-up outside the capture)
+    with torch.cuda.graph(graph):
+        replayed = customops.cache_attention(static, k_cache, v_cache, lens, slots=where)
+    graph.replay()
+    torch.testing.assert_close(replayed[0], out, atol=0, rtol=0, equal_nan=True)
+    for i, (n, c) in enumerate(zip(lengths, slots)):
+        if n > size:
+            assert out[i].isnan().all() and lse[i].isnan().all()
+            continue
+        o, l = customops.attention(q[i:i + 1].float(), k_cache[c:c + 1, :, :n].float(), v_cache[c:c + 1, :, :n].float(),
+                                   causal=True, return_lse=True)
+        torch.testing.assert_close(out[i:i + 1].float(), o, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(lse[i:i + 1], l, atol=1e-3, rtol=1e-3)
+    monkeypatch.setenv("CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES", "many")
+    with pytest.raises(RuntimeError, match="CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES must be a count"):
+        customops.cache_attention(q, k_cache, v_cache, lens, slots=where)
+
+
 @pytest.mark.skipif(not any(d == "cuda" for d in DEVICES), reason="the CUDA kernel's tiles")
 @pytest.mark.parametrize("warps", ["4", "8"], ids=["4-warps", "8-warps"])
 @pytest.mark.parametrize("d", [64, 128, 256])
