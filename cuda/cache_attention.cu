@@ -254,7 +254,13 @@ __global__ void __launch_bounds__(kWarps * 32) cache_attention_kernel(CacheParam
     return;
   }
   const int2 keys = split_keys<kKeys>(static_cast<int>(len64), p.splits, split);
-  const int len = static_cast<int>(len64), k0 = keys.x, k1 = keys.y;
+  const int len = static_cast<int>(len64), k0 = keys.x;
+  // Keys past the bound of the block's last query are masked for every one of its rows: the blocks
+  // of a prefill chunk's early queries stop short of the split's end. (Rows that span two heads, as
+  // with fewer than 16 queries, reach query t - 1: the whole split, as decoding's one query does.)
+  const int first_query = row_of(r0, p.t).query;
+  const int last_query = first_query + valid - 1 < p.t ? first_query + valid - 1 : p.t - 1;
+  const int k1 = max(k0, min(keys.y, len - p.t + 1 + last_query));
   const int nblocks = (k1 - k0 + kKeys - 1) / kKeys;
   // This thread's chunk of the split's first key; key j (relative to k0) is p.kstep * j bytes on.
   const int crow = threadIdx.x / (D / 8), ccol = threadIdx.x % (D / 8) * 8;
