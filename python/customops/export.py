@@ -186,6 +186,11 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
         return ",".join(str(i) for i in ids if i not in outside)
 
     configs = dict(inductor_configs or {})
+    # cos, sin and the lengths feed every layer's rope_cache_write and cache_attention. Too cheap for
+    # Inductor's reuse heuristic to compute once, each extern call got its own copy: on the CPU one
+    # kernel writing 8 copies of each for 4 layers, on CUDA kernels recomputing them in some layers
+    # (ncu, Llama-3.2-1B, 2026-11-28). Realizing what several nodes read computes each once.
+    configs.setdefault("realize_reads_threshold", 0)
     configs["aot_inductor.metadata"] = {
         **configs.get("aot_inductor.metadata", {}),
         # "3": the format (T = 1 in the token dimension's declared range, eos a list of ids, slots)

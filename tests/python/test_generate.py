@@ -344,6 +344,27 @@ def test_each_product_of_the_exported_graph_is_one_fused_linear():
     assert not [t for t in targets if t in ("customops.rope.default", "customops.cache_write.default")], targets
 
 
+def test_the_package_computes_the_rotation_and_the_lengths_once_for_every_layer(packaged):
+    """cos, sin and the lengths are buffers that every layer's rope_cache_write and cache_attention
+    read, not a copy made for each call (Inductor's default for such cheap nodes). Read from the
+    package's wrapper: the extern calls' tensor arguments, rope_cache_write's 10 and
+    cache_attention's 7."""
+    _, path = packaged
+    with zipfile.ZipFile(path) as z:
+        [wrapper] = [z.read(n).decode() for n in z.namelist() if n.endswith(".wrapper.cpp")]
+    calls = re.findall(r"aoti_torch_proxy_executor_call_function\(proxy_executor,[^;]*?"
+                       r"std::array<AtenTensorHandle, (\d+)>\{([^;]*)\}\.data\(\)", wrapper)
+    layers = len(lms.llama().model.layers)
+
+    def shared(n_args):
+        args = [set(re.findall(r"\bbuf\d+\b", a)) for n, a in calls if int(n) == n_args]
+        assert len(args) == layers, calls
+        return set.intersection(*args)
+
+    assert len(shared(10)) == 2, calls  # cos and sin, besides each layer's q, k, v and caches
+    assert len(shared(7)) == 1, calls  # the lengths
+
+
 def test_package_causal_lm_refuses_an_activation_it_does_not_compute(tmp_path):
     model = lms.llama()
     model.config.hidden_act = "gelu"
