@@ -139,20 +139,36 @@ std::optional<int64_t> Tokenizer::eos_id() const { return impl_->backend->eos_id
 
 // A window of ids is decoded with the ids before them (SentencePiece drops the space of a text's
 // first piece, so an id decoded alone may lose it), and what the window adds to the text of its
-// first ids is the new text, once it does not end in U+FFFD (an incomplete character).
+// first ids is the new text. Where the text ends in U+FFFD, bytes that are not UTF-8 yet, the last
+// ids may still complete a character: a character's bytes before its last are at most 3, from the
+// last 3 ids that give bytes at most, so the text of the ids before those is final where it begins
+// the whole text. Only those ids wait; bytes that no id can complete (a model that repeats a
+// continuation byte) are sent as U+FFFD, as decode() gives them, not held to the end.
 TextStream::TextStream(const Tokenizer& tokenizer) : tokenizer_(tokenizer) {}
 
 std::string TextStream::push(int64_t id) {
   ids_.push_back(id);
-  const std::string text = tokenizer_.decode(ids_);
-  static const std::string incomplete = "\xEF\xBF\xBD";
-  const bool ends_incomplete = text.size() >= 3 && text.compare(text.size() - 3, 3, incomplete) == 0;
-  if (text.size() <= prefix_.size() || ends_incomplete || text.compare(0, prefix_.size(), prefix_) != 0) return {};
+  auto starts_with = [](const std::string& text, const std::string& start) {
+    return text.size() >= start.size() && text.compare(0, start.size(), start) == 0;
+  };
+  std::string text = tokenizer_.decode(ids_);
+  static const std::string replacement = "\xEF\xBF\xBD";
+  size_t end = ids_.size();  // the window's ids whose text is final: ids_[read_, end)
+  if (text.size() >= 3 && text.compare(text.size() - 3, 3, replacement) == 0) {
+    for (int giving = 0; end > read_ && giving < 3; --end) {
+      giving += !tokenizer_.decode({ids_[end - 1]}).empty();  // (special ids give no bytes)
+    }
+    if (end == read_) return {};
+    std::string final_text = tokenizer_.decode({ids_.begin(), ids_.begin() + static_cast<std::ptrdiff_t>(end)});
+    if (!starts_with(text, final_text)) return {};
+    text = std::move(final_text);
+  }
+  if (text.size() <= prefix_.size() || !starts_with(text, prefix_)) return {};
   std::string added = text.substr(prefix_.size());
-  // the next window: the ids not yet in the text's prefix before this push, and these
+  // the next window: the ids not yet in the text's prefix before this push, up to end
   ids_.erase(ids_.begin(), ids_.begin() + static_cast<std::ptrdiff_t>(read_));
-  read_ = ids_.size();
-  prefix_ = tokenizer_.decode(ids_);
+  read_ = end - read_;
+  prefix_ = tokenizer_.decode({ids_.begin(), ids_.begin() + static_cast<std::ptrdiff_t>(read_)});
   return added;
 }
 

@@ -141,16 +141,26 @@ def test_decode_is_tokenizers_decode_of_any_ids(trained, consumer, tmp_path):
 
 
 def test_a_text_stream_never_splits_a_character(trained, consumer, tmp_path):
+    """Each push is whole characters; it waits for at most the last 3 ids that give bytes, which may
+    still complete one, never longer: bytes that are not UTF-8 and that no later id can complete
+    (a run of continuation bytes, as a model repeating a byte id gives) are sent as U+FFFD. What
+    is pushed and finished is decode() of all the ids."""
     tok, path, _ = trained
-    seqs = _id_sequences(tok, 4, texts=40, random_seqs=100, longest=40)
+    # byte 0x80 as byte-level BPE spells it (GPT-2's bytes_to_unicode: the 34th byte that is not printable)
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    continuation = tok.token_to_id(chr(256 + sorted(set(range(256)) - printable).index(0x80)))
+    stuck = [continuation] * 12  # 12 lone continuation bytes
+    seqs = _id_sequences(tok, 4, texts=40, random_seqs=100, longest=40) + [stuck, [tok.token_to_id("a")] + stuck]
     got = _api(consumer, path, "stream", [" ".join(map(str, s)) for s in seqs], tmp_path)
     for ids, line in zip(seqs, got):
         pushed, finished = line.split(";")
-        pieces = [bytes.fromhex(p) for p in pushed.split(",")] + [bytes.fromhex(finished)]
-        for p in pieces[:-1]:
-            p.decode()  # whole characters only (raises otherwise)
-            assert not p.decode().endswith("\ufffd"), (ids, p)
-        assert b"".join(pieces).decode() == tok.decode(ids, skip_special_tokens=True), ids
+        pieces = [bytes.fromhex(p) for p in pushed.split(",")]
+        text = "".join(p.decode() for p in pieces)  # whole characters only (raises otherwise)
+        assert text + bytes.fromhex(finished).decode() == tok.decode(ids, skip_special_tokens=True), ids
+        # what is left to finish comes from the last 3 ids that give bytes
+        giving = [i for i in ids if tok.decode([i], skip_special_tokens=True)]
+        assert text.startswith(tok.decode(giving[:-3])) or tok.decode(giving[:-3]).endswith("\ufffd"), ids
+    assert got[-2].split(";")[0].replace(",", "") == "efbfbd" * 9  # 9 of the 12 sent, 3 wait
 
 
 def test_a_save_pretrained_folder_gives_the_bos_and_eos_of_its_config(tmp_path, consumer):
