@@ -934,6 +934,9 @@ int serve_main(int argc, char** argv) {
   httplib::Server http;
   const size_t threads = static_cast<size_t>(o.threads);
   http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  // A stream is a run of small writes, one an event: without TCP_NODELAY, Nagle's algorithm may hold
+  // an event until the client has acknowledged the one before (uvicorn and nginx set it to stream).
+  http.set_tcp_nodelay(true);
   server.routes(http);
   const int port = o.port == 0 ? http.bind_to_any_port(o.host) : (http.bind_to_port(o.host, o.port) ? o.port : -1);
   if (port < 0) throw UserError("cannot listen on " + o.host + ":" + std::to_string(o.port));
