@@ -8,7 +8,8 @@ one after another: prompts of mixed lengths (token ids, a quarter to all of ``--
 ``--new-tokens`` greedy tokens. Reported: output tokens/s over the wall time; time to first token
 (TTFT) and inter-token latency (ITL: a request's time from its first to its last token over its
 tokens after the first) at their p50 and p99 over the requests; and the largest gap between two
-chunks of a stream (a stall, such as a prefill chunk beside decoding rows). Beside them,
+chunks of a stream (a stall, such as a prefill chunk beside decoding rows); and the mean TTFT the
+server measures itself (its /metrics), which leaves out the HTTP path and the text. Beside them,
 ``customops-run generate`` of C of the same prompts at once: its tokens/s (C x new tokens over its
 prefill and decode time) and its decode ms/token; the prefill of a prompt of the median length
 alone (what TTFT at concurrency 1 compares with); and the floor: the bytes a
@@ -177,6 +178,16 @@ def _stream(port, prompt, new_tokens, extra=None) -> dict:
     return {"start": t0, "times": times, "tokens": usage["completion_tokens"] if usage else len(times)}
 
 
+def _server_ttft(port) -> tuple[float, int]:
+    """(sum of seconds, count) of the server's own time-to-first-token histogram (/metrics)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    values = dict(re.findall(r"^customops_time_to_first_token_seconds_(sum|count) (\S+)$", text, re.M))
+    return float(values["sum"]), int(values["count"])
+
+
 def _complete(port, prompt, new_tokens, extra=None) -> str:
     """One greedy completion's text, not streamed."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
@@ -286,7 +297,12 @@ def run(args) -> dict:
                 server = _Server(package, root / "tokenizer.json", c, env)
                 try:
                     _load(server.port, prompts[:c], c, 1, 8)  # warm-up: the batch sizes' CUDA graphs
+                    before = _server_ttft(server.port)
                     result = _load(server.port, prompts, c, args.requests, args.new_tokens)
+                    after = _server_ttft(server.port)
+                    # the server's own mean TTFT (submit to first id): what the client's adds is the HTTP
+                    # path's and the text's
+                    result["server_ttft_mean_ms"] = (after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3
                     if env:
                         row.setdefault("variants", {})[_label(env)] = result
                     else:
@@ -337,7 +353,7 @@ def print_report(report: dict) -> None:
     print(f"Llama {m['layers']} layers; prompts of {m['prompt_len'] // 4}-{m['prompt_len']} ids, {m['new_tokens']} "
           f"new tokens each, {m['requests']} requests a client one after another")
     print(f"{'C':>3s} {'serve tok/s':>12s} {'generate':>9s} {'ratio':>6s} {'floor':>8s} {'TTFT p50/p99 ms':>17s} "
-          f"{'prefill ms':>10s} {'ITL p50/p99 ms':>15s} {'generate ms/tok':>15s} {'max gap ms':>10s}")
+          f"{'in server':>9s} {'prefill ms':>10s} {'ITL p50/p99 ms':>15s} {'generate ms/tok':>15s} {'max gap ms':>10s}")
     for r in report["rows"]:
         if "error" in r:
             print(f"{r['concurrency']:3d}  {r['error']}")
@@ -345,10 +361,12 @@ def print_report(report: dict) -> None:
         s, g = r["serve"], r["generate"]
         print(f"{r['concurrency']:3d} {s['tokens_per_s']:12,.0f} {g['tokens_per_s']:9,.0f} "
               f"{s['tokens_per_s'] / g['tokens_per_s']:5.2f}x {r['floor_tokens_per_s']:8,.0f} "
-              f"{s['ttft_p50_ms']:8.1f}/{s['ttft_p99_ms']:<8.1f} {r['prefill_alone_ms']:10.1f} "
+              f"{s['ttft_p50_ms']:8.1f}/{s['ttft_p99_ms']:<8.1f} {s.get('server_ttft_mean_ms', float('nan')):9.1f} "
+              f"{r['prefill_alone_ms']:10.1f} "
               f"{s['itl_p50_ms']:7.2f}/{s['itl_p99_ms']:<7.2f} {g['decode_ms']:15.2f} {s['max_gap_ms']:10.1f}")
     print("ratio: serve's tokens/s over generate's for the same prompts at once; floor: C tokens per decode step "
-          "at the copy speed; prefill ms: the prefill of a prompt of the median length alone (customops-run generate)")
+          "at the copy speed; in server: the mean TTFT the server measures itself (/metrics: submit to first id); "
+          "prefill ms: the prefill of a prompt of the median length alone (customops-run generate)")
     for label in report["meta"]["variants"]:
         print(f"\n[{label}]\n{'C':>3s} {'serve tok/s':>12s} {'vs default':>10s} {'TTFT p50/p99 ms':>17s} "
               f"{'ITL p50/p99 ms':>15s} {'max gap ms':>10s}")
