@@ -1,5 +1,6 @@
 """Smoke test of ``python -m customops bench --quick``: the report's structure, never its timings."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -158,6 +159,27 @@ def test_bench_generate_times_a_quantized_package_against_its_own_floor(tmp_path
     q = rows["customops-run generate, int4 weights"]
     assert "error" not in q and q["decode_ms"] > 0, q
     assert q["floor_ms"] < rows["eager"]["floor_ms"]  # fewer bytes a step
+
+
+def test_bench_generate_quantizes_the_lm_head_when_asked(tmp_path):
+    """--quantize-lm-head: the int4 package quantizes its LM head too, and its floor counts the head
+    at int4 (the bench's CPU model ties it to the embedding: 4096 x 256 of its bytes)."""
+    pytest.importorskip("transformers")
+    from customops.bench import generate
+
+    model = generate._model(argparse.Namespace(device="cpu", layers=1))
+    head = model.get_output_embeddings().weight
+    saved = head.numel() * head.element_size() - generate._quantized(head.shape, head.element_size(), "int4")
+    assert generate._weight_bytes(model, "int4", lm_head=True) == generate._weight_bytes(model, "int4") - saved
+    out = subprocess.run(
+        [sys.executable, "-m", "customops", "bench", "--generate", "--device", "cpu", "--variants", "eager",
+         "--weights", "bf16,int4", "--quantize-lm-head", "--layers", "1", "--prompt-len", "8", "--new-tokens", "3",
+         "--no-progress", "--json", "report.json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "report.json").read_text())["rows"]}
+    q = rows["customops-run generate, int4 weights and LM head"]
+    assert "error" not in q and q["decode_ms"] > 0, q
 
 
 def test_bench_generate_report_without_eager_says_so(capsys):

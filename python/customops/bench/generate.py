@@ -15,7 +15,8 @@ speed, measured once in the run.
 
 ``--weights bf16,fp8,int4`` adds ``customops-run generate`` of a package of each quantized format
 (``package_causal_lm(..., weights=...)``), each against the floor of its own bytes: its decoder
-layers' weights at one byte (fp8) or half a byte (int4) an element, with their scales.
+layers' weights at one byte (fp8) or half a byte (int4) an element, with their scales
+(``--quantize-lm-head``: the LM head's too, ``quantize_lm_head=True``).
 
 With ``--rounds R`` every variant is timed once a round, in turn, R rounds: a variant's numbers are
 its medians, and its speed against eager the median of the rounds' ratios, so that a host whose
@@ -117,15 +118,21 @@ def _copy_speed(device) -> float:
     return 2 * a.numel() * 4 * 20 / (time.perf_counter() - t)
 
 
-def _weight_bytes(model, weights: str) -> float:
+def _quantized(shape, dtype_size: int, weights: str) -> float:
+    """The bytes of an [n, k] weight in a quantized format, with its scales."""
+    from .. import causal_lm
+
+    n, k = shape
+    return n * k + 4 * n if weights == "fp8" else n * k / 2 + n * (k // causal_lm.INT4_GROUP) * dtype_size
+
+
+def _weight_bytes(model, weights: str, lm_head: bool = False) -> float:
     """The bytes of the model's weights as a package of this format reads them a decode step: the
     decoder layers' linear weights quantized (fp8: a byte an element and a float32 scale a row;
     int4: half a byte and a scale in the model's dtype a group of INT4_GROUP), everything else as
     it is (their biases, Qwen2's q, k and v ones; Qwen3's q and k norms), but for an untied input
     embedding, whose lookup reads a row a token. parameters() counts a tied embedding once: the LM
-    head reads it whole."""
-    from .. import causal_lm
-
+    head reads it whole (quantized too with lm_head)."""
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     embed = model.get_input_embeddings().weight
     if embed is not model.get_output_embeddings().weight:
@@ -136,9 +143,10 @@ def _weight_bytes(model, weights: str) -> float:
         for m in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
                   layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
             w = m.weight
-            total -= w.numel() * w.element_size()
-            n, k = w.shape
-            total += n * k + 4 * n if weights == "fp8" else n * k / 2 + n * (k // causal_lm.INT4_GROUP) * w.element_size()
+            total += _quantized(w.shape, w.element_size(), weights) - w.numel() * w.element_size()
+    if lm_head:
+        w = model.get_output_embeddings().weight
+        total += _quantized(w.shape, w.element_size(), weights) - w.numel() * w.element_size()
     return total
 
 
@@ -154,7 +162,8 @@ def run(args) -> dict:
     if bad:
         raise SystemExit(f"bench --generate: --weights takes bf16, fp8 and int4, not {', '.join(bad)}")
     # a quantized package of each other format: customops-run generate of it, against its own floor
-    quantized = {f"customops-run generate, {w} weights": w for w in formats if w != "bf16"}
+    head = " and LM head" if args.quantize_lm_head else ""
+    quantized = {f"customops-run generate, {w} weights{head}": w for w in formats if w != "bf16"}
     speed = _copy_speed(args.device)
     rows, notes, metas = [], [], {}
     for name in names:
@@ -179,7 +188,8 @@ def _run_model(args, name: str, wanted: list[str], quantized: dict[str, str],
     max_seq_len = args.prompt_len + args.new_tokens
     g = torch.Generator().manual_seed(1)
     rows, notes = [], []
-    weight_bytes = {w: _weight_bytes(model, w) for w in ("bf16", *quantized.values())}
+    weight_bytes = {w: _weight_bytes(model, w, lm_head=args.quantize_lm_head and w != "bf16")
+                    for w in ("bf16", *quantized.values())}
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # Qwen2's config has none
     # keys and values of every layer a sequence at the mean length, in the model's dtype
     kv = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * (args.prompt_len + args.new_tokens / 2) \
@@ -195,7 +205,8 @@ def _run_model(args, name: str, wanted: list[str], quantized: dict[str, str],
     packages = {}
     for v, w in quantized.items():
         packages[v] = customops.export.package_causal_lm(model, tempfile.mkdtemp() + f"/{name}-{w}.pt2",
-                                                         max_batch=max(batches), max_seq_len=max_seq_len, weights=w)
+                                                         max_batch=max(batches), max_seq_len=max_seq_len, weights=w,
+                                                         quantize_lm_head=args.quantize_lm_head)
     for b in batches:
         ids = torch.randint(1, cfg.vocab_size, (b, args.prompt_len), generator=g).to(args.device)
         floor = {v: floors[quantized.get(v, "bf16")][b] for v in wanted}
@@ -299,6 +310,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--new-tokens", type=int, help="default: 256 on CUDA, 32 on CPU")
     p.add_argument("--batches", default=None, help="comma-separated (default: 1,8 on CUDA, 1 on CPU)")
     p.add_argument("--variants", help=f"comma-separated subset of: {', '.join(VARIANTS)}")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="the quantized formats' packages quantize the LM head too (its floor with it)")
     p.add_argument("--weights", default="bf16", help="comma-separated package weight formats: bf16 (the model's "
                    "dtype), fp8, int4; each beyond bf16 adds customops-run generate of such a package")
     p.add_argument("--rounds", type=int, help="time every variant in turn this many times, report medians "
