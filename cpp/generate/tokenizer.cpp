@@ -142,8 +142,11 @@ std::optional<int64_t> Tokenizer::eos_id() const { return impl_->backend->eos_id
 // first ids is the new text. Where the text ends in U+FFFD, bytes that are not UTF-8 yet, the last
 // ids may still complete a character: a character's bytes before its last are at most 3, from the
 // last 3 ids that give bytes at most, so the text of the ids before those is final where it begins
-// the whole text. Only those ids wait; bytes that no id can complete (a model that repeats a
-// continuation byte) are sent as U+FFFD, as decode() gives them, not held to the end.
+// the whole text (where it does not, an id boundary there cuts a character: a few earlier ones are
+// tried). So bytes that no id can complete (a model that repeats a continuation byte) are sent as
+// U+FFFD, as decode() gives them, 3 ids later, not held to the end. (Ids whose every boundary cuts a
+// character, as a run of tokens each ending inside a CJK character could, are still held until one
+// does not.)
 TextStream::TextStream(const Tokenizer& tokenizer) : tokenizer_(tokenizer) {}
 
 std::string TextStream::push(int64_t id) {
@@ -158,9 +161,12 @@ std::string TextStream::push(int64_t id) {
     for (int giving = 0; end > read_ && giving < 3; --end) {
       giving += !tokenizer_.decode({ids_[end - 1]}).empty();  // (special ids give no bytes)
     }
-    if (end == read_) return {};
-    std::string final_text = tokenizer_.decode({ids_.begin(), ids_.begin() + static_cast<std::ptrdiff_t>(end)});
-    if (!starts_with(text, final_text)) return {};
+    std::string final_text;
+    for (int tries = 0;; --end, ++tries) {
+      if (end == read_ || tries == 4) return {};
+      final_text = tokenizer_.decode({ids_.begin(), ids_.begin() + static_cast<std::ptrdiff_t>(end)});
+      if (starts_with(text, final_text)) break;
+    }
     text = std::move(final_text);
   }
   if (text.size() <= prefix_.size() || !starts_with(text, prefix_)) return {};

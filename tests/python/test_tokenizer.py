@@ -141,12 +141,13 @@ def test_decode_is_tokenizers_decode_of_any_ids(trained, consumer, tmp_path):
 
 
 def test_a_text_stream_never_splits_a_character(trained, consumer, tmp_path):
-    """Each push is whole characters; it waits for at most the last 3 ids that give bytes, which may
-    still complete one, never longer: bytes that are not UTF-8 and that no later id can complete
-    (a run of continuation bytes, as a model repeating a byte id gives) are sent as U+FFFD. What
-    is pushed and finished is decode() of all the ids."""
+    """Each push is whole characters; it waits for the last 3 ids that give bytes, which may still
+    complete one (or more, where those ids' boundaries cut characters): bytes that are not UTF-8
+    and that no later id can complete (a run of continuation bytes, as a model repeating a byte id
+    gives) are sent as U+FFFD 3 ids later, not at the end. What is pushed and finished is decode()
+    of all the ids."""
     tok, path, _ = trained
-    # byte 0x80 as byte-level BPE spells it (GPT-2's bytes_to_unicode: the 34th byte that is not printable)
+    # byte 0x80 as byte-level BPE spells it (GPT-2's bytes_to_unicode: the 35th byte that is not printable)
     printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
     continuation = tok.token_to_id(chr(256 + sorted(set(range(256)) - printable).index(0x80)))
     stuck = [continuation] * 12  # 12 lone continuation bytes

@@ -59,9 +59,10 @@ class CUSTOMOPS_API Tokenizer {
 };
 
 // The text of ids as they come, for streaming: push returns what the ids so far add to the text,
-// never part of a UTF-8 character (it waits for the ids that complete one, at most 3 of them that
-// give bytes; bytes that no id can complete come as decode()'s U+FFFD), and finish what is left.
-// The text pushed and finished is decode() of all the ids. The tokenizer must outlive it.
+// never part of a UTF-8 character (it waits for the ids that may complete one: the last 3 that give
+// bytes, or more where their boundaries cut characters; bytes that no id can complete come as
+// decode()'s U+FFFD), and finish what is left. The text pushed and finished is decode() of all the
+// ids. The tokenizer must outlive it.
 class CUSTOMOPS_API TextStream {
  public:
   explicit TextStream(const Tokenizer& tokenizer);
