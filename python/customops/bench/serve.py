@@ -110,8 +110,8 @@ class _LlamaServer:
         deadline = time.monotonic() + 300
         while True:
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.log.seek(0)
-                raise RuntimeError(f"llama-server did not start: {self.log.read()[-2000:]}")
+                self.stop()  # (one that is still loading would hold its port and the GPU's memory)
+                raise RuntimeError(f"llama-server did not start: {self.tail}")
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
                 conn.request("GET", "/health")
@@ -123,7 +123,13 @@ class _LlamaServer:
 
     def stop(self):
         self.proc.terminate()
-        self.proc.wait(timeout=60)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.seek(0)
+        self.tail = self.log.read()[-2000:]
         self.log.close()
 
 
@@ -138,7 +144,11 @@ def _gguf(model, tokenizer_json: Path, llama_cpp: Path, root: Path) -> Path:
     PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json)).save_pretrained(hf)
     out = root / "model.gguf"
     dtype = {torch.bfloat16: "bf16", torch.float16: "f16"}.get(next(model.parameters()).dtype, "f32")
-    convert = (f"import sys; sys.path[:0] = [{str(llama_cpp / 'gguf-py')!r}, {str(llama_cpp)!r}]\n"
+    convert = (f"import sys, types; sys.path[:0] = [{str(llama_cpp / 'gguf-py')!r}, {str(llama_cpp)!r}]\n"
+               # (its Llama tries SentencePiece first, importing it before it finds no tokenizer.model)
+               "try:\n    import sentencepiece\n"
+               "except ImportError:\n"
+               "    sys.modules['sentencepiece'] = types.SimpleNamespace(SentencePieceProcessor=None)\n"
                "import convert_hf_to_gguf as c\n"
                "from conversion.base import TextModel\n"
                "TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
@@ -255,6 +265,23 @@ def _generate(package, prompts, new_tokens) -> dict:
             "prefill_ms": prefill}
 
 
+def _serve(package, tokenizer, c, env, prompts, args) -> tuple[dict, str]:
+    """customops-run serve with --max-batch c under env: the load's report, and the greedy text of
+    the first prompt's first 16 tokens."""
+    server = _Server(package, tokenizer, c, env)
+    try:
+        _load(server.port, prompts[:c], c, 1, 8)  # warm-up: the batch sizes' CUDA graphs
+        before = _server_ttft(server.port)
+        result = _load(server.port, prompts, c, args.requests, args.new_tokens)
+        after = _server_ttft(server.port)
+        # the server's own mean TTFT (submit to first id): what the client's adds is the HTTP path's
+        # and the text's
+        result["server_ttft_mean_ms"] = (after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3
+        return result, _complete(server.port, prompts[0], 16)
+    finally:
+        server.stop()
+
+
 def run(args) -> dict:
     model = _model(args)
     cfg = model.config
@@ -294,21 +321,17 @@ def run(args) -> dict:
             alone = _generate(package, [median], 1)  # the prefill of a prompt of the median length alone
             row["prefill_alone_ms"] = alone["prefill_ms"]
             for env in [{}, *args.variant]:
-                server = _Server(package, root / "tokenizer.json", c, env)
                 try:
-                    _load(server.port, prompts[:c], c, 1, 8)  # warm-up: the batch sizes' CUDA graphs
-                    before = _server_ttft(server.port)
-                    result = _load(server.port, prompts, c, args.requests, args.new_tokens)
-                    after = _server_ttft(server.port)
-                    # the server's own mean TTFT (submit to first id): what the client's adds is the HTTP
-                    # path's and the text's
-                    result["server_ttft_mean_ms"] = (after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3
-                    if env:
-                        row.setdefault("variants", {})[_label(env)] = result
-                    else:
-                        row["serve"], text = result, _complete(server.port, prompts[0], 16)
-                finally:
-                    server.stop()
+                    result, first_text = _serve(package, root / "tokenizer.json", c, env, prompts, args)
+                except Exception as e:  # noqa: BLE001  (a variant's failure is its own)
+                    if not env:
+                        raise
+                    row.setdefault("variants", {})[_label(env)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    continue
+                if env:
+                    row.setdefault("variants", {})[_label(env)] = result
+                else:
+                    row["serve"], text = result, first_text
         except Exception as e:  # noqa: BLE001  (reported; the other levels run)
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         if gguf is not None and "error" not in row:
@@ -371,7 +394,9 @@ def print_report(report: dict) -> None:
         print(f"\n[{label}]\n{'C':>3s} {'serve tok/s':>12s} {'vs default':>10s} {'TTFT p50/p99 ms':>17s} "
               f"{'ITL p50/p99 ms':>15s} {'max gap ms':>10s}")
         for r in report["rows"]:
-            if label in r.get("variants", {}):
+            if "error" in r.get("variants", {}).get(label, {}):
+                print(f"{r['concurrency']:3d}  {r['variants'][label]['error']}")
+            elif label in r.get("variants", {}) and "serve" in r:
                 s, v = r["serve"], r["variants"][label]
                 print(f"{r['concurrency']:3d} {v['tokens_per_s']:12,.0f} {v['tokens_per_s'] / s['tokens_per_s']:9.2f}x "
                       f"{v['ttft_p50_ms']:8.1f}/{v['ttft_p99_ms']:<8.1f} {v['itl_p50_ms']:7.2f}/{v['itl_p99_ms']:<7.2f} "
@@ -420,4 +445,6 @@ def main(argv: list[str]) -> int:
     report = run(args)
     print_report(report)
     write_json(args.json, report)
-    return 1 if any("error" in r or "llama_server_error" in r for r in report["rows"]) else 0
+    failed = [r for r in report["rows"] if "error" in r or "llama_server_error" in r
+              or any("error" in v for v in r.get("variants", {}).values())]
+    return 1 if failed else 0
