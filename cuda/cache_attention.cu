@@ -2,7 +2,8 @@
 // position on the device: no host sync, so a CUDA graph can capture a decode step.
 //
 // cache_attention (float16/bfloat16, head dims 64/128/256, up to kCacheAttentionMaxQueries new
-// queries a sequence; other inputs go through cache_attention_generic) is split-KV attention
+// queries a sequence, or CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES; other inputs go through
+// cache_attention_generic) is split-KV attention
 // ("flash-decoding"): decoding reads a long cache for a handful of query rows, so the keys, not the
 // rows, are spread over the GPU. A block owns one (sequence, kv head, split) and the grouped query
 // rows of that kv head (Hq / Hkv heads x T queries, 16 rows a block, padded with zero rows): k and

@@ -36,7 +36,8 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_generic(const at::Tensor& q, 
                                                            std::optional<double> scale, const Slots& slots);
 
 // The most new queries a sequence the CUDA split-KV kernel takes (decoding, speculative drafts);
-// longer ones (a prefill) go through cache_attention_generic.
+// longer ones (a prefill) go through cache_attention_generic, unless
+// CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES lets the kernel take them (cuda/cache_attention.cu).
 constexpr int64_t kCacheAttentionMaxQueries = 16;
 
 // Whether cache_attention's CUDA kernel reads lengths on the device for q of this dtype, head dim

@@ -477,38 +477,51 @@ def test_cache_attention_cuda_merges_its_splits(monkeypatch, cluster, warps, d, 
 
 
 @pytest.mark.skipif(not any(d == "cuda" for d in DEVICES), reason="the CUDA kernel's paths")
-@pytest.mark.parametrize("d,t,dtype", [(64, 17, torch.float16), (128, 64, torch.bfloat16), (128, 128, torch.bfloat16),
-                                       (256, 33, torch.bfloat16)])
-def test_cache_attention_cuda_takes_prefill_chunks_when_asked(monkeypatch, d, t, dtype):
+@pytest.mark.parametrize("cluster", ["", "0"], ids=["clusters", "merge-kernel"])
+@pytest.mark.parametrize("d,t,dtype", [(64, 17, torch.float16), (128, 32, torch.bfloat16), (128, 64, torch.bfloat16),
+                                       (128, 128, torch.bfloat16), (256, 32, torch.bfloat16)])
+def test_cache_attention_cuda_takes_prefill_chunks_when_asked(monkeypatch, cluster, d, t, dtype):
     # CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES lets the split-KV kernel take chunks of a prompt (t past
     # 16 queries, causal within the chunk) for every row in one launch, lengths on the device: rows of
     # different lengths, through slots, in and out of a CUDA graph. Unset, such a chunk takes the
     # generic path, which reads the lengths on the host and raises for one out of range; the kernel
-    # gives that sequence NaN rows instead.
+    # gives that sequence NaN rows instead. A block stops at its last query's bound: batch 1 splits
+    # its keys (merged in clusters, or by the merge kernel; 2 splits of 128 keys for t = 32 on an
+    # H100 or H200), and 32 queries at length 130 leave the first 16 queries' block no keys in the
+    # second split.
+    if cluster:
+        monkeypatch.setenv("CUSTOMOPS_CACHE_ATTENTION_CLUSTER", cluster)
+    else:
+        monkeypatch.delenv("CUSTOMOPS_CACHE_ATTENTION_CLUSTER", raising=False)
     g = torch.Generator().manual_seed(d + t)
-    lengths, slots, size = [t, 300, 4096, 4097], [3, 0, 2, 1], 4096
-    q = torch.randn(4, 32, t, d, generator=g).to("cuda", dtype)
-    k_cache, v_cache = (torch.randn(4, 8, size, d, generator=g).to("cuda", dtype) for _ in range(2))
-    lens, where = torch.tensor(lengths, device="cuda"), torch.tensor(slots, device="cuda")
-    monkeypatch.delenv("CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES", raising=False)
-    with pytest.raises(RuntimeError, match="cache_attention"):
-        customops.cache_attention(q, k_cache, v_cache, lens, slots=where)
-    monkeypatch.setenv("CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES", "128")
-    out, lse = customops.cache_attention(q, k_cache, v_cache, lens, slots=where)
-    graph, static = torch.cuda.CUDAGraph(), q.clone()
-    customops.cache_attention(static, k_cache, v_cache, lens, slots=where)  # (warm-up outside the capture)
-    with torch.cuda.graph(graph):
-        replayed = customops.cache_attention(static, k_cache, v_cache, lens, slots=where)
-    graph.replay()
-    torch.testing.assert_close(replayed[0], out, atol=0, rtol=0, equal_nan=True)
-    for i, (n, c) in enumerate(zip(lengths, slots)):
-        if n > size:
-            assert out[i].isnan().all() and lse[i].isnan().all()
-            continue
-        o, l = customops.attention(q[i:i + 1].float(), k_cache[c:c + 1, :, :n].float(), v_cache[c:c + 1, :, :n].float(),
-                                   causal=True, return_lse=True)
-        torch.testing.assert_close(out[i:i + 1].float(), o, atol=1e-2, rtol=1e-2)
-        torch.testing.assert_close(lse[i:i + 1], l, atol=1e-3, rtol=1e-3)
+    size = 4096
+    cases = [([t, 300, 4096, 4097], [3, 0, 2, 1]), ([t + 98], [0]), ([4000], [0])]
+    for lengths, slots in cases:
+        b = len(lengths)
+        q = torch.randn(b, 32, t, d, generator=g).to("cuda", dtype)
+        k_cache, v_cache = (torch.randn(4, 8, size, d, generator=g).to("cuda", dtype) for _ in range(2))
+        lens, where = torch.tensor(lengths, device="cuda"), torch.tensor(slots, device="cuda")
+        monkeypatch.delenv("CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES", raising=False)
+        if max(lengths) > size:
+            with pytest.raises(RuntimeError, match="cache_attention.*4097"):
+                customops.cache_attention(q, k_cache, v_cache, lens, slots=where)
+        monkeypatch.setenv("CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES", "128")
+        out, lse = customops.cache_attention(q, k_cache, v_cache, lens, slots=where)
+        graph, static = torch.cuda.CUDAGraph(), q.clone()
+        customops.cache_attention(static, k_cache, v_cache, lens, slots=where)  # (warm-up outside the capture)
+        with torch.cuda.graph(graph):
+            replayed = customops.cache_attention(static, k_cache, v_cache, lens, slots=where)
+        graph.replay()
+        torch.testing.assert_close(replayed[0], out, atol=0, rtol=0, equal_nan=True)
+        torch.testing.assert_close(replayed[1], lse, atol=0, rtol=0, equal_nan=True)
+        for i, (n, c) in enumerate(zip(lengths, slots)):
+            if n > size:
+                assert out[i].isnan().all() and lse[i].isnan().all()
+                continue
+            o, l = customops.attention(q[i:i + 1].float(), k_cache[c:c + 1, :, :n].float(),
+                                       v_cache[c:c + 1, :, :n].float(), causal=True, return_lse=True)
+            torch.testing.assert_close(out[i:i + 1].float(), o, atol=1e-2, rtol=1e-2)
+            torch.testing.assert_close(lse[i:i + 1], l, atol=1e-3, rtol=1e-3)
     monkeypatch.setenv("CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES", "many")
     with pytest.raises(RuntimeError, match="CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES must be a count"):
         customops.cache_attention(q, k_cache, v_cache, lens, slots=where)
