@@ -728,7 +728,8 @@ def test_ring_attention_says_what_is_wrong():
 
 def test_one_rank_needs_no_collective(monkeypatch):
     """With one rank, gather_sequence and ring_attention's agreement communicate nothing (which
-    also keeps a script that ends right after them clear of torch's gloo exit race: docs/distributed.md)."""
+    also keeps a script that ends right after them clear of torch's gloo exit race: see
+    gather_sequence in customops/distributed/ring.py)."""
     import customops
     import customops.distributed as cd
 
