@@ -144,14 +144,15 @@ def _gguf(model, tokenizer_json: Path, llama_cpp: Path, root: Path) -> Path:
     PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json)).save_pretrained(hf)
     out = root / "model.gguf"
     dtype = {torch.bfloat16: "bf16", torch.float16: "f16"}.get(next(model.parameters()).dtype, "f32")
-    convert = (f"import sys, types; sys.path[:0] = [{str(llama_cpp / 'gguf-py')!r}, {str(llama_cpp)!r}]\n"
-               # (its Llama tries SentencePiece first, importing it before it finds no tokenizer.model)
-               "try:\n    import sentencepiece\n"
-               "except ImportError:\n"
-               "    sys.modules['sentencepiece'] = types.SimpleNamespace(SentencePieceProcessor=None)\n"
+    convert = (f"import sys; sys.path[:0] = [{str(llama_cpp / 'gguf-py')!r}, {str(llama_cpp)!r}]\n"
                "import convert_hf_to_gguf as c\n"
                "from conversion.base import TextModel\n"
                "TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
+               # its Llama tries a tokenizer.model first, importing sentencepiece (which a machine may
+               # lack) before it finds none; there is none here
+               "def no_sentencepiece(self, *args, **kwargs):\n"
+               "    raise FileNotFoundError('no tokenizer.model')\n"
+               "TextModel._set_vocab_sentencepiece = no_sentencepiece\n"
                f"sys.argv = ['convert_hf_to_gguf.py', {str(hf)!r}, '--outfile', {str(out)!r}, '--outtype', {dtype!r}]\n"
                "c.main()\n")
     r = subprocess.run([sys.executable, "-c", convert], capture_output=True, text=True, timeout=900,
