@@ -439,6 +439,19 @@ def test_cache_attention_cuda_gives_nan_rows_for_a_length_out_of_range():
     assert out[1].isfinite().all() and lse[1].isfinite().all()
 
 
+def _matches_attention_on_each_length(q, k_cache, v_cache, out, lse, lengths, slots):
+    """cache_attention's out and lse for row i against attention (float32) over the cache's slot
+    slots[i] up to lengths[i]; NaN rows for a length past the cache."""
+    for i, (n, c) in enumerate(zip(lengths, slots)):
+        if n > k_cache.size(2):
+            assert out[i].isnan().all() and lse[i].isnan().all()
+            continue
+        o, l = customops.attention(q[i:i + 1].float(), k_cache[c:c + 1, :, :n].float(), v_cache[c:c + 1, :, :n].float(),
+                                   causal=True, return_lse=True)
+        torch.testing.assert_close(out[i:i + 1].float(), o, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(lse[i:i + 1], l, atol=1e-3, rtol=1e-3)
+
+
 @pytest.mark.skipif(not any(d == "cuda" for d in DEVICES), reason="the CUDA kernel's paths")
 @pytest.mark.parametrize(
     "cluster,warps", [("", ""), ("16", ""), ("0", ""), ("", "4"), ("0", "4"), ("", "8"), ("0", "8")],
@@ -466,14 +479,7 @@ def test_cache_attention_cuda_merges_its_splits(monkeypatch, cluster, warps, d, 
         q = torch.randn(b, 32, t, d, generator=g).to("cuda", dtype)
         k_cache, v_cache = (torch.randn(b, 8, size, d, generator=g).to("cuda", dtype) for _ in range(2))
         out, lse = customops.cache_attention(q, k_cache, v_cache, torch.tensor(lengths, device="cuda"))
-        for i, n in enumerate(lengths):
-            if n > size:
-                assert out[i].isnan().all() and lse[i].isnan().all()
-                continue
-            o, l = customops.attention(q[i:i + 1].float(), k_cache[i:i + 1, :, :n].float(),
-                                       v_cache[i:i + 1, :, :n].float(), causal=True, return_lse=True)
-            torch.testing.assert_close(out[i:i + 1].float(), o, atol=1e-2, rtol=1e-2)
-            torch.testing.assert_close(lse[i:i + 1], l, atol=1e-3, rtol=1e-3)
+        _matches_attention_on_each_length(q, k_cache, v_cache, out, lse, lengths, range(b))
 
 
 @pytest.mark.skipif(not any(d == "cuda" for d in DEVICES), reason="the CUDA kernel's paths")
@@ -514,14 +520,7 @@ def test_cache_attention_cuda_takes_prefill_chunks_when_asked(monkeypatch, clust
         graph.replay()
         torch.testing.assert_close(replayed[0], out, atol=0, rtol=0, equal_nan=True)
         torch.testing.assert_close(replayed[1], lse, atol=0, rtol=0, equal_nan=True)
-        for i, (n, c) in enumerate(zip(lengths, slots)):
-            if n > size:
-                assert out[i].isnan().all() and lse[i].isnan().all()
-                continue
-            o, l = customops.attention(q[i:i + 1].float(), k_cache[c:c + 1, :, :n].float(),
-                                       v_cache[c:c + 1, :, :n].float(), causal=True, return_lse=True)
-            torch.testing.assert_close(out[i:i + 1].float(), o, atol=1e-2, rtol=1e-2)
-            torch.testing.assert_close(lse[i:i + 1], l, atol=1e-3, rtol=1e-3)
+        _matches_attention_on_each_length(q, k_cache, v_cache, out, lse, lengths, slots)
     monkeypatch.setenv("CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES", "many")
     with pytest.raises(RuntimeError, match="CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES must be a count"):
         customops.cache_attention(q, k_cache, v_cache, lens, slots=where)
