@@ -619,9 +619,8 @@ int choose_splits(int sms, int64_t work, int64_t s, int max_splits, int keys) {
 // CUSTOMOPS_CACHE_ATTENTION_WARPS=4 or =8 takes that count where it fits (the tests run each).
 int block_warps(int d, int smem_optin, int sms, int64_t work, int64_t s) {
   if (d > 128 || ring_bytes(d, 3, 8) > smem_optin) return 4;
-  for (const int warps : {4, 8}) {
-    if (env::is("CUSTOMOPS_CACHE_ATTENTION_WARPS", warps == 4 ? "4" : "8")) return warps;
-  }
+  if (env::is("CUSTOMOPS_CACHE_ATTENTION_WARPS", "4")) return 4;
+  if (env::is("CUSTOMOPS_CACHE_ATTENTION_WARPS", "8")) return 8;
   // The splits launch_cache_attention will take, about: a cluster's 8 at most, unless a sequence wants
   // more than twice that (then the merge kernel's, as before sm_90, where this undercounts them)
   int64_t splits = sms / work;

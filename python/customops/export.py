@@ -165,7 +165,8 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
                         quantize_lm_head=bool(quantize_lm_head)).eval()
     device = param.device
     cfg = model.config
-    b = torch.export.Dim("batch", min=1, max=max_batch) if max_batch > 1 else torch.export.Dim.STATIC  # (a Dim needs min < max)
+    # (a Dim needs min < max)
+    b = torch.export.Dim("batch", min=1, max=max_batch) if max_batch > 1 else torch.export.Dim.STATIC
     t = torch.export.Dim("tokens", min=1, max=max_seq_len)
     example = (torch.zeros(min(2, max_batch), 2, dtype=torch.long, device=device),
                torch.zeros(min(2, max_batch), dtype=torch.long, device=device),

@@ -112,8 +112,13 @@ def _in_environment(env: dict[str, str], thunk):
     return call
 
 
+def variant_label(env: dict[str, str]) -> str:
+    """{VAR: VALUE} -> ``VAR=VALUE[,VAR=VALUE]`` (parse_variant's inverse)."""
+    return ",".join(f"{k}={v}" for k, v in env.items())
+
+
 def variant_name(env: dict[str, str]) -> str:
-    return "customops[" + ",".join(f"{k}={v}" for k, v in env.items()) + "]"
+    return f"customops[{variant_label(env)}]"
 
 
 def _functions(shape: Shape, variants: list[dict[str, str]] = ()):

@@ -27,7 +27,7 @@ import torch
 import customops
 
 from .common import pick_device, versions, write_json
-from .attention import _in_environment, parse_variant
+from .attention import _in_environment, parse_variant, variant_label
 from .decode import _copy_speed, _graph_us, _time_us
 
 # (name, out_features, in_features, prologue, residual) of a decoder layer's products
@@ -77,7 +77,7 @@ def run(args) -> dict:
                 def call(i=0, plain=plain, env=env):  # (the variant's variables set around the launch)
                     return _in_environment(env, lambda: plain(i))() if env else plain(i)
 
-                variant = ",".join(f"{k}={v}" for k, v in env.items())
+                variant = variant_label(env)
 
                 y = call().float()
                 ref = y if ref is None else ref  # (the first format's: bf16 by default)
@@ -97,7 +97,7 @@ def run(args) -> dict:
         r[f"vs_{formats[0]}"] = base[(r["product"], r["rows"])] / r["graph_us"]
     meta = {"device": torch.cuda.get_device_name(), "versions": versions("cuda"), "shape": args.shape,
             "copy_gb_s": speed / 1e9, "formats": formats,
-            "variants": [",".join(f"{k}={v}" for k, v in env.items()) for env in args.variant]}
+            "variants": [variant_label(env) for env in args.variant]}
     return {"meta": meta, "rows": rows}
 
 

@@ -49,7 +49,7 @@ import torch
 import customops
 
 from .. import _cli
-from .attention import parse_variant
+from .attention import parse_variant, variant_label
 from .common import pick_device, versions, write_json
 from .generate import _copy_speed, _model
 
@@ -283,6 +283,19 @@ def _serve(package, tokenizer, c, env, prompts, args) -> tuple[dict, str]:
         server.stop()
 
 
+def _llama(args, gguf, c, prompts) -> tuple[dict, str, str]:
+    """llama-server with c slots under the same load as _serve (eos ignored, as the package has
+    none): its report, its greedy text of the first prompt's first 16 tokens, its command line."""
+    llama = _LlamaServer(args.llama_cpp, gguf, c, args.prompt_len + args.new_tokens + 8, args.device)
+    try:
+        extra = {"ignore_eos": True}
+        _load(llama.port, prompts[:c], c, 1, 8, extra)
+        result = _load(llama.port, prompts, c, args.requests, args.new_tokens, extra)
+        return result, _complete(llama.port, prompts[0], 16, extra), " ".join(llama.cmd[1:])
+    finally:
+        llama.stop()
+
+
 def run(args) -> dict:
     model = _model(args)
     cfg = model.config
@@ -321,34 +334,23 @@ def run(args) -> dict:
             median = sorted(prompts, key=len)[len(prompts) // 2]
             alone = _generate(package, [median], 1)  # the prefill of a prompt of the median length alone
             row["prefill_alone_ms"] = alone["prefill_ms"]
-            for env in [{}, *args.variant]:
+            row["serve"], text = _serve(package, root / "tokenizer.json", c, {}, prompts, args)
+            for env in args.variant:
                 try:
-                    result, first_text = _serve(package, root / "tokenizer.json", c, env, prompts, args)
+                    result, _ = _serve(package, root / "tokenizer.json", c, env, prompts, args)
                 except Exception as e:  # noqa: BLE001  (a variant's failure is its own)
-                    if not env:
-                        raise
-                    row.setdefault("variants", {})[_label(env)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
-                    continue
-                if env:
-                    row.setdefault("variants", {})[_label(env)] = result
-                else:
-                    row["serve"], text = result, first_text
+                    result = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                row.setdefault("variants", {})[variant_label(env)] = result
         except Exception as e:  # noqa: BLE001  (reported; the other levels run)
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
         if gguf is not None and "error" not in row:
             if not args.no_progress:
                 print("    llama-server", flush=True)
             try:
-                llama = _LlamaServer(args.llama_cpp, gguf, c, args.prompt_len + args.new_tokens + 8, args.device)
-                try:
-                    extra = {"ignore_eos": True}
-                    _load(llama.port, prompts[:c], c, 1, 8, extra)
-                    row["llama_server"] = _load(llama.port, prompts, c, args.requests, args.new_tokens, extra)
-                    row["same_greedy_text"] = text == _complete(llama.port, prompts[0], 16, extra)
-                    if c == levels[0]:
-                        notes.append(f"llama-server: {' '.join(llama.cmd[1:])}")
-                finally:
-                    llama.stop()
+                row["llama_server"], theirs, cmd = _llama(args, gguf, c, prompts)
+                row["same_greedy_text"] = text == theirs
+                if c == levels[0]:
+                    notes.append(f"llama-server: {cmd}")
             except Exception as e:  # noqa: BLE001
                 row["llama_server_error"] = f"{type(e).__name__}: {str(e)[-600:]}"
         rows.append(row)
@@ -357,12 +359,8 @@ def run(args) -> dict:
                   f"{row['generate']['tokens_per_s']:,.0f}", flush=True)
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "versions": versions(args.device),
             "layers": cfg.num_hidden_layers, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-            "requests": args.requests, "copy_gb_s": speed / 1e9, "variants": [_label(env) for env in args.variant]}
+            "requests": args.requests, "copy_gb_s": speed / 1e9, "variants": [variant_label(env) for env in args.variant]}
     return {"meta": meta, "rows": rows, "notes": notes}
-
-
-def _label(env: dict) -> str:
-    return ",".join(f"{k}={v}" for k, v in env.items())
 
 
 def _llama_version(llama_cpp: Path) -> str:
