@@ -27,7 +27,8 @@
 // sums are scaled by its group's scale, a float8 row's sum by the row's. The activations sit in
 // shared memory in the order a vector's weights meet them (pack j of vector c at j * K/E + c), so
 // that the 32 lanes' loads of one pack are contiguous. Where it applies, the tensor-core kernel
-// (gemv_mma_kernel, below) takes a quantized weight's rows instead. Up to kMaxQuantRows rows, in
+// (gemv_mma_kernel, below) takes a quantized weight's rows instead, and on Hopper its math runs on
+// weights streamed into shared memory by the tensor memory accelerator (gemv_tma_mma_kernel). Up to kMaxQuantRows rows, in
 // launches of up to 8 rows (each launch streams the weight once); more rows (prefill) take
 // quantized_rows.
 #include <ATen/ATen.h>
@@ -684,6 +685,87 @@ __device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b
   }
 }
 
+// prologue(x) for every row into xs ([M, row_elems] of T), each pack of V permuted into its
+// vector's pair order (a pack lies within a vector's slice): the tensor-core kernels' B operand.
+template <typename T, Format W, Prologue P, int kN, typename Sync>
+__device__ void prologue_pairs(const GemvArgs<T>& a, T* xs, int row_elems, Sync sync) {
+  constexpr int V = 16 / sizeof(T), E = kElems<T, W>;
+  using PackT = Pack<T, V>;
+  prologue_packs<T, V, P, kN>(
+      a,
+      [&](int m, int pc, const PackT& y) {
+        PackT o;
+        const int e0 = pc * V % E;  // the pack's first weight in its vector
+#pragma unroll
+        for (int j = 0; j < V; ++j) o.v[pair_position<T, W>(e0 + j) - e0] = y.v[j];
+        *reinterpret_cast<PackT*>(xs + int64_t{m} * row_elems + pc * V) = o;
+      },
+      sync);
+}
+
+// acc (rows g, g, g + 8, g + 8 of a tile of 16 output features; tokens 2c, 2c + 1) += one chunk of
+// this thread's: w0 and w1, its 16-byte vectors of rows g and g + 8, times x, token g's E values of
+// the same vector in pair order (zeros where has_x is false: a token past M). An int4 chunk lies in
+// one group: its sums take the rows' scales s0 and s1 before they are added.
+template <typename T, Format W>
+__device__ __forceinline__ void mma_chunk(const uint4& w0, const uint4& w1, const T* x, bool has_x, float s0, float s1,
+                                          float* acc) {
+  constexpr int E = kElems<T, W>;
+  uint32_t xw[E / 2];
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+#pragma unroll
+  for (int i = 0; i < E / 8; ++i) {
+    const uint4 v = has_x ? xv[i] : make_uint4(0, 0, 0, 0);
+    xw[4 * i] = v.x;
+    xw[4 * i + 1] = v.y;
+    xw[4 * i + 2] = v.z;
+    xw[4 * i + 3] = v.w;
+  }
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int s = 0; s < E / 4; ++s) {  // steps: pairs 2s and 2s + 1 of each row
+    const uint32_t fa[4] = {decode_pair<T, W>(w0, 2 * s), decode_pair<T, W>(w1, 2 * s), decode_pair<T, W>(w0, 2 * s + 1),
+                            decode_pair<T, W>(w1, 2 * s + 1)};
+    mma16816<T>(W == Format::kInt4 ? d : acc, fa, xw[2 * s], xw[2 * s + 1]);
+  }
+  if constexpr (W == Format::kInt4) {
+    acc[0] += d[0] * s0;
+    acc[1] += d[1] * s0;
+    acc[2] += d[2] * s1;
+    acc[3] += d[3] * s1;
+  }
+}
+
+// A tile's end: the kWarpsN warps' sums (acc, reset here) meet in red ([kWarpsN, 16, 8] floats),
+// and the block's first 128 threads write the tile's outputs with the float8 row scale, bias and
+// residual. sync() is a barrier over the kWarpsN warps (the only threads calling this).
+template <typename T, Format W, int kWarpsN, typename Sync>
+__device__ __forceinline__ void mma_tile_end(const GemvArgs<T>& a, float* red, int64_t tile, float* acc, Sync sync) {
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  float* r = red + threadIdx.x / 32 * 128;
+  r[g * 8 + 2 * c] = acc[0];
+  r[g * 8 + 2 * c + 1] = acc[1];
+  r[(g + 8) * 8 + 2 * c] = acc[2];
+  r[(g + 8) * 8 + 2 * c + 1] = acc[3];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] = 0.f;
+  sync();
+  if (threadIdx.x < 128) {
+    const int row = threadIdx.x / 8, m = threadIdx.x % 8;
+    const int64_t n = tile * 16 + row;
+    if (m < a.M && n < a.N) {
+      float y = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarpsN; ++w) y += red[w * 128 + row * 8 + m];
+      if constexpr (W == Format::kFp8) y *= static_cast<const float*>(a.scale)[n * a.scale_s0];
+      if (a.bias != nullptr) y += static_cast<float>(a.bias[n * a.bias_stride]);
+      if (a.residual != nullptr) y += static_cast<float>(a.residual[m * a.r_stride0 + n * a.r_stride1]);
+      a.out[m * a.N + n] = static_cast<T>(y);
+    }
+  }
+  sync();
+}
+
 // A task: a warp's next kMmaChunks chunks of a tile (tasks_a_tile a tile for every warp, so that
 // all reach the tile's end together; a warp's chunks are a contiguous range of the tile's).
 template <Format W>
@@ -729,13 +811,12 @@ struct MmaTasks {
 
 template <typename T, Format W, Prologue P>
 __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a) {
-  constexpr int V = 16 / sizeof(T), E = kElems<T, W>;
-  using PackT = Pack<T, V>;
+  constexpr int E = kElems<T, W>;
   extern __shared__ __align__(16) unsigned char smem[];
   const int row_elems = a.K + kMmaRowPad / static_cast<int>(sizeof(T));
   T* xs = reinterpret_cast<T*>(smem);  // [M, row_elems], each vector's slice in pair order
   float* red = reinterpret_cast<float*>(smem + int64_t{a.M} * row_elems * sizeof(T));  // [warps, 16, 8]
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
 
   MmaTasks<T, W> k{a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), 0, a.K / (4 * E), 0, 0};
   k.chunks_a_warp = (k.chunks + kMmaWarps - 1) / kMmaWarps;
@@ -749,17 +830,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a)
   k.load(1, tb);
   launch_dependents();
   wait_prerequisites();
-  // prologue(x), each pack of V permuted into pair order (a pack lies within a vector's slice)
-  prologue_packs<T, V, P, kMmaThreads>(
-      a,
-      [&](int m, int pc, const PackT& y) {
-        PackT o;
-        const int e0 = pc * V % E;  // the pack's first weight in its vector
-#pragma unroll
-        for (int j = 0; j < V; ++j) o.v[pair_position<T, W>(e0 + j) - e0] = y.v[j];
-        *reinterpret_cast<PackT*>(xs + int64_t{m} * row_elems + pc * V) = o;
-      },
-      [] { __syncthreads(); });
+  prologue_pairs<T, W, P, kMmaThreads>(a, xs, row_elems, [] { __syncthreads(); });
 
   float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows g, g (tokens 2c, 2c + 1), g + 8, g + 8
   auto consume = [&](int t, const MmaTask<W>& task) {
@@ -767,59 +838,16 @@ __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a)
     for (int u = 0; u < kMmaChunks; ++u) {
       const int j = k.chunk(t, u);
       if (j < 0) continue;
-      // this thread's x: token g's slice c of chunk j, E values in pair order (none past M)
-      uint32_t xw[E / 2];
-      const uint4* xv = reinterpret_cast<const uint4*>(xs + int64_t{g} * row_elems + (j * 4 + c) * E);
-#pragma unroll
-      for (int i = 0; i < E / 8; ++i) {
-        const uint4 v = g < a.M ? xv[i] : make_uint4(0, 0, 0, 0);
-        xw[4 * i] = v.x;
-        xw[4 * i + 1] = v.y;
-        xw[4 * i + 2] = v.z;
-        xw[4 * i + 3] = v.w;
-      }
-      float d[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int s = 0; s < E / 4; ++s) {  // steps: pairs 2s and 2s + 1 of each row
-        const uint32_t fa[4] = {decode_pair<T, W>(task.w[u][0], 2 * s), decode_pair<T, W>(task.w[u][1], 2 * s),
-                                decode_pair<T, W>(task.w[u][0], 2 * s + 1), decode_pair<T, W>(task.w[u][1], 2 * s + 1)};
-        if constexpr (W == Format::kInt4) {
-          mma16816<T>(d, fa, xw[2 * s], xw[2 * s + 1]);
-        } else {
-          mma16816<T>(acc, fa, xw[2 * s], xw[2 * s + 1]);
-        }
-      }
+      float s0 = 1.f, s1 = 1.f;
       if constexpr (W == Format::kInt4) {
-        acc[0] += d[0] * task.scale[u][0];
-        acc[1] += d[1] * task.scale[u][0];
-        acc[2] += d[2] * task.scale[u][1];
-        acc[3] += d[3] * task.scale[u][1];
+        s0 = task.scale[u][0];
+        s1 = task.scale[u][1];
       }
+      mma_chunk<T, W>(task.w[u][0], task.w[u][1], xs + int64_t{g} * row_elems + (j * 4 + c) * E, g < a.M, s0, s1, acc);
     }
-    if (t % k.tasks_a_tile != k.tasks_a_tile - 1) return;
-    // the tile's end: every warp's sums into red, then bias, residual and the row scale
-    float* r = red + warp * 128;
-    r[g * 8 + 2 * c] = acc[0];
-    r[g * 8 + 2 * c + 1] = acc[1];
-    r[(g + 8) * 8 + 2 * c] = acc[2];
-    r[(g + 8) * 8 + 2 * c + 1] = acc[3];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[i] = 0.f;
-    __syncthreads();
-    if (threadIdx.x < 128) {
-      const int row = threadIdx.x / 8, m = threadIdx.x % 8;
-      const int64_t n = int64_t{k.tile(t)} * 16 + row;
-      if (m < a.M && n < a.N) {
-        float y = 0.f;
-#pragma unroll
-        for (int w = 0; w < kMmaWarps; ++w) y += red[w * 128 + row * 8 + m];
-        if constexpr (W == Format::kFp8) y *= static_cast<const float*>(a.scale)[n * a.scale_s0];
-        if (a.bias != nullptr) y += static_cast<float>(a.bias[n * a.bias_stride]);
-        if (a.residual != nullptr) y += static_cast<float>(a.residual[m * a.r_stride0 + n * a.r_stride1]);
-        a.out[m * a.N + n] = static_cast<T>(y);
-      }
+    if (t % k.tasks_a_tile == k.tasks_a_tile - 1) {
+      mma_tile_end<T, W, kMmaWarps>(a, red, k.tile(t), acc, [] { __syncthreads(); });
     }
-    __syncthreads();
   };
   for (int t = 0; t < k.count; t += 2) {
     consume(t, ta);
@@ -856,6 +884,172 @@ bool launch_mma(const GemvArgs<T>& a, cudaStream_t stream) {
   return true;
 }
 
+// ---- Hopper: a quantized weight streamed by the tensor memory accelerator into the tensor cores --
+// gemv_mma_kernel keeps its weight bytes in flight in registers (two tasks a warp); at one row it
+// read gate_up's float8 weight (Llama-3-8B) at 53% of the H200's DRAM bandwidth and its int4 weight
+// at 30%, with 8-9 cycles between a warp's instructions (ncu, 2026-11-28). Here one producer thread keeps S stages in flight
+// through cp.async.bulk (each stage 16 output features' rows, kQuantSlabBytes of each row), as
+// gemv_tma_kernel does for dense weights, and 8 consumer warps run gemv_mma_kernel's math on them
+// from shared memory. A block owns a contiguous range of 16-feature tiles; a tile's rows are split
+// into slabs (its stages, in order), each slab into 64-byte chunks (4 vectors a row, as
+// gemv_mma_kernel's), warp w taking chunks w, w + 8, ... of every slab. Rows sit kQuantRowPitch
+// apart in a stage (64 bytes of padding: rows g and g + 1, read by one quarter of a warp, fall in
+// different banks). An int4 chunk's group scales are loaded a stage ahead into registers.
+constexpr int kQuantSlabBytes = 2048;
+constexpr int kQuantRowPitch = kQuantSlabBytes + 64;
+constexpr int kQuantStageBytes = 16 * kQuantRowPitch;
+constexpr int kQuantSlabChunks = kQuantSlabBytes / 64 / kConsumers;  // chunks a warp a full slab
+constexpr int kQuantStages = 4;
+
+template <int S>
+constexpr int64_t quant_ring_bytes() {
+  return kBarBytes + int64_t{S} * kQuantStageBytes;
+}
+
+// The int4 scales of this thread's chunks of stage i (rows g and g + 8 of its tile), or ones.
+template <typename T, Format W>
+struct SlabScales {
+  float v[W == Format::kInt4 ? kQuantSlabChunks : 1][2];
+};
+
+template <typename T, Format W, Prologue P, int S>
+__global__ void __launch_bounds__(kTmaThreads, 1) gemv_tma_mma_kernel(GemvArgs<T> a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int E = kElems<T, W>;
+  static_assert(2 * S * 8 <= kBarBytes, "the barriers fit their space");
+  extern __shared__ __align__(128) unsigned char tma_smem[];
+  const uint32_t full = smem_addr(tma_smem), empty = full + S * 8;  // barrier of stage s: + 8 s
+  unsigned char* ring = tma_smem + kBarBytes;
+  const int row_elems = a.K + kMmaRowPad / static_cast<int>(sizeof(T));
+  T* xs = reinterpret_cast<T*>(tma_smem + quant_ring_bytes<S>());  // [M, row_elems], pair order
+  float* red = reinterpret_cast<float*>(xs + int64_t{a.M} * row_elems);  // [kConsumers, 16, 8]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  const int64_t tiles = (a.N + 15) / 16;
+  const int64_t tile0 = blockIdx.x * tiles / gridDim.x, tile1 = (blockIdx.x + 1) * tiles / gridDim.x;
+  const int64_t row_bytes = int64_t{a.K} / E * 16;
+  const int slabs = static_cast<int>((row_bytes + kQuantSlabBytes - 1) / kQuantSlabBytes);  // a tile's stages
+  const int stages = static_cast<int>(tile1 - tile0) * slabs;
+  auto slab_bytes = [&](int slab) {
+    return static_cast<int>(std::min<int64_t>(kQuantSlabBytes, row_bytes - int64_t{slab} * kQuantSlabBytes));
+  };
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      tma::mbar_init(full + 8 * s, 1);
+      tma::mbar_init(empty + 8 * s, kConsumers * 32);  // every consumer thread releases what it read
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  launch_dependents();
+
+  if (warp == kConsumers) {  // the producer: stage i is slab i % slabs of tile tile0 + i / slabs
+    if (lane != 0) return;
+    if (!a.constant_weight) wait_prerequisites();
+    const uint64_t policy = tma::evict_first();
+    for (int i = 0; i < stages; ++i) {
+      const int s = i % S, slab = i % slabs;
+      if (i >= S) tma::mbar_wait(empty + 8 * s, static_cast<uint32_t>((i / S - 1) & 1));
+      const int64_t n0 = (tile0 + i / slabs) * 16;
+      const int rows = static_cast<int>(std::min<int64_t>(16, a.N - n0)), bytes = slab_bytes(slab);
+      tma::mbar_arrive_expect_tx(full + 8 * s, static_cast<uint32_t>(rows * bytes));
+      const char* src = static_cast<const char*>(a.weight) + n0 * row_bytes + int64_t{slab} * kQuantSlabBytes;
+      for (int r = 0; r < rows; ++r) {
+        tma::bulk_load(smem_addr(ring + s * kQuantStageBytes + r * kQuantRowPitch), src + r * row_bytes,
+                       static_cast<uint32_t>(bytes), full + 8 * s, policy);
+      }
+    }
+    return;
+  }
+
+  // The consumers. (A stage's rows past N are not copied: what the ring holds there reaches only
+  // those rows' sums, which are not written.)
+  auto load_scales = [&](int i, SlabScales<T, W>& sc) {
+    if constexpr (W == Format::kInt4) {
+      if (i >= stages) return;
+      const int64_t n = (tile0 + i / slabs) * 16 + g;
+      const int chunks = slab_bytes(i % slabs) / 64, j0 = i % slabs * (kQuantSlabBytes / 64);
+#pragma unroll
+      for (int u = 0; u < kQuantSlabChunks; ++u) {
+        const int j = warp + u * kConsumers;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          sc.v[u][h] = j < chunks && n + 8 * h < a.N ? scale_at(a, n + 8 * h, (j0 + j) * 4 / a.group_vectors) : 0.f;
+        }
+      }
+    }
+  };
+  SlabScales<T, W> sc, next;
+  if (!a.constant_weight) wait_prerequisites();  // (the scales are as constant as the weight)
+  load_scales(0, next);
+  wait_prerequisites();
+  prologue_pairs<T, W, P, kConsumers * 32>(a, xs, row_elems, [] { tma::consumers_sync(); });
+
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows g, g (tokens 2c, 2c + 1), g + 8, g + 8
+  for (int i = 0; i < stages; ++i) {
+    const int s = i % S, slab = i % slabs;
+    sc = next;
+    load_scales(i + 1, next);
+    tma::mbar_wait(full + 8 * s, static_cast<uint32_t>((i / S) & 1));
+    const unsigned char* stage = ring + s * kQuantStageBytes;
+    const int chunks = slab_bytes(slab) / 64, j0 = slab * (kQuantSlabBytes / 64);
+#pragma unroll
+    for (int u = 0; u < kQuantSlabChunks; ++u) {
+      const int j = warp + u * kConsumers;  // the chunk of the slab (j0 + j of the row)
+      if (j < chunks) {
+        const uint4 w0 = *reinterpret_cast<const uint4*>(stage + g * kQuantRowPitch + j * 64 + c * 16);
+        const uint4 w1 = *reinterpret_cast<const uint4*>(stage + (g + 8) * kQuantRowPitch + j * 64 + c * 16);
+        float s0 = 1.f, s1 = 1.f;
+        if constexpr (W == Format::kInt4) {
+          s0 = sc.v[u][0];
+          s1 = sc.v[u][1];
+        }
+        mma_chunk<T, W>(w0, w1, xs + int64_t{g} * row_elems + ((j0 + j) * 4 + c) * E, g < a.M, s0, s1, acc);
+      }
+    }
+    tma::mbar_arrive(empty + 8 * s);  // (each thread's own reads: the producer's next copy waits for them)
+    if (slab == slabs - 1) {
+      mma_tile_end<T, W, kConsumers>(a, red, tile0 + i / slabs, acc, [] { tma::consumers_sync(); });
+    }
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // launch_tma_mma launches only code compiled for sm_90+: never here
+#endif
+}
+
+// Launches gemv_tma_mma_kernel for a.M <= 8 rows of a float8 weight; false where it does not apply
+// (before sm_90 or code not compiled for it, in_features not a whole number of chunks, x past the
+// shared memory beside the ring, or CUSTOMOPS_LINEAR_QUANT_TMA=0: gemv_mma_kernel). An int4 weight
+// takes it only with CUSTOMOPS_LINEAR_QUANT_TMA=1: its decoding (twice float8's work a byte) needs
+// more warps than this kernel's 8 to keep up. Measured on an H200 in a CUDA graph (bench --linear,
+// Llama-3-8B shapes, 1 row): float8 12.6 / 7.8 / 36.1 / 23.6 us for qkv / o / gate_up / down here
+// against 15.0 / 8.4 / 40.8 / 26.3 through gemv_mma_kernel; int4 15.2 / 9.7 / 54.2 / 33.4 against
+// 10.8 / 6.5 / 34.3 / 23.5.
+template <typename T, Format W, Prologue P>
+bool launch_tma_mma(const GemvArgs<T>& a, cudaStream_t stream) {
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  constexpr int E = kElems<T, W>;
+  const bool on = W == Format::kInt4 ? env::is("CUSTOMOPS_LINEAR_QUANT_TMA", "1")
+                                     : !env::is("CUSTOMOPS_LINEAR_QUANT_TMA", "0");
+  if (!on || prop->major < 9 || a.K % (4 * E) != 0 || (W == Format::kInt4 && a.group_vectors % 4 != 0)) {
+    return false;
+  }
+  auto* kernel = &gemv_tma_mma_kernel<T, W, P, kQuantStages>;
+  if (!cuda::compiled_for_sm90(reinterpret_cast<const void*>(kernel))) return false;
+  static const int64_t static_smem = [&] {
+    cudaFuncAttributes attr{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+    return static_cast<int64_t>(attr.sharedSizeBytes);
+  }();
+  const int64_t smem = quant_ring_bytes<kQuantStages>() + mma_smem(a.M, a.K, sizeof(T));
+  if (smem + static_smem > static_cast<int64_t>(prop->sharedMemPerBlockOptin)) return false;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const int64_t blocks = std::min<int64_t>((a.N + 15) / 16, prop->multiProcessorCount);
+  launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kTmaThreads), static_cast<size_t>(smem), stream,
+                   a);
+  return true;
+}
+
 // A quantized weight's rows through the register kernel, up to `chunk` rows a launch.
 template <typename T, Format W, Prologue P>
 void launch_quantized(const GemvArgs<T>& a, int chunk, cudaStream_t stream) {
@@ -866,7 +1060,7 @@ void launch_quantized(const GemvArgs<T>& a, int chunk, cudaStream_t stream) {
     if (a.residual != nullptr) c.residual = a.residual + m0 * a.r_stride0;
     c.out = a.out + m0 * a.N;
     const int64_t smem = int64_t{c.M} * a.K * sizeof(T);
-    if (launch_mma<T, W, P>(c, stream)) continue;  // (the register kernel where it does not apply)
+    if (launch_tma_mma<T, W, P>(c, stream) || launch_mma<T, W, P>(c, stream)) continue;  // (else the register kernel)
     if (c.M == 1) {
       launch_gemv<T, W, 1, P>(c, smem, stream);
     } else if (c.M == 2) {

@@ -166,6 +166,47 @@ def test_fused_linear_quantized_kernel_paths(fmt, m, n, k, dtype, prologue, bias
     assert err < (0.05 if tensor_cores else 0.01), err
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+@pytest.mark.parametrize("m, n, k, prologue", [(1, 1000, 4096, "rms_norm"), (3, 1000, 4096, "rms_norm"),
+                                               (8, 1000, 4096, "rms_norm"), (1, 40, 14336 + 128, "swiglu"),
+                                               (3, 40, 14336 + 128, "swiglu")])
+def test_fused_linear_quantized_streams_through_the_tensor_memory_accelerator(monkeypatch, fmt, m, n, k, prologue):
+    """On Hopper a float8 weight's few rows stream through the tensor memory accelerator into the
+    tensor cores (gemv_tma_mma_kernel; an int4 weight with CUSTOMOPS_LINEAR_QUANT_TMA=1): a tile's
+    rows in slabs of 2 KiB, the last one partial (14336 + 128 inputs), a last tile of 8 features
+    (1000, 40); CUSTOMOPS_LINEAR_QUANT_TMA=0 takes the kernel that loads through registers
+    (gemv_mma_kernel, int4's default), which computes the same sums."""
+    if torch.cuda.get_device_capability()[0] < 9 or not any(
+            a.startswith("90") for a in customops.build_info()["cuda_archs"].split(";")):
+        pytest.skip("the kernel runs on compute capability 9.0+ with sm_90 code only")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=torch.float32, generator=g) / k**0.5
+    q, s = customops.quantize_fp8(w) if fmt == "fp8" else customops.quantize_int4(w.to(torch.bfloat16))
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
+    r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    nw = torch.ones(k, device="cuda", dtype=torch.bfloat16) if prologue == "rms_norm" else None
+    if fmt == "fp8" and m > 4:
+        pytest.skip("more than 4 float8 rows take the FP8 tensor cores")
+    ys = {}
+    for switch in ("", "1", "0"):
+        monkeypatch.setenv("CUSTOMOPS_LINEAR_QUANT_TMA", switch)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            ys[switch] = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=switch != "0",
+                                                weight_scale=s)
+            torch.cuda.synchronize()
+        names = " ".join(e.name for e in prof.events())
+        tma = switch == "1" or (switch == "" and fmt == "fp8")
+        assert ("gemv_tma_mma_kernel" in names) == tma, names
+        assert ("gemv_mma_kernel" in names) == (not tma), names
+    ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, b.double(), r.double(), prologue=prologue,
+                                            norm_weight=None if nw is None else nw.double(), weight_scale=s)
+    for y in ys.values():
+        assert ((y.double() - ref).norm() / ref.norm()).item() < 0.01
+    # the same products in another order of the same float32 sums: within bfloat16's rounding
+    torch.testing.assert_close(ys["1"], ys["0"], atol=2e-2, rtol=2e-2)
+
+
 def test_fused_linear_under_deterministic_algorithms_sums_in_one_order():
     """The Hopper kernel adds its warps' partial sums in shared memory by atomics (order varies run to
     run); under torch.use_deterministic_algorithms the register kernel runs instead, same values, the
