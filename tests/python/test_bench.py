@@ -215,3 +215,28 @@ def test_bench_serve_report_with_a_variant(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "customops", "bench", "--serve", "--device", "cpu", "--llama-cpp",
                           str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and f"--llama-cpp: no build/bin/llama-server in {tmp_path}" in bad.stderr, bad.stderr
+
+
+def test_bench_serve_quotes_a_server_that_did_not_start(tmp_path):
+    """A server that exits before it listens is reported with its own last words, not a bare
+    connection error."""
+    from customops.bench import serve
+
+    with pytest.raises(RuntimeError, match=r"customops-run serve did not start: customops-run: tokenizer not found"):
+        serve._Server(str(tmp_path / "missing.pt2"), str(tmp_path / "tokenizer.json"), 1)
+
+
+def test_bench_serve_report_counts_where_greedy_texts_part(capsys):
+    """Beside llama-server the report says how many leading characters the two greedy texts share
+    (a random model's choices are close calls that numerics can tip), not only whether all do."""
+    from customops.bench import serve
+
+    stats = {"tokens_per_s": 100.0, "ttft_p50_ms": 1.0, "ttft_p99_ms": 2.0, "itl_p50_ms": 1.0, "itl_p99_ms": 1.0,
+             "max_gap_ms": 1.0}
+    row = {"concurrency": 1, "floor_tokens_per_s": 1000.0, "prefill_alone_ms": 1.0, "serve": stats,
+           "generate": {**stats, "decode_ms": 1.0}, "llama_server": stats, "same_greedy_text": False,
+           "greedy_common_chars": [7, 20, 19]}
+    meta = {"device": "cpu", "versions": {}, "layers": 1, "prompt_len": 8, "new_tokens": 3, "requests": 1,
+            "variants": []}
+    serve.print_report({"meta": meta, "rows": [row], "notes": []})
+    assert "7 of 20/19" in capsys.readouterr().out
