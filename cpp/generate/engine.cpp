@@ -60,6 +60,10 @@ struct Request::State {
   int64_t prompt_tokens = 0;
   std::atomic<bool> cancelled{false};  // read by the engine at its next step
 
+  void admit() {
+    std::lock_guard<std::mutex> lock(mu);
+    times.admitted = Clock::now();
+  }
   void push(int64_t id) {
     std::lock_guard<std::mutex> lock(mu);
     if (!times.first_id) times.first_id = Clock::now();
@@ -196,6 +200,7 @@ struct Engine::Impl {
       std::shared_ptr<Seq> s = std::move(waiting.front());
       waiting.pop_front();
       s->slot = slot;
+      s->state->admit();
       if (s->o.temperature > 0) s->gen = make_generator(m.device, s->o.seed);
       slots[slot] = s;
     }

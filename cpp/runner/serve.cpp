@@ -332,6 +332,10 @@ struct Metrics {
   std::atomic<int64_t> ended[4] = {};
   Histogram ttft{{0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}};
   Histogram itl{{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1}};
+  // the engine's part of the time to first token: waiting for a slot, then the prompt's prefill
+  // (from its slot to its first id sampled)
+  Histogram queue{{0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}};
+  Histogram prefill{{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5}};
 };
 
 // ---- text out, with stop strings ----------------------------------------------------------------
@@ -706,6 +710,11 @@ class Server {
       const double since = std::chrono::duration<double>(now - run.last).count();
       if (run.first) {
         metrics_.ttft.observe(since);
+        const Request::Times t = run.request->times();
+        if (t.admitted && t.first_id) {
+          metrics_.queue.observe(std::chrono::duration<double>(*t.admitted - t.submitted).count());
+          metrics_.prefill.observe(std::chrono::duration<double>(*t.first_id - *t.admitted).count());
+        }
         if (u.ids.size() > 1) metrics_.itl.observe(0, static_cast<int64_t>(u.ids.size()) - 1);
       } else {
         metrics_.itl.observe(since / u.ids.size(), static_cast<int64_t>(u.ids.size()));
@@ -868,6 +877,10 @@ class Server {
     gauge("customops_requests_waiting", "Requests waiting for a slot.", s.waiting);
     metrics_.ttft.write(out, "customops_time_to_first_token_seconds", "Time from a request to its first token.");
     metrics_.itl.write(out, "customops_inter_token_latency_seconds", "Time between a request's tokens.");
+    metrics_.queue.write(out, "customops_request_queue_time_seconds",
+                         "Time from a request's submission to the engine until it got a KV cache slot.");
+    metrics_.prefill.write(out, "customops_request_prefill_time_seconds",
+                           "Time from a request's slot to its first token: its prompt's prefill.");
     return out.str();
   }
 

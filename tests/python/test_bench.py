@@ -210,6 +210,7 @@ def test_bench_serve_report_with_a_variant(tmp_path):
     [row] = json.loads((tmp_path / "report.json").read_text())["rows"]
     assert row["serve"]["requests"] == 1 and row["generate"]["tokens_per_s"] > 0, row
     assert 0 < row["serve"]["server_ttft_mean_ms"] <= row["serve"]["ttft_p99_ms"], row
+    assert row["serve"]["server_queue_mean_ms"] >= 0 and row["serve"]["server_prefill_mean_ms"] > 0, row
     assert row["variants"]["CUSTOMOPS_BENCH_PROBE=1"]["requests"] == 1, row
     assert "[CUSTOMOPS_BENCH_PROBE=1]" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "customops", "bench", "--serve", "--device", "cpu", "--llama-cpp",

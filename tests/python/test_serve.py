@@ -349,13 +349,25 @@ def test_models_tokenize_detokenize_and_metrics(served):
     assert status == 200 and out["tokens"] == hf_tok(text, add_special_tokens=False).input_ids
     assert server.http("POST", "/tokenize", {"content": text, "add_special": True})[1]["tokens"] == hf_tok(text).input_ids
     assert server.http("POST", "/detokenize", {"tokens": out["tokens"]}) == (200, {"content": text})
+    server.client().completions.create(model=NAME, prompt=text, max_tokens=2, temperature=0)  # (one at least)
     _, metrics = server.http("GET", "/metrics")
     for name in ("customops_requests_total", "customops_prompt_tokens_total", "customops_generated_tokens_total",
                  "customops_requests_running", "customops_requests_waiting", "customops_steps_total",
                  "customops_runs_total", "customops_computed_tokens_total", "customops_requests_finished_total",
-                 "customops_time_to_first_token_seconds_count", "customops_inter_token_latency_seconds_bucket"):
+                 "customops_time_to_first_token_seconds_count", "customops_inter_token_latency_seconds_bucket",
+                 "customops_request_queue_time_seconds_bucket", "customops_request_prefill_time_seconds_bucket"):
         assert re.search(rf"^{name}(\{{[^}}]*\}})? \d", metrics, re.M), name
     assert server.metric("customops_requests_total") > 0
+    # every first token splits into the wait for a slot and the prompt's prefill (one reading of /metrics)
+    def value(name):
+        return float(re.search(rf"^{name} (\S+)$", metrics, re.M).group(1))
+
+    ttft = value("customops_time_to_first_token_seconds_count")
+    assert ttft > 0
+    assert value("customops_request_queue_time_seconds_count") == ttft
+    assert value("customops_request_prefill_time_seconds_count") == ttft
+    assert value("customops_request_prefill_time_seconds_sum") > 0
+    assert value("customops_request_queue_time_seconds_sum") >= 0
 
 
 def test_the_package_s_own_tokenizer_serves(served):

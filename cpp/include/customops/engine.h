@@ -70,10 +70,11 @@ class CUSTOMOPS_API Request {
   // Ends the request at the engine's next step (its slot freed); a finished request ignores it.
   void cancel();
   int64_t prompt_tokens() const;
-  // When it was submitted, when its first id was sampled and when it finished (the steady clock).
+  // When it was submitted, when it got a slot (its prompt's prefill starts at the next step), when
+  // its first id was sampled and when it finished (the steady clock).
   struct Times {
     std::chrono::steady_clock::time_point submitted;
-    std::optional<std::chrono::steady_clock::time_point> first_id, finished;
+    std::optional<std::chrono::steady_clock::time_point> admitted, first_id, finished;
   };
   Times times() const;
 

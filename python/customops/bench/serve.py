@@ -209,14 +209,23 @@ def _stream(port, prompt, new_tokens, extra=None) -> dict:
     return {"start": t0, "times": times, "tokens": usage["completion_tokens"] if usage else len(times)}
 
 
-def _server_ttft(port) -> tuple[float, int]:
-    """(sum of seconds, count) of the server's own time-to-first-token histogram (/metrics)."""
+# The server's own histograms of a request's first token (/metrics): its whole time, the wait for a
+# slot and the prompt's prefill.
+_FIRST_TOKEN = {"ttft": "customops_time_to_first_token_seconds", "queue": "customops_request_queue_time_seconds",
+                "prefill": "customops_request_prefill_time_seconds"}
+
+
+def _server_times(port) -> dict[str, tuple[float, int]]:
+    """(sum of seconds, count) of each of _FIRST_TOKEN's histograms."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
     conn.close()
-    values = dict(re.findall(r"^customops_time_to_first_token_seconds_(sum|count) (\S+)$", text, re.M))
-    return float(values["sum"]), int(values["count"])
+    out = {}
+    for key, name in _FIRST_TOKEN.items():
+        values = dict(re.findall(rf"^{name}_(sum|count) (\S+)$", text, re.M))
+        out[key] = (float(values["sum"]), int(values["count"]))
+    return out
 
 
 def _complete(port, prompt, new_tokens, extra=None) -> str:
@@ -292,12 +301,14 @@ def _serve(package, tokenizer, c, env, prompts, args) -> tuple[dict, str]:
     server = _Server(package, tokenizer, c, env)
     try:
         _load(server.port, prompts[:c], c, 1, 8)  # warm-up: the batch sizes' CUDA graphs
-        before = _server_ttft(server.port)
+        before = _server_times(server.port)
         result = _load(server.port, prompts, c, args.requests, args.new_tokens)
-        after = _server_ttft(server.port)
-        # the server's own mean TTFT (submit to first id): what the client's adds is the HTTP path's
-        # and the text's
-        result["server_ttft_mean_ms"] = (after[0] - before[0]) / max(after[1] - before[1], 1) * 1e3
+        after = _server_times(server.port)
+        # the server's own mean TTFT (submit to first id; what the client's adds is the HTTP path's
+        # and the text's), and its parts: the wait for a slot, the prefill
+        for key in _FIRST_TOKEN:
+            (s0, n0), (s1, n1) = before[key], after[key]
+            result[f"server_{key}_mean_ms"] = (s1 - s0) / max(n1 - n0, 1) * 1e3
         return result, _complete(server.port, prompts[0], 16)
     except Exception as e:
         exited = server.proc.poll()
@@ -402,7 +413,8 @@ def print_report(report: dict) -> None:
     print(f"Llama {m['layers']} layers; prompts of {m['prompt_len'] // 4}-{m['prompt_len']} ids, {m['new_tokens']} "
           f"new tokens each, {m['requests']} requests a client one after another")
     print(f"{'C':>3s} {'serve tok/s':>12s} {'generate':>9s} {'ratio':>6s} {'floor':>8s} {'TTFT p50/p99 ms':>17s} "
-          f"{'in server':>9s} {'prefill ms':>10s} {'ITL p50/p99 ms':>15s} {'generate ms/tok':>15s} {'max gap ms':>10s}")
+          f"{'in server':>9s} {'queue+prefill':>13s} {'prefill ms':>10s} {'ITL p50/p99 ms':>15s} {'generate ms/tok':>15s} "
+          f"{'max gap ms':>10s}")
     for r in report["rows"]:
         if "error" in r:
             print(f"{r['concurrency']:3d}  {r['error']}")
@@ -411,10 +423,12 @@ def print_report(report: dict) -> None:
         print(f"{r['concurrency']:3d} {s['tokens_per_s']:12,.0f} {g['tokens_per_s']:9,.0f} "
               f"{s['tokens_per_s'] / g['tokens_per_s']:5.2f}x {r['floor_tokens_per_s']:8,.0f} "
               f"{s['ttft_p50_ms']:8.1f}/{s['ttft_p99_ms']:<8.1f} {s.get('server_ttft_mean_ms', float('nan')):9.1f} "
+              f"{s.get('server_queue_mean_ms', float('nan')):6.1f}+{s.get('server_prefill_mean_ms', float('nan')):<6.1f} "
               f"{r['prefill_alone_ms']:10.1f} "
               f"{s['itl_p50_ms']:7.2f}/{s['itl_p99_ms']:<7.2f} {g['decode_ms']:15.2f} {s['max_gap_ms']:10.1f}")
     print("ratio: serve's tokens/s over generate's for the same prompts at once; floor: C tokens per decode step "
-          "at the copy speed; in server: the mean TTFT the server measures itself (/metrics: submit to first id); "
+          "at the copy speed; in server: the mean TTFT the server measures itself (/metrics: submit to first id), "
+          "and its means of a request's wait for a slot and of its prefill (from its slot to its first id); "
           "prefill ms: the prefill of a prompt of the median length alone (customops-run generate)")
     for label in report["meta"]["variants"]:
         print(f"\n[{label}]\n{'C':>3s} {'serve tok/s':>12s} {'vs default':>10s} {'TTFT p50/p99 ms':>17s} "
