@@ -27,10 +27,10 @@
 // sums are scaled by its group's scale, a float8 row's sum by the row's. The activations sit in
 // shared memory in the order a vector's weights meet them (pack j of vector c at j * K/E + c), so
 // that the 32 lanes' loads of one pack are contiguous. Where it applies, the tensor-core kernel
-// (gemv_mma_kernel, below) takes a quantized weight's rows instead, and on Hopper its math runs on
-// weights streamed into shared memory by the tensor memory accelerator (gemv_tma_mma_kernel). Up to kMaxQuantRows rows, in
-// launches of up to 8 rows (each launch streams the weight once); more rows (prefill) take
-// quantized_rows.
+// (gemv_mma_kernel, below) takes a quantized weight's rows instead, and on Hopper a float8 weight's
+// go through the same math on weights streamed into shared memory by the tensor memory accelerator
+// (gemv_tma_mma_kernel). Up to kMaxQuantRows rows, in launches of up to 8 rows (each launch streams
+// the weight once); more rows (prefill) take quantized_rows.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -387,6 +387,22 @@ __device__ __forceinline__ uint64_t evict_first() {
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumers * 32) : "memory"); }
 
+// The ring's S full barriers at full (one arrival: the producer's expect_tx) and S empty ones at
+// empty (every consumer thread's, once its reads of the stage are done), 8 bytes each, set up by
+// thread 0; then the block meets, and the kernel after it in the stream may launch.
+template <int S>
+__device__ __forceinline__ void start_ring(uint32_t full, uint32_t empty) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full + 8 * s, 1);
+      mbar_init(empty + 8 * s, kConsumers * 32);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  launch_dependents();
+}
+
 }  // namespace tma
 
 template <int S>
@@ -417,15 +433,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) gemv_tma_kernel(GemvArgs<T> a)
   auto offset = [&](int c) { return (c / cpr) * row_bytes + (c % cpr) * int64_t{kChunkBytes}; };
   const char* wblock = static_cast<const char*>(a.weight) + r0 * row_bytes;
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      tma::mbar_init(full + 8 * s, 1);
-      tma::mbar_init(empty + 8 * s, kConsumers * 32);  // every consumer thread releases what it read
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  launch_dependents();
+  tma::start_ring<S>(full, empty);
 
   if (warp == kConsumers) {  // the producer
     if (lane != 0) return;
@@ -724,9 +732,13 @@ __device__ __forceinline__ void mma_chunk(const uint4& w0, const uint4& w1, cons
   float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int s = 0; s < E / 4; ++s) {  // steps: pairs 2s and 2s + 1 of each row
-    const uint32_t fa[4] = {decode_pair<T, W>(w0, 2 * s), decode_pair<T, W>(w1, 2 * s), decode_pair<T, W>(w0, 2 * s + 1),
-                            decode_pair<T, W>(w1, 2 * s + 1)};
-    mma16816<T>(W == Format::kInt4 ? d : acc, fa, xw[2 * s], xw[2 * s + 1]);
+    const uint32_t fa[4] = {decode_pair<T, W>(w0, 2 * s), decode_pair<T, W>(w1, 2 * s),
+                            decode_pair<T, W>(w0, 2 * s + 1), decode_pair<T, W>(w1, 2 * s + 1)};
+    if constexpr (W == Format::kInt4) {
+      mma16816<T>(d, fa, xw[2 * s], xw[2 * s + 1]);
+    } else {
+      mma16816<T>(acc, fa, xw[2 * s], xw[2 * s + 1]);
+    }
   }
   if constexpr (W == Format::kInt4) {
     acc[0] += d[0] * s0;
@@ -859,9 +871,11 @@ __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a)
   }
 }
 
+// x's rows and the tile ends' sums ([warps, 16, 8] floats) of the tensor-core kernels
 int64_t mma_smem(int64_t m, int64_t k, int64_t element_size) {
   return m * (k * element_size + kMmaRowPad) + kMmaWarps * 16 * 8 * sizeof(float);
 }
+static_assert(kConsumers == kMmaWarps, "gemv_tma_mma_kernel's tile ends take mma_smem's sums");
 
 // Launches gemv_mma_kernel for a.M <= 8 rows; false where it does not apply (before sm_80,
 // in_features not a whole number of chunks, int4 groups that are not whole chunks, or x past
@@ -887,10 +901,10 @@ bool launch_mma(const GemvArgs<T>& a, cudaStream_t stream) {
 // ---- Hopper: a quantized weight streamed by the tensor memory accelerator into the tensor cores --
 // gemv_mma_kernel keeps its weight bytes in flight in registers (two tasks a warp); at one row it
 // read gate_up's float8 weight (Llama-3-8B) at 53% of the H200's DRAM bandwidth and its int4 weight
-// at 30%, with 8-9 cycles between a warp's instructions (ncu, 2026-11-28). Here one producer thread keeps S stages in flight
-// through cp.async.bulk (each stage 16 output features' rows, kQuantSlabBytes of each row), as
-// gemv_tma_kernel does for dense weights, and 8 consumer warps run gemv_mma_kernel's math on them
-// from shared memory. A block owns a contiguous range of 16-feature tiles; a tile's rows are split
+// at 30%, with 8-9 cycles between a warp's instructions (ncu, 2026-11-28). Here one producer thread
+// keeps S stages in flight through cp.async.bulk (each stage 16 output features' rows,
+// kQuantSlabBytes of each row), as gemv_tma_kernel does for dense weights, and 8 consumer warps run
+// gemv_mma_kernel's math on them from shared memory. A block owns a contiguous range of 16-feature tiles; a tile's rows are split
 // into slabs (its stages, in order), each slab into 64-byte chunks (4 vectors a row, as
 // gemv_mma_kernel's), warp w taking chunks w, w + 8, ... of every slab. Rows sit kQuantRowPitch
 // apart in a stage (64 bytes of padding: rows g and g + 1, read by one quarter of a warp, fall in
@@ -933,15 +947,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1) gemv_tma_mma_kernel(GemvArgs<T
     return static_cast<int>(std::min<int64_t>(kQuantSlabBytes, row_bytes - int64_t{slab} * kQuantSlabBytes));
   };
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < S; ++s) {
-      tma::mbar_init(full + 8 * s, 1);
-      tma::mbar_init(empty + 8 * s, kConsumers * 32);  // every consumer thread releases what it read
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  __syncthreads();
-  launch_dependents();
+  tma::start_ring<S>(full, empty);
 
   if (warp == kConsumers) {  // the producer: stage i is slab i % slabs of tile tile0 + i / slabs
     if (lane != 0) return;
@@ -1050,7 +1056,8 @@ bool launch_tma_mma(const GemvArgs<T>& a, cudaStream_t stream) {
   return true;
 }
 
-// A quantized weight's rows through the register kernel, up to `chunk` rows a launch.
+// A quantized weight's rows through the matrix-vector kernels, up to `chunk` rows a launch: the
+// TMA one, the tensor-core one, else the register kernel (each where the one before does not apply).
 template <typename T, Format W, Prologue P>
 void launch_quantized(const GemvArgs<T>& a, int chunk, cudaStream_t stream) {
   for (int m0 = 0; m0 < a.M; m0 += chunk) {

@@ -167,43 +167,55 @@ def test_fused_linear_quantized_kernel_paths(fmt, m, n, k, dtype, prologue, bias
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
-@pytest.mark.parametrize("m, n, k, prologue", [(1, 1000, 4096, "rms_norm"), (3, 1000, 4096, "rms_norm"),
-                                               (8, 1000, 4096, "rms_norm"), (1, 40, 14336 + 128, "swiglu"),
-                                               (3, 40, 14336 + 128, "swiglu")])
-def test_fused_linear_quantized_streams_through_the_tensor_memory_accelerator(monkeypatch, fmt, m, n, k, prologue):
+@pytest.mark.parametrize("m, n, k, prologue, dtype, group", [
+    (1, 1000, 4096, "rms_norm", torch.bfloat16, 128),  # one tile a block (63 tiles), a last tile of 8 features
+    (3, 1000, 4096, "rms_norm", torch.bfloat16, 128),
+    (8, 1000, 4096, "rms_norm", torch.bfloat16, 128),
+    (1, 40, 14336 + 128, "swiglu", torch.bfloat16, 128),  # the last slab of a row partial
+    (3, 40, 14336 + 128, "swiglu", torch.bfloat16, 128),
+    # 265 tiles, two or three a block, the last one 6 features (rows g = 6, 7 of it past N too); fp8's 7
+    # slabs a tile go round the ring of 4 stages more than twice; float16 x, float32 int4 scales in
+    # groups of 256 (two chunks a group)
+    (2, 4230, 14336, "none", torch.float16, 256),
+])
+def test_fused_linear_quantized_streams_through_the_tensor_memory_accelerator(monkeypatch, fmt, m, n, k, prologue,
+                                                                              dtype, group):
     """On Hopper a float8 weight's few rows stream through the tensor memory accelerator into the
     tensor cores (gemv_tma_mma_kernel; an int4 weight with CUSTOMOPS_LINEAR_QUANT_TMA=1): a tile's
-    rows in slabs of 2 KiB, the last one partial (14336 + 128 inputs), a last tile of 8 features
-    (1000, 40); CUSTOMOPS_LINEAR_QUANT_TMA=0 takes the kernel that loads through registers
-    (gemv_mma_kernel, int4's default), which computes the same sums."""
+    rows in slabs of 2 KiB, four stages in a ring; CUSTOMOPS_LINEAR_QUANT_TMA=0 takes the kernel
+    that loads through registers (gemv_mma_kernel, int4's default), which computes the same sums.
+    The weight is read before the kernel ahead ends only with constant_weight (one run without)."""
     if torch.cuda.get_device_capability()[0] < 9 or not any(
             a.startswith("90") for a in customops.build_info()["cuda_archs"].split(";")):
         pytest.skip("the kernel runs on compute capability 9.0+ with sm_90 code only")
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=dtype, generator=g)
     w = torch.randn(n, k, device="cuda", dtype=torch.float32, generator=g) / k**0.5
-    q, s = customops.quantize_fp8(w) if fmt == "fp8" else customops.quantize_int4(w.to(torch.bfloat16))
-    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
-    r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g)
-    nw = torch.ones(k, device="cuda", dtype=torch.bfloat16) if prologue == "rms_norm" else None
-    if fmt == "fp8" and m > 4:
-        pytest.skip("more than 4 float8 rows take the FP8 tensor cores")
+    q, s = customops.quantize_fp8(w) if fmt == "fp8" else customops.quantize_int4(w.to(dtype), group)
+    if fmt == "int4" and dtype == torch.float16:
+        s = s.float()
+    b = torch.randn(n, device="cuda", dtype=dtype, generator=g)
+    r = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
+    nw = torch.ones(k, device="cuda", dtype=dtype) if prologue == "rms_norm" else None
     ys = {}
-    for switch in ("", "1", "0"):
+    for switch, constant in (("", True), ("1", True), ("1", False), ("0", True)):
         monkeypatch.setenv("CUSTOMOPS_LINEAR_QUANT_TMA", switch)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            ys[switch] = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=switch != "0",
-                                                weight_scale=s)
+            y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=constant,
+                                       weight_scale=s)
             torch.cuda.synchronize()
+        ys.setdefault(switch, y)
         names = " ".join(e.name for e in prof.events())
         tma = switch == "1" or (switch == "" and fmt == "fp8")
         assert ("gemv_tma_mma_kernel" in names) == tma, names
         assert ("gemv_mma_kernel" in names) == (not tma), names
+        if switch == "1" and not constant:
+            assert torch.equal(y, ys["1"])  # (the same sums in the same order)
     ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, b.double(), r.double(), prologue=prologue,
                                             norm_weight=None if nw is None else nw.double(), weight_scale=s)
     for y in ys.values():
         assert ((y.double() - ref).norm() / ref.norm()).item() < 0.01
-    # the same products in another order of the same float32 sums: within bfloat16's rounding
+    # the same products in another order of the same float32 sums: within the output dtype's rounding
     torch.testing.assert_close(ys["1"], ys["0"], atol=2e-2, rtol=2e-2)
 
 

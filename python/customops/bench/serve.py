@@ -413,17 +413,17 @@ def print_report(report: dict) -> None:
     print(f"Llama {m['layers']} layers; prompts of {m['prompt_len'] // 4}-{m['prompt_len']} ids, {m['new_tokens']} "
           f"new tokens each, {m['requests']} requests a client one after another")
     print(f"{'C':>3s} {'serve tok/s':>12s} {'generate':>9s} {'ratio':>6s} {'floor':>8s} {'TTFT p50/p99 ms':>17s} "
-          f"{'in server':>9s} {'queue+prefill':>13s} {'prefill ms':>10s} {'ITL p50/p99 ms':>15s} {'generate ms/tok':>15s} "
-          f"{'max gap ms':>10s}")
+          f"{'in server':>9s} {'queue+prefill':>13s} {'prefill ms':>10s} {'ITL p50/p99 ms':>15s} "
+          f"{'generate ms/tok':>15s} {'max gap ms':>10s}")
     for r in report["rows"]:
         if "error" in r:
             print(f"{r['concurrency']:3d}  {r['error']}")
             continue
         s, g = r["serve"], r["generate"]
+        ttft, queue, prefill = (s.get(f"server_{k}_mean_ms", float("nan")) for k in ("ttft", "queue", "prefill"))
         print(f"{r['concurrency']:3d} {s['tokens_per_s']:12,.0f} {g['tokens_per_s']:9,.0f} "
               f"{s['tokens_per_s'] / g['tokens_per_s']:5.2f}x {r['floor_tokens_per_s']:8,.0f} "
-              f"{s['ttft_p50_ms']:8.1f}/{s['ttft_p99_ms']:<8.1f} {s.get('server_ttft_mean_ms', float('nan')):9.1f} "
-              f"{s.get('server_queue_mean_ms', float('nan')):6.1f}+{s.get('server_prefill_mean_ms', float('nan')):<6.1f} "
+              f"{s['ttft_p50_ms']:8.1f}/{s['ttft_p99_ms']:<8.1f} {ttft:9.1f} {queue:6.1f}+{prefill:<6.1f} "
               f"{r['prefill_alone_ms']:10.1f} "
               f"{s['itl_p50_ms']:7.2f}/{s['itl_p99_ms']:<7.2f} {g['decode_ms']:15.2f} {s['max_gap_ms']:10.1f}")
     print("ratio: serve's tokens/s over generate's for the same prompts at once; floor: C tokens per decode step "
