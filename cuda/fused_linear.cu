@@ -555,6 +555,27 @@ void launch_gemv(const GemvArgs<T>& a, int64_t smem, cudaStream_t stream) {
   launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), static_cast<size_t>(smem), stream, a);
 }
 
+// Launches Kernel (a Hopper kernel of kTmaThreads threads a block) with smem bytes of dynamic shared
+// memory; false where it cannot run: only code compiled for sm_90 has the kernel's body (a later
+// GPU may run the sm_80 PTX), and the dynamic shared memory must fit beside the static (the same for
+// every device: asked once).
+template <auto Kernel, typename T>
+bool launch_sm90(int64_t blocks, int64_t smem, cudaStream_t stream, const GemvArgs<T>& a) {
+  if (!cuda::compiled_for_sm90(reinterpret_cast<const void*>(Kernel))) return false;
+  static const int64_t static_smem = [] {
+    cudaFuncAttributes attr{};
+    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, Kernel));
+    return static_cast<int64_t>(attr.sharedSizeBytes);
+  }();
+  if (smem + static_smem > static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin)) {
+    return false;
+  }
+  C10_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  launch_dependent(Kernel, dim3(static_cast<unsigned>(blocks)), dim3(kTmaThreads), static_cast<size_t>(smem), stream,
+                   a);
+  return true;
+}
+
 // Launches gemv_tma_kernel; false where it does not apply (before sm_90 or code not compiled for
 // it, or more shared memory than a block gets).
 template <typename T, int R, Prologue P, int S>
@@ -565,20 +586,7 @@ bool launch_tma(const GemvArgs<T>& a, cudaStream_t stream) {
   const int64_t rows = (a.N + blocks - 1) / blocks;
   if (rows * ((a.K * int64_t{sizeof(T)} + kChunkBytes - 1) / kChunkBytes) > INT32_MAX / 2) return false;
   const int64_t smem = ring_bytes<S>() + int64_t{a.M} * a.K * sizeof(T) + rows * R * sizeof(float);
-  auto* kernel = &gemv_tma_kernel<T, R, P, S>;
-  // Only code compiled for sm_90 has the kernel's body (a later GPU may run the sm_80 PTX), and the
-  // dynamic shared memory must fit beside the static (the same for every device: asked once).
-  if (!cuda::compiled_for_sm90(reinterpret_cast<const void*>(kernel))) return false;
-  static const int64_t static_smem = [&] {
-    cudaFuncAttributes attr{};
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-    return static_cast<int64_t>(attr.sharedSizeBytes);
-  }();
-  if (smem + static_smem > static_cast<int64_t>(prop->sharedMemPerBlockOptin)) return false;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kTmaThreads), static_cast<size_t>(smem), stream,
-                   a);
-  return true;
+  return launch_sm90<&gemv_tma_kernel<T, R, P, S>>(blocks, smem, stream, a);
 }
 
 // The Hopper kernel keeps more bytes in flight an SM (kStages x 32 KiB) and streams while the
@@ -1040,20 +1048,9 @@ bool launch_tma_mma(const GemvArgs<T>& a, cudaStream_t stream) {
   if (!on || prop->major < 9 || a.K % (4 * E) != 0 || (W == Format::kInt4 && a.group_vectors % 4 != 0)) {
     return false;
   }
-  auto* kernel = &gemv_tma_mma_kernel<T, W, P, kQuantStages>;
-  if (!cuda::compiled_for_sm90(reinterpret_cast<const void*>(kernel))) return false;
-  static const int64_t static_smem = [&] {
-    cudaFuncAttributes attr{};
-    C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-    return static_cast<int64_t>(attr.sharedSizeBytes);
-  }();
   const int64_t smem = quant_ring_bytes<kQuantStages>() + mma_smem(a.M, a.K, sizeof(T));
-  if (smem + static_smem > static_cast<int64_t>(prop->sharedMemPerBlockOptin)) return false;
-  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t blocks = std::min<int64_t>((a.N + 15) / 16, prop->multiProcessorCount);
-  launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kTmaThreads), static_cast<size_t>(smem), stream,
-                   a);
-  return true;
+  return launch_sm90<&gemv_tma_mma_kernel<T, W, P, kQuantStages>>(blocks, smem, stream, a);
 }
 
 // A quantized weight's rows through the matrix-vector kernels, up to `chunk` rows a launch: the
