@@ -105,12 +105,17 @@ class _Server:
         return self.log.read()[-1000:]
 
     def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        _stop(self.proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Ends a server process: asked first, killed after a minute."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 class _LlamaServer:
@@ -140,12 +145,7 @@ class _LlamaServer:
             time.sleep(0.5)
 
     def stop(self):
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        _stop(self.proc)
         self.log.seek(0)
         self.tail = self.log.read()[-2000:]
         self.log.close()
