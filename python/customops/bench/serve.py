@@ -238,7 +238,7 @@ def _complete(port, prompt, new_tokens, extra=None) -> str:
     conn.close()
     if r.status != 200:
         raise RuntimeError(f"HTTP {r.status}: {body[:200]!r}")
-    return json.loads(body)["choices"][0]["text"]
+    return json.loads(body.decode(errors="replace"))["choices"][0]["text"]  # (as _stream_one's lines)
 
 
 def _load(port, prompts, concurrency, requests, new_tokens, extra=None) -> dict:
