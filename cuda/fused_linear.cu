@@ -385,17 +385,21 @@ __device__ __forceinline__ uint64_t evict_first() {
   return policy;
 }
 
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumers * 32) : "memory"); }
+// A barrier among the C consumer warps (named barrier 1; the producer warp is not in it).
+template <int C = kConsumers>
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;" ::"n"(C * 32) : "memory");
+}
 
 // The ring's S full barriers at full (one arrival: the producer's expect_tx) and S empty ones at
-// empty (every consumer thread's, once its reads of the stage are done), 8 bytes each, set up by
-// thread 0; then the block meets, and the kernel after it in the stream may launch.
-template <int S>
+// empty (each of the C consumer warps' threads, once its reads of the stage are done), 8 bytes
+// each, set up by thread 0; then the block meets, and the kernel after it in the stream may launch.
+template <int S, int C = kConsumers>
 __device__ __forceinline__ void start_ring(uint32_t full, uint32_t empty) {
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(full + 8 * s, 1);
-      mbar_init(empty + 8 * s, kConsumers * 32);
+      mbar_init(empty + 8 * s, C * 32);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -523,7 +527,7 @@ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 
 // The decode kernels' experiment switches (env.cuh): a count, 0 where unset.
 int64_t env_count(const char* name) {
-  return env::count("customops.fused_linear", name, "blocks or rows").value_or(0);
+  return env::count("customops.fused_linear", name, "blocks, rows or warps").value_or(0);
 }
 
 // The blocks of a matrix-vector kernel's one wave: per_sm blocks an SM (as many as fit), or fewer
@@ -545,7 +549,7 @@ template <typename T, Format W, int R, Prologue P>
 void launch_gemv(const GemvArgs<T>& a, int64_t smem, cudaStream_t stream) {
   auto* kernel = &gemv_kernel<T, W, R, P>;
   if (smem > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
   }
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
@@ -555,11 +559,11 @@ void launch_gemv(const GemvArgs<T>& a, int64_t smem, cudaStream_t stream) {
   launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), static_cast<size_t>(smem), stream, a);
 }
 
-// Launches Kernel (a Hopper kernel of kTmaThreads threads a block) with smem bytes of dynamic shared
+// Launches Kernel (a Hopper kernel of Threads threads a block) with smem bytes of dynamic shared
 // memory; false where it cannot run: only code compiled for sm_90 has the kernel's body (a later
 // GPU may run the sm_80 PTX), and the dynamic shared memory must fit beside the static (the same for
 // every device: asked once).
-template <auto Kernel, typename T>
+template <auto Kernel, int Threads = kTmaThreads, typename T>
 bool launch_sm90(int64_t blocks, int64_t smem, cudaStream_t stream, const GemvArgs<T>& a) {
   if (!cuda::compiled_for_sm90(reinterpret_cast<const void*>(Kernel))) return false;
   static const int64_t static_smem = [] {
@@ -570,9 +574,8 @@ bool launch_sm90(int64_t blocks, int64_t smem, cudaStream_t stream, const GemvAr
   if (smem + static_smem > static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin)) {
     return false;
   }
-  C10_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  launch_dependent(Kernel, dim3(static_cast<unsigned>(blocks)), dim3(kTmaThreads), static_cast<size_t>(smem), stream,
-                   a);
+  cuda::allow_dynamic_smem(reinterpret_cast<const void*>(Kernel));
+  launch_dependent(Kernel, dim3(static_cast<unsigned>(blocks)), dim3(Threads), static_cast<size_t>(smem), stream, a);
   return true;
 }
 
@@ -686,15 +689,16 @@ __device__ __forceinline__ uint32_t decode_pair(const uint4& v, int q) {
   }
 }
 
+// d += a b (not volatile: the compiler may move the instruction among the decoding around it)
 template <typename T>
 __device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
                  "{%0, %1, %2, %3};"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   } else {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
                  "{%0, %1, %2, %3};"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -722,7 +726,9 @@ __device__ void prologue_pairs(const GemvArgs<T>& a, T* xs, int row_elems, Sync 
 // acc (rows g, g, g + 8, g + 8 of a tile of 16 output features; tokens 2c, 2c + 1) += one chunk of
 // this thread's: w0 and w1, its 16-byte vectors of rows g and g + 8, times x, token g's E values of
 // the same vector in pair order (zeros where has_x is false: a token past M). An int4 chunk lies in
-// one group: its sums take the rows' scales s0 and s1 before they are added.
+// one group: its sums take the rows' scales s0 and s1 before they are added. The steps run as two
+// chains of mma.sync (even and odd steps; float8's even ones into acc itself), so that a step's
+// instruction does not wait for the one before it.
 template <typename T, Format W>
 __device__ __forceinline__ void mma_chunk(const uint4& w0, const uint4& w1, const T* x, bool has_x, float s0, float s1,
                                           float* acc) {
@@ -737,22 +743,22 @@ __device__ __forceinline__ void mma_chunk(const uint4& w0, const uint4& w1, cons
     xw[4 * i + 2] = v.z;
     xw[4 * i + 3] = v.w;
   }
-  float d[4] = {0.f, 0.f, 0.f, 0.f};
+  float even[4] = {0.f, 0.f, 0.f, 0.f}, odd[4] = {0.f, 0.f, 0.f, 0.f};
+  float* first = W == Format::kInt4 ? even : acc;
 #pragma unroll
   for (int s = 0; s < E / 4; ++s) {  // steps: pairs 2s and 2s + 1 of each row
     const uint32_t fa[4] = {decode_pair<T, W>(w0, 2 * s), decode_pair<T, W>(w1, 2 * s),
                             decode_pair<T, W>(w0, 2 * s + 1), decode_pair<T, W>(w1, 2 * s + 1)};
-    if constexpr (W == Format::kInt4) {
-      mma16816<T>(d, fa, xw[2 * s], xw[2 * s + 1]);
-    } else {
-      mma16816<T>(acc, fa, xw[2 * s], xw[2 * s + 1]);
-    }
+    mma16816<T>(s % 2 == 0 ? first : odd, fa, xw[2 * s], xw[2 * s + 1]);
   }
   if constexpr (W == Format::kInt4) {
-    acc[0] += d[0] * s0;
-    acc[1] += d[1] * s0;
-    acc[2] += d[2] * s1;
-    acc[3] += d[3] * s1;
+    acc[0] += (even[0] + odd[0]) * s0;
+    acc[1] += (even[1] + odd[1]) * s0;
+    acc[2] += (even[2] + odd[2]) * s1;
+    acc[3] += (even[3] + odd[3]) * s1;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] += odd[i];
   }
 }
 
@@ -880,10 +886,9 @@ __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a)
 }
 
 // x's rows and the tile ends' sums ([warps, 16, 8] floats) of the tensor-core kernels
-int64_t mma_smem(int64_t m, int64_t k, int64_t element_size) {
-  return m * (k * element_size + kMmaRowPad) + kMmaWarps * 16 * 8 * sizeof(float);
+int64_t mma_smem(int64_t m, int64_t k, int64_t element_size, int warps = kMmaWarps) {
+  return m * (k * element_size + kMmaRowPad) + warps * 16 * 8 * sizeof(float);
 }
-static_assert(kConsumers == kMmaWarps, "gemv_tma_mma_kernel's tile ends take mma_smem's sums");
 
 // Launches gemv_mma_kernel for a.M <= 8 rows; false where it does not apply (before sm_80,
 // in_features not a whole number of chunks, int4 groups that are not whole chunks, or x past
@@ -897,7 +902,7 @@ bool launch_mma(const GemvArgs<T>& a, cudaStream_t stream) {
   if (smem + 1024 > static_cast<int64_t>(prop->sharedMemPerBlockOptin)) return false;
   auto* kernel = &gemv_mma_kernel<T, W, P>;
   if (smem > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
   }
   int per_sm = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMmaThreads, smem));
@@ -911,40 +916,46 @@ bool launch_mma(const GemvArgs<T>& a, cudaStream_t stream) {
 // read gate_up's float8 weight (Llama-3-8B) at 53% of the H200's DRAM bandwidth and its int4 weight
 // at 30%, with 8-9 cycles between a warp's instructions (ncu, 2026-11-28). Here one producer thread
 // keeps S stages in flight through cp.async.bulk (each stage 16 output features' rows,
-// kQuantSlabBytes of each row), as gemv_tma_kernel does for dense weights, and 8 consumer warps run
-// gemv_mma_kernel's math on them from shared memory. A block owns a contiguous range of 16-feature tiles; a tile's rows are split
-// into slabs (its stages, in order), each slab into 64-byte chunks (4 vectors a row, as
-// gemv_mma_kernel's), warp w taking chunks w, w + 8, ... of every slab. Rows sit kQuantRowPitch
+// kQuantSlabBytes of each row), as gemv_tma_kernel does for dense weights, and C consumer warps (8
+// or 16) run gemv_mma_kernel's math on them from shared memory. A block owns a contiguous range of
+// 16-feature tiles; a tile's rows are split into slabs (its stages, in order), each slab into
+// 64-byte chunks (4 vectors a row, as gemv_mma_kernel's), warp w taking chunks w, w + C, ... of every
+// slab: it loads all of them from the stage, then decodes and multiplies. Rows sit kQuantRowPitch
 // apart in a stage (64 bytes of padding: rows g and g + 1, read by one quarter of a warp, fall in
 // different banks). An int4 chunk's group scales are loaded a stage ahead into registers.
 constexpr int kQuantSlabBytes = 2048;
 constexpr int kQuantRowPitch = kQuantSlabBytes + 64;
 constexpr int kQuantStageBytes = 16 * kQuantRowPitch;
-constexpr int kQuantSlabChunks = kQuantSlabBytes / 64 / kConsumers;  // chunks a warp a full slab
 constexpr int kQuantStages = 4;
+
+// A slab's chunks a warp, with C consumer warps
+template <int C>
+constexpr int quant_slab_chunks() {
+  return kQuantSlabBytes / 64 / C;
+}
 
 template <int S>
 constexpr int64_t quant_ring_bytes() {
   return kBarBytes + int64_t{S} * kQuantStageBytes;
 }
 
-// The int4 scales of this thread's chunks of stage i (rows g and g + 8 of its tile), or ones.
-template <typename T, Format W>
+// The int4 scales of this thread's U chunks of a stage (rows g and g + 8 of its tile), or ones.
+template <Format W, int U>
 struct SlabScales {
-  float v[W == Format::kInt4 ? kQuantSlabChunks : 1][2];
+  float v[W == Format::kInt4 ? U : 1][2];
 };
 
-template <typename T, Format W, Prologue P, int S>
-__global__ void __launch_bounds__(kTmaThreads, 1) gemv_tma_mma_kernel(GemvArgs<T> a) {
+template <typename T, Format W, Prologue P, int S, int C>
+__global__ void __launch_bounds__((C + 1) * 32, 1) gemv_tma_mma_kernel(GemvArgs<T> a) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr int E = kElems<T, W>;
+  constexpr int E = kElems<T, W>, U = quant_slab_chunks<C>();
   static_assert(2 * S * 8 <= kBarBytes, "the barriers fit their space");
   extern __shared__ __align__(128) unsigned char tma_smem[];
   const uint32_t full = smem_addr(tma_smem), empty = full + S * 8;  // barrier of stage s: + 8 s
   unsigned char* ring = tma_smem + kBarBytes;
   const int row_elems = a.K + kMmaRowPad / static_cast<int>(sizeof(T));
   T* xs = reinterpret_cast<T*>(tma_smem + quant_ring_bytes<S>());  // [M, row_elems], pair order
-  float* red = reinterpret_cast<float*>(xs + int64_t{a.M} * row_elems);  // [kConsumers, 16, 8]
+  float* red = reinterpret_cast<float*>(xs + int64_t{a.M} * row_elems);  // [C, 16, 8]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   const int64_t tiles = (a.N + 15) / 16;
   const int64_t tile0 = blockIdx.x * tiles / gridDim.x, tile1 = (blockIdx.x + 1) * tiles / gridDim.x;
@@ -955,9 +966,9 @@ __global__ void __launch_bounds__(kTmaThreads, 1) gemv_tma_mma_kernel(GemvArgs<T
     return static_cast<int>(std::min<int64_t>(kQuantSlabBytes, row_bytes - int64_t{slab} * kQuantSlabBytes));
   };
 
-  tma::start_ring<S>(full, empty);
+  tma::start_ring<S, C>(full, empty);
 
-  if (warp == kConsumers) {  // the producer: stage i is slab i % slabs of tile tile0 + i / slabs
+  if (warp == C) {  // the producer: stage i is slab i % slabs of tile tile0 + i / slabs
     if (lane != 0) return;
     if (!a.constant_weight) wait_prerequisites();
     const uint64_t policy = tma::evict_first();
@@ -978,14 +989,14 @@ __global__ void __launch_bounds__(kTmaThreads, 1) gemv_tma_mma_kernel(GemvArgs<T
 
   // The consumers. (A stage's rows past N are not copied: what the ring holds there reaches only
   // those rows' sums, which are not written.)
-  auto load_scales = [&](int i, SlabScales<T, W>& sc) {
+  auto load_scales = [&](int i, SlabScales<W, U>& sc) {
     if constexpr (W == Format::kInt4) {
       if (i >= stages) return;
       const int64_t n = (tile0 + i / slabs) * 16 + g;
       const int chunks = slab_bytes(i % slabs) / 64, j0 = i % slabs * (kQuantSlabBytes / 64);
 #pragma unroll
-      for (int u = 0; u < kQuantSlabChunks; ++u) {
-        const int j = warp + u * kConsumers;
+      for (int u = 0; u < U; ++u) {
+        const int j = warp + u * C;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           sc.v[u][h] = j < chunks && n + 8 * h < a.N ? scale_at(a, n + 8 * h, (j0 + j) * 4 / a.group_vectors) : 0.f;
@@ -993,11 +1004,11 @@ __global__ void __launch_bounds__(kTmaThreads, 1) gemv_tma_mma_kernel(GemvArgs<T
       }
     }
   };
-  SlabScales<T, W> sc, next;
+  SlabScales<W, U> sc, next;
   if (!a.constant_weight) wait_prerequisites();  // (the scales are as constant as the weight)
   load_scales(0, next);
   wait_prerequisites();
-  prologue_pairs<T, W, P, kConsumers * 32>(a, xs, row_elems, [] { tma::consumers_sync(); });
+  prologue_pairs<T, W, P, C * 32>(a, xs, row_elems, [] { tma::consumers_sync<C>(); });
 
   float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows g, g (tokens 2c, 2c + 1), g + 8, g + 8
   for (int i = 0; i < stages; ++i) {
@@ -1007,23 +1018,32 @@ __global__ void __launch_bounds__(kTmaThreads, 1) gemv_tma_mma_kernel(GemvArgs<T
     tma::mbar_wait(full + 8 * s, static_cast<uint32_t>((i / S) & 1));
     const unsigned char* stage = ring + s * kQuantStageBytes;
     const int chunks = slab_bytes(slab) / 64, j0 = slab * (kQuantSlabBytes / 64);
+    uint4 w[U][2];  // this warp's chunks u (the slab's chunk warp + u C), rows g and g + 8
 #pragma unroll
-    for (int u = 0; u < kQuantSlabChunks; ++u) {
-      const int j = warp + u * kConsumers;  // the chunk of the slab (j0 + j of the row)
+    for (int u = 0; u < U; ++u) {
+      const int j = warp + u * C;
       if (j < chunks) {
-        const uint4 w0 = *reinterpret_cast<const uint4*>(stage + g * kQuantRowPitch + j * 64 + c * 16);
-        const uint4 w1 = *reinterpret_cast<const uint4*>(stage + (g + 8) * kQuantRowPitch + j * 64 + c * 16);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          w[u][h] = *reinterpret_cast<const uint4*>(stage + (g + 8 * h) * kQuantRowPitch + j * 64 + c * 16);
+        }
+      }
+    }
+    tma::mbar_arrive(empty + 8 * s);  // (each thread's own reads: the producer's next copy waits for them)
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int j = warp + u * C;
+      if (j < chunks) {
         float s0 = 1.f, s1 = 1.f;
         if constexpr (W == Format::kInt4) {
           s0 = sc.v[u][0];
           s1 = sc.v[u][1];
         }
-        mma_chunk<T, W>(w0, w1, xs + int64_t{g} * row_elems + ((j0 + j) * 4 + c) * E, g < a.M, s0, s1, acc);
+        mma_chunk<T, W>(w[u][0], w[u][1], xs + int64_t{g} * row_elems + ((j0 + j) * 4 + c) * E, g < a.M, s0, s1, acc);
       }
     }
-    tma::mbar_arrive(empty + 8 * s);  // (each thread's own reads: the producer's next copy waits for them)
     if (slab == slabs - 1) {
-      mma_tile_end<T, W, kConsumers>(a, red, tile0 + i / slabs, acc, [] { tma::consumers_sync(); });
+      mma_tile_end<T, W, C>(a, red, tile0 + i / slabs, acc, [] { tma::consumers_sync<C>(); });
     }
   }
 #elif defined(__CUDA_ARCH__)
@@ -1034,8 +1054,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1) gemv_tma_mma_kernel(GemvArgs<T
 // Launches gemv_tma_mma_kernel for a.M <= 8 rows of a float8 weight; false where it does not apply
 // (before sm_90 or code not compiled for it, in_features not a whole number of chunks, x past the
 // shared memory beside the ring, or CUSTOMOPS_LINEAR_QUANT_TMA=0: gemv_mma_kernel). An int4 weight
-// takes it only with CUSTOMOPS_LINEAR_QUANT_TMA=1: its decoding (twice float8's work a byte) needs
-// more warps than this kernel's 8 to keep up. Measured on an H200 in a CUDA graph (bench --linear,
+// takes it only with CUSTOMOPS_LINEAR_QUANT_TMA=1: its decoding (twice float8's work a byte) did not
+// keep up with 8 consumer warps, the first version's only count. Measured on an H200 in a CUDA graph (bench --linear,
 // Llama-3-8B shapes, 1 row): float8 12.6 / 7.8 / 36.1 / 23.6 us for qkv / o / gate_up / down here
 // against 15.0 / 8.4 / 40.8 / 26.3 through gemv_mma_kernel; int4 15.2 / 9.7 / 54.2 / 33.4 against
 // 10.8 / 6.5 / 34.3 / 23.5.
@@ -1048,9 +1068,18 @@ bool launch_tma_mma(const GemvArgs<T>& a, cudaStream_t stream) {
   if (!on || prop->major < 9 || a.K % (4 * E) != 0 || (W == Format::kInt4 && a.group_vectors % 4 != 0)) {
     return false;
   }
-  const int64_t smem = quant_ring_bytes<kQuantStages>() + mma_smem(a.M, a.K, sizeof(T));
+  // consumer warps: CUSTOMOPS_LINEAR_QUANT_WARPS (8 or 16), else float8's 8 and int4's 16
+  const int64_t warps = env_count("CUSTOMOPS_LINEAR_QUANT_WARPS");
+  TORCH_CHECK(warps == 0 || warps == 8 || warps == 16,
+              "customops.fused_linear: CUSTOMOPS_LINEAR_QUANT_WARPS must be 8 or 16, not ", warps);
   const int64_t blocks = std::min<int64_t>((a.N + 15) / 16, prop->multiProcessorCount);
-  return launch_sm90<&gemv_tma_mma_kernel<T, W, P, kQuantStages>>(blocks, smem, stream, a);
+  const auto launch = [&](auto consumers) {
+    constexpr int C = decltype(consumers)::value;
+    const int64_t smem = quant_ring_bytes<kQuantStages>() + mma_smem(a.M, a.K, sizeof(T), C);
+    return launch_sm90<&gemv_tma_mma_kernel<T, W, P, kQuantStages, C>, (C + 1) * 32>(blocks, smem, stream, a);
+  };
+  if (warps == 16 || (warps == 0 && W == Format::kInt4)) return launch(std::integral_constant<int, 16>{});
+  return launch(std::integral_constant<int, 8>{});
 }
 
 // A quantized weight's rows through the matrix-vector kernels, up to `chunk` rows a launch: the

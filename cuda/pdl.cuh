@@ -17,6 +17,7 @@
 
 #include <map>
 #include <mutex>
+#include <set>
 #include <utility>
 
 namespace customops::cuda {
@@ -50,6 +51,25 @@ inline bool compiled_for_sm90(const void* kernel) {
     it->second = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.ptxVersion >= 90;
   }
   return it->second;
+}
+
+// Lets kernel launch with as much dynamic shared memory as the current device gives a block (the
+// opt-in limit less the kernel's static shared memory), set once a kernel and device. Setting the
+// attribute to each launch's own size races between host threads launching the kernel with
+// different sizes: one may lower it between another's setting and that one's launch, which then
+// fails. (The attribute is a limit: the launch and its occupancy follow the launch's own size.)
+inline void allow_dynamic_smem(const void* kernel) {
+  static std::mutex mutex;
+  static std::set<std::pair<const void*, int>> done;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (done.count({kernel, device}) != 0) return;
+  cudaFuncAttributes attr{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  const auto limit = at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin - attr.sharedSizeBytes;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit)));
+  done.insert({kernel, device});
 }
 
 // kernel<<<grid, block, smem, stream>>>(args...), programmatically dependent on the kernel before

@@ -572,7 +572,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_backward_common(const at::Tensor& gr
     int64_t blocks = 0;
     auto launch = [&](auto kernel, int threads, size_t smem) {
       if (smem > 48 * 1024) {
-        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+        cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
       }
       // One wave: as many blocks as the SMs hold at once (registers and shared memory permitting),
       // each looping over rows. Measured on an H100 (add_rms_norm, bf16, 32768x4096 and 4096x8192):

@@ -184,7 +184,9 @@ def test_fused_linear_quantized_streams_through_the_tensor_memory_accelerator(mo
     tensor cores (gemv_tma_mma_kernel; an int4 weight with CUSTOMOPS_LINEAR_QUANT_TMA=1): a tile's
     rows in slabs of 2 KiB, four stages in a ring; CUSTOMOPS_LINEAR_QUANT_TMA=0 takes the kernel
     that loads through registers (gemv_mma_kernel, int4's default), which computes the same sums.
-    The weight is read before the kernel ahead ends only with constant_weight (one run without)."""
+    CUSTOMOPS_LINEAR_QUANT_WARPS picks 8 or 16 consumer warps (float8's default 8, int4's 16; any
+    other count is an error). The weight is read before the kernel ahead ends only with
+    constant_weight (one run without)."""
     if torch.cuda.get_device_capability()[0] < 9 or not any(
             a.startswith("90") for a in customops.build_info()["cuda_archs"].split(";")):
         pytest.skip("the kernel runs on compute capability 9.0+ with sm_90 code only")
@@ -198,13 +200,16 @@ def test_fused_linear_quantized_streams_through_the_tensor_memory_accelerator(mo
     r = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
     nw = torch.ones(k, device="cuda", dtype=dtype) if prologue == "rms_norm" else None
     ys = {}
-    for switch, constant in (("", True), ("1", True), ("1", False), ("0", True)):
+    other_warps = "16" if fmt == "fp8" else "8"
+    for switch, warps, constant in (("", "", True), ("1", "", True), ("1", "", False), ("1", other_warps, True),
+                                    ("0", "", True)):
         monkeypatch.setenv("CUSTOMOPS_LINEAR_QUANT_TMA", switch)
+        monkeypatch.setenv("CUSTOMOPS_LINEAR_QUANT_WARPS", warps)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=constant,
                                        weight_scale=s)
             torch.cuda.synchronize()
-        ys.setdefault(switch, y)
+        ys.setdefault(switch + warps, y)
         names = " ".join(e.name for e in prof.events())
         tma = switch == "1" or (switch == "" and fmt == "fp8")
         assert ("gemv_tma_mma_kernel" in names) == tma, names
@@ -217,6 +222,11 @@ def test_fused_linear_quantized_streams_through_the_tensor_memory_accelerator(mo
         assert ((y.double() - ref).norm() / ref.norm()).item() < 0.01
     # the same products in another order of the same float32 sums: within the output dtype's rounding
     torch.testing.assert_close(ys["1"], ys["0"], atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(ys["1" + other_warps], ys["1"], atol=2e-2, rtol=2e-2)
+    monkeypatch.setenv("CUSTOMOPS_LINEAR_QUANT_TMA", "1")
+    monkeypatch.setenv("CUSTOMOPS_LINEAR_QUANT_WARPS", "12")
+    with pytest.raises(RuntimeError, match="customops.fused_linear: CUSTOMOPS_LINEAR_QUANT_WARPS must be 8 or 16"):
+        customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, weight_scale=s)
 
 
 def test_fused_linear_under_deterministic_algorithms_sums_in_one_order():
