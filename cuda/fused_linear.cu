@@ -1054,11 +1054,16 @@ __global__ void __launch_bounds__((C + 1) * 32, 1) gemv_tma_mma_kernel(GemvArgs<
 // Launches gemv_tma_mma_kernel for a.M <= 8 rows of a float8 weight; false where it does not apply
 // (before sm_90 or code not compiled for it, in_features not a whole number of chunks, x past the
 // shared memory beside the ring, or CUSTOMOPS_LINEAR_QUANT_TMA=0: gemv_mma_kernel). An int4 weight
-// takes it only with CUSTOMOPS_LINEAR_QUANT_TMA=1: its decoding (twice float8's work a byte) did not
-// keep up with 8 consumer warps, the first version's only count. Measured on an H200 in a CUDA graph (bench --linear,
-// Llama-3-8B shapes, 1 row): float8 12.6 / 7.8 / 36.1 / 23.6 us for qkv / o / gate_up / down here
-// against 15.0 / 8.4 / 40.8 / 26.3 through gemv_mma_kernel; int4 15.2 / 9.7 / 54.2 / 33.4 against
-// 10.8 / 6.5 / 34.3 / 23.5.
+// takes it only with CUSTOMOPS_LINEAR_QUANT_TMA=1: its decoding (twice float8's work a byte) does not
+// keep up here. Measured on an H200 in a CUDA graph (bench --linear, Llama-3-8B shapes, 1 row, one
+// run), us for qkv / o / gate_up / down: float8 12.3 / 7.6 / 37.0 / 22.8 with 16 consumer warps,
+// 13.2 / 8.3 / 38.1 / 24.1 with 8, 14.7 / 8.3 / 40.7 / 26.3 through gemv_mma_kernel; int4 13.5 / 8.7 /
+// 48.4 / 27.8 with 16, 14.9 / 9.5 / 53.6 / 33.4 with 8, 10.8 / 6.5 / 34.6 / 23.7 through
+// gemv_mma_kernel. ncu (gate_up, 16 warps): the schedulers issue on about half their cycles (float8
+// 0.52 instructions a cycle, int4 0.46), about one warp of 4.2 eligible: the decoding's instructions
+// and their latencies bound it, not the stream (DRAM 49% / 19% of peak at ncu's clocks). Summing a
+// tile's warps by shared-memory atomics instead of a barrier a tile, with int4's scales loaded 4
+// stages ahead, measured the same (float8) or 3% faster (int4): not kept.
 template <typename T, Format W, Prologue P>
 bool launch_tma_mma(const GemvArgs<T>& a, cudaStream_t stream) {
   const auto* prop = at::cuda::getCurrentDeviceProperties();
@@ -1068,7 +1073,7 @@ bool launch_tma_mma(const GemvArgs<T>& a, cudaStream_t stream) {
   if (!on || prop->major < 9 || a.K % (4 * E) != 0 || (W == Format::kInt4 && a.group_vectors % 4 != 0)) {
     return false;
   }
-  // consumer warps: CUSTOMOPS_LINEAR_QUANT_WARPS (8 or 16), else float8's 8 and int4's 16
+  // consumer warps: CUSTOMOPS_LINEAR_QUANT_WARPS (8 or 16), else 16
   const int64_t warps = env_count("CUSTOMOPS_LINEAR_QUANT_WARPS");
   TORCH_CHECK(warps == 0 || warps == 8 || warps == 16,
               "customops.fused_linear: CUSTOMOPS_LINEAR_QUANT_WARPS must be 8 or 16, not ", warps);
@@ -1078,8 +1083,8 @@ bool launch_tma_mma(const GemvArgs<T>& a, cudaStream_t stream) {
     const int64_t smem = quant_ring_bytes<kQuantStages>() + mma_smem(a.M, a.K, sizeof(T), C);
     return launch_sm90<&gemv_tma_mma_kernel<T, W, P, kQuantStages, C>, (C + 1) * 32>(blocks, smem, stream, a);
   };
-  if (warps == 16 || (warps == 0 && W == Format::kInt4)) return launch(std::integral_constant<int, 16>{});
-  return launch(std::integral_constant<int, 8>{});
+  if (warps == 8) return launch(std::integral_constant<int, 8>{});
+  return launch(std::integral_constant<int, 16>{});
 }
 
 // A quantized weight's rows through the matrix-vector kernels, up to `chunk` rows a launch: the
