@@ -218,6 +218,15 @@ def test_bench_serve_report_with_a_variant(tmp_path):
     assert bad.returncode == 2 and f"--llama-cpp: no build/bin/llama-server in {tmp_path}" in bad.stderr, bad.stderr
 
 
+def test_bench_serve_prompt_lengths():
+    """Mixed lengths from a quarter to all of --prompt-len; with --same-length all of it."""
+    from customops.bench import serve
+    mixed = serve.prompt_lengths(64, False, 200, torch.Generator().manual_seed(0))
+    assert min(mixed) >= 16 and max(mixed) <= 64 and len(set(mixed)) > 10, mixed
+    assert serve.prompt_lengths(64, True, 5, torch.Generator().manual_seed(0)) == [64] * 5
+    assert serve.prompt_lengths(1, False, 3, torch.Generator().manual_seed(0)) == [1] * 3
+
+
 def test_bench_serve_quotes_a_server_that_did_not_start(tmp_path):
     """A server that exits before it listens is reported with its own last words, not a bare
     connection error."""

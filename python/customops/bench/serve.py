@@ -4,8 +4,8 @@ generate`` of the same batch and against the decode floor.
 The model is :mod:`.generate`'s (Llama-3.2-1B shapes on CUDA, a small config on CPU), packaged once
 with ``max_batch`` the largest concurrency. For each concurrency C the server runs with
 ``--max-batch C`` and C streaming clients (threads, raw HTTP) each send ``--requests`` completions
-one after another: prompts of mixed lengths (token ids, a quarter to all of ``--prompt-len``), each
-``--new-tokens`` greedy tokens. Reported: output tokens/s over the wall time; time to first token
+one after another: prompts of mixed lengths (token ids, a quarter to all of ``--prompt-len``; with
+``--same-length`` all of it), each ``--new-tokens`` greedy tokens. Reported: output tokens/s over the wall time; time to first token
 (TTFT) and inter-token latency (ITL: a request's time from its first to its last token over its
 tokens after the first) at their p50 and p99 over the requests; and the largest gap between two
 chunks of a stream (a stall, such as a prefill chunk beside decoding rows); and the mean TTFT the
@@ -357,7 +357,7 @@ def run(args) -> dict:
     rows = []
     for c in levels:
         n = max(c * args.requests, 1)
-        lengths = torch.randint(max(1, args.prompt_len // 4), args.prompt_len + 1, (n,), generator=g).tolist()
+        lengths = prompt_lengths(args.prompt_len, args.same_length, n, g)
         prompts = [torch.randint(1, cfg.vocab_size, (k,), generator=g).tolist() for k in lengths]
         kv = 2 * cfg.num_hidden_layers * c * cfg.num_key_value_heads * cfg.head_dim * \
             (statistics.mean(lengths) + args.new_tokens / 2) * 2
@@ -396,8 +396,8 @@ def run(args) -> dict:
             print(f"    serve {row['serve']['tokens_per_s']:,.0f} tokens/s, generate "
                   f"{row['generate']['tokens_per_s']:,.0f}", flush=True)
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "versions": versions(args.device),
-            "layers": cfg.num_hidden_layers, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-            "requests": args.requests, "copy_gb_s": speed / 1e9, "variants": [variant_label(env) for env in args.variant]}
+            "layers": cfg.num_hidden_layers, "prompt_len": args.prompt_len, "same_length": args.same_length,
+            "new_tokens": args.new_tokens, "requests": args.requests, "copy_gb_s": speed / 1e9, "variants": [variant_label(env) for env in args.variant]}
     return {"meta": meta, "rows": rows, "notes": notes}
 
 
@@ -407,10 +407,20 @@ def _llama_version(llama_cpp: Path) -> str:
     return m.group(1) if m else "(version unknown)"
 
 
+def prompt_lengths(longest: int, same_length: bool, n: int, g: torch.Generator) -> list[int]:
+    """n prompts' lengths: a quarter to all of the longest at random, or all of it. (The same length
+    lets a server's prefill shapes repeat, as generate's timed prefill repeats its warm-up's: it
+    tells a shape's first-time costs from the rest of a server's time to first token.)"""
+    if same_length:
+        return [longest] * n
+    return torch.randint(max(1, longest // 4), longest + 1, (n,), generator=g).tolist()
+
+
 def print_report(report: dict) -> None:
     m = report["meta"]
     print(f"{m['device']}; " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
-    print(f"Llama {m['layers']} layers; prompts of {m['prompt_len'] // 4}-{m['prompt_len']} ids, {m['new_tokens']} "
+    lengths = f"{m['prompt_len']}" if m.get("same_length") else f"{m['prompt_len'] // 4}-{m['prompt_len']}"
+    print(f"Llama {m['layers']} layers; prompts of {lengths} ids, {m['new_tokens']} "
           f"new tokens each, {m['requests']} requests a client one after another")
     print(f"{'C':>3s} {'serve tok/s':>12s} {'generate':>9s} {'ratio':>6s} {'floor':>8s} {'TTFT p50/p99 ms':>17s} "
           f"{'in server':>9s} {'queue+prefill':>13s} {'prefill ms':>10s} {'ITL p50/p99 ms':>15s} "
@@ -471,6 +481,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"])
     p.add_argument("--layers", type=int, help="decoder layers (default: 16 on CUDA, 2 on CPU)")
     p.add_argument("--prompt-len", type=int, help="the longest prompt (default: 512 on CUDA, 32 on CPU)")
+    p.add_argument("--same-length", action="store_true",
+                   help="every prompt --prompt-len ids (default: a quarter to all of it at random)")
     p.add_argument("--new-tokens", type=int, help="default: 128 on CUDA, 16 on CPU")
     p.add_argument("--concurrency", help="comma-separated (default: 1,8,32 on CUDA, 1,2 on CPU)")
     p.add_argument("--requests", type=int, default=2, help="requests each client sends, one after another")
