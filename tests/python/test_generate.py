@@ -108,6 +108,28 @@ def test_runner_fills_the_cache_to_max_seq_len(packaged, tmp_path):
     assert list(map(int, r.stdout.split())) == lms.hf_generate(model, full, 1)
 
 
+def test_runner_pads_prefill_chunks_to_a_multiple_when_asked(packaged):
+    """CUSTOMOPS_PREFILL_MULTIPLE=N rounds a prefill run's chunk up to a multiple of N where the
+    caches leave room (padding that no query reads): the same greedy ids (float32 on the CPU:
+    exactly), also for a prompt one short of the cache, where N does not fit; a value that is no
+    count is refused in one line."""
+    model, path = packaged
+
+    def generate(multiple, *args):
+        return lms.run([customops.runner_path(), "generate", path, *args],
+                       env={"CUSTOMOPS_PREFILL_MULTIPLE": multiple})
+
+    args = [*lms.prompt_args(lms.prompts(9, 4)), "--max-new-tokens", "8"]
+    plain = generate("", *args)
+    assert plain.returncode == 0, plain.stderr
+    padded = generate("16", *args)
+    assert padded.returncode == 0 and padded.stdout == plain.stdout, padded.stderr
+    prompt = lms.prompts(MAX_SEQ_LEN - 1)[0]
+    r = generate(str(4 * MAX_SEQ_LEN), "--prompt", " ".join(map(str, prompt)), "--max-new-tokens", "3", "--ignore-eos")
+    assert r.returncode == 0 and list(map(int, r.stdout.split())) == lms.hf_generate(model, prompt, 2), r.stderr
+    lms.one_line_error(generate("16x", *args), "CUSTOMOPS_PREFILL_MULTIPLE must be a count of tokens")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_runner_stops_a_sequence_at_any_of_its_eos_ids_while_the_other_goes_on(device, tmp_path):
     """The model's generation_config lists three eos ids, one of which the first prompt's greedy ids
