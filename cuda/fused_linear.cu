@@ -689,16 +689,15 @@ __device__ __forceinline__ uint32_t decode_pair(const uint4& v, int q) {
   }
 }
 
-// d += a b (not volatile: the compiler may move the instruction among the decoding around it)
 template <typename T>
 __device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
                  "{%0, %1, %2, %3};"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   } else {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
                  "{%0, %1, %2, %3};"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -726,9 +725,7 @@ __device__ void prologue_pairs(const GemvArgs<T>& a, T* xs, int row_elems, Sync 
 // acc (rows g, g, g + 8, g + 8 of a tile of 16 output features; tokens 2c, 2c + 1) += one chunk of
 // this thread's: w0 and w1, its 16-byte vectors of rows g and g + 8, times x, token g's E values of
 // the same vector in pair order (zeros where has_x is false: a token past M). An int4 chunk lies in
-// one group: its sums take the rows' scales s0 and s1 before they are added. The steps run as two
-// chains of mma.sync (even and odd steps; float8's even ones into acc itself), so that a step's
-// instruction does not wait for the one before it.
+// one group: its sums take the rows' scales s0 and s1 before they are added.
 template <typename T, Format W>
 __device__ __forceinline__ void mma_chunk(const uint4& w0, const uint4& w1, const T* x, bool has_x, float s0, float s1,
                                           float* acc) {
@@ -743,22 +740,22 @@ __device__ __forceinline__ void mma_chunk(const uint4& w0, const uint4& w1, cons
     xw[4 * i + 2] = v.z;
     xw[4 * i + 3] = v.w;
   }
-  float even[4] = {0.f, 0.f, 0.f, 0.f}, odd[4] = {0.f, 0.f, 0.f, 0.f};
-  float* first = W == Format::kInt4 ? even : acc;
+  float d[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int s = 0; s < E / 4; ++s) {  // steps: pairs 2s and 2s + 1 of each row
     const uint32_t fa[4] = {decode_pair<T, W>(w0, 2 * s), decode_pair<T, W>(w1, 2 * s),
                             decode_pair<T, W>(w0, 2 * s + 1), decode_pair<T, W>(w1, 2 * s + 1)};
-    mma16816<T>(s % 2 == 0 ? first : odd, fa, xw[2 * s], xw[2 * s + 1]);
+    if constexpr (W == Format::kInt4) {
+      mma16816<T>(d, fa, xw[2 * s], xw[2 * s + 1]);
+    } else {
+      mma16816<T>(acc, fa, xw[2 * s], xw[2 * s + 1]);
+    }
   }
   if constexpr (W == Format::kInt4) {
-    acc[0] += (even[0] + odd[0]) * s0;
-    acc[1] += (even[1] + odd[1]) * s0;
-    acc[2] += (even[2] + odd[2]) * s1;
-    acc[3] += (even[3] + odd[3]) * s1;
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc[i] += odd[i];
+    acc[0] += d[0] * s0;
+    acc[1] += d[1] * s0;
+    acc[2] += d[2] * s1;
+    acc[3] += d[3] * s1;
   }
 }
 
