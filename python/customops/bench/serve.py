@@ -5,14 +5,14 @@ The model is :mod:`.generate`'s (Llama-3.2-1B shapes on CUDA, a small config on 
 with ``max_batch`` the largest concurrency. For each concurrency C the server runs with
 ``--max-batch C`` and C streaming clients (threads, raw HTTP) each send ``--requests`` completions
 one after another: prompts of mixed lengths (token ids, a quarter to all of ``--prompt-len``; with
-``--same-length`` all of it), each ``--new-tokens`` greedy tokens. Reported: output tokens/s over the wall time; time to first token
-(TTFT) and inter-token latency (ITL: a request's time from its first to its last token over its
-tokens after the first) at their p50 and p99 over the requests; and the largest gap between two
-chunks of a stream (a stall, such as a prefill chunk beside decoding rows); and the mean TTFT the
-server measures itself (its /metrics), which leaves out the HTTP path and the text. Beside them,
-``customops-run generate`` of C of the same prompts at once: its tokens/s (C x new tokens over its
-prefill and decode time) and its decode ms/token; the prefill of a prompt of the median length
-alone (what TTFT at concurrency 1 compares with); and the floor: the bytes a
+``--same-length`` all of it), each ``--new-tokens`` greedy tokens. Reported: output tokens/s over
+the wall time; time to first token (TTFT) and inter-token latency (ITL: a request's time from its
+first to its last token over its tokens after the first) at their p50 and p99 over the requests; and
+the largest gap between two chunks of a stream (a stall, such as a prefill chunk beside decoding
+rows); and the mean TTFT the server measures itself (its /metrics), which leaves out the HTTP path
+and the text. Beside them, ``customops-run generate`` of C of the same prompts at once: its tokens/s
+(C x new tokens over its prefill and decode time) and its decode ms/token; the prefill of a prompt
+of the median length alone (what TTFT at concurrency 1 compares with); and the floor: the bytes a
 decode step of C rows reads at the copy speed measured here.
 
 The tokenizer is one made here whose every id decodes to one to three ASCII letters, so that each
@@ -397,7 +397,8 @@ def run(args) -> dict:
                   f"{row['generate']['tokens_per_s']:,.0f}", flush=True)
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "versions": versions(args.device),
             "layers": cfg.num_hidden_layers, "prompt_len": args.prompt_len, "same_length": args.same_length,
-            "new_tokens": args.new_tokens, "requests": args.requests, "copy_gb_s": speed / 1e9, "variants": [variant_label(env) for env in args.variant]}
+            "new_tokens": args.new_tokens, "requests": args.requests, "copy_gb_s": speed / 1e9,
+            "variants": [variant_label(env) for env in args.variant]}
     return {"meta": meta, "rows": rows, "notes": notes}
 
 
