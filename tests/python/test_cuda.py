@@ -185,8 +185,8 @@ def test_fused_linear_quantized_streams_through_the_tensor_memory_accelerator(mo
     rows in slabs of 2 KiB, four stages in a ring; CUSTOMOPS_LINEAR_QUANT_TMA=0 takes the kernel
     that loads through registers (gemv_mma_kernel, int4's default), which computes the same sums.
     CUSTOMOPS_LINEAR_QUANT_WARPS picks 8 or 16 consumer warps (default 16; any other count is an
-    error). The weight is read before the kernel ahead ends only with
-    constant_weight (one run without)."""
+    error). The weight is read before the kernel ahead ends only with constant_weight (one run
+    without)."""
     if torch.cuda.get_device_capability()[0] < 9 or not any(
             a.startswith("90") for a in customops.build_info()["cuda_archs"].split(";")):
         pytest.skip("the kernel runs on compute capability 9.0+ with sm_90 code only")
