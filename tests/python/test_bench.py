@@ -146,19 +146,27 @@ def test_bench_generate_rounds_report(tmp_path):
 
 def test_bench_generate_times_a_quantized_package_against_its_own_floor(tmp_path):
     """--weights int4: customops-run generate of an int4 package beside eager, its floor the int4
-    package's bytes (its decoder layers' weights at half a byte an element, with their scales)."""
+    package's bytes (its decoder layers' weights at half a byte an element, with their scales).
+    --variant runs it again with the variables set: a good value beside its default, a bad one
+    the runner's own error (so the variables reach it)."""
     pytest.importorskip("transformers")
     out = subprocess.run(
         [sys.executable, "-m", "customops", "bench", "--generate", "--device", "cpu", "--variants", "eager",
          "--weights", "bf16,int4", "--layers", "1", "--prompt-len", "8", "--new-tokens", "3", "--no-progress",
+         "--variant", "CUSTOMOPS_PREFILL_MULTIPLE=4", "--variant", "CUSTOMOPS_PREFILL_MULTIPLE=x",
          "--json", "report.json"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 1, out.stderr  # (the bad variant's row is an error)
     rows = {r["variant"]: r for r in json.loads((tmp_path / "report.json").read_text())["rows"]}
-    assert set(rows) == {"eager", "customops-run generate, int4 weights"}, rows
-    q = rows["customops-run generate, int4 weights"]
+    int4 = "customops-run generate, int4 weights"
+    assert set(rows) == {"eager", int4, f"{int4} [CUSTOMOPS_PREFILL_MULTIPLE=4]",
+                         f"{int4} [CUSTOMOPS_PREFILL_MULTIPLE=x]"}, rows
+    q = rows[int4]
     assert "error" not in q and q["decode_ms"] > 0, q
     assert q["floor_ms"] < rows["eager"]["floor_ms"]  # fewer bytes a step
+    padded = rows[f"{int4} [CUSTOMOPS_PREFILL_MULTIPLE=4]"]
+    assert "error" not in padded and padded["decode_ms"] > 0 and padded["floor_ms"] == q["floor_ms"], padded
+    assert "CUSTOMOPS_PREFILL_MULTIPLE must be a count" in rows[f"{int4} [CUSTOMOPS_PREFILL_MULTIPLE=x]"]["error"]
 
 
 def test_bench_generate_quantizes_the_lm_head_when_asked(tmp_path):

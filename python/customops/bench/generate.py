@@ -18,6 +18,10 @@ speed, measured once in the run.
 layers' weights at one byte (fp8) or half a byte (int4) an element, with their scales
 (``--quantize-lm-head``: the LM head's too, ``quantize_lm_head=True``).
 
+``--variant VAR=VALUE[,VAR=VALUE]`` (repeatable) runs ``customops-run generate`` of every format
+again with those environment variables set: an experiment switch of a kernel, side by side with
+the default.
+
 With ``--rounds R`` every variant is timed once a round, in turn, R rounds: a variant's numbers are
 its medians, and its speed against eager the median of the rounds' ratios, so that a host whose
 speed drifts during the run (a shared CPU machine) moves both sides of each ratio together.
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import re
 import statistics
 import subprocess
@@ -38,6 +43,7 @@ import torch
 import customops
 
 from .. import _cli
+from .attention import parse_variant, variant_label
 from .common import pick_device, versions, write_json
 from .model import MODELS
 
@@ -88,13 +94,14 @@ def _hf_times(model, ids, new_tokens, device, **kw) -> tuple[float, float]:
     return ids.numel() / one, (many - one) / (new_tokens - 1) * 1e3
 
 
-def _runner_times(path, ids, new_tokens, *extra, runs=2) -> tuple[float, float]:
+def _runner_times(path, ids, new_tokens, *extra, runs=2, env=None) -> tuple[float, float]:
     cmd = [customops.runner_path(), "generate", path, "--max-new-tokens", str(new_tokens), "--ignore-eos", *extra]
     for row in ids.tolist():
         cmd += ["--prompt", " ".join(map(str, row))]
     best = None
     for _ in range(runs):  # each run loads the package and warms up: its times are its second call's
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, **env} if env else None)
         if r.returncode != 0:
             raise RuntimeError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}")
         prefill = float(re.search(r"\(([\d.]+) tokens/s\)", r.stderr).group(1))
@@ -164,10 +171,14 @@ def run(args) -> dict:
     # a quantized package of each other format: customops-run generate of it, against its own floor
     head = " and LM head" if args.quantize_lm_head else ""
     quantized = {f"customops-run generate, {w} weights{head}": w for w in formats if w != "bf16"}
+    # each --variant: customops-run generate of every format again, with its variables set
+    runners = [v for v in wanted if v == "customops-run generate"] + list(quantized)
+    envs = {f"{v} [{variant_label(e)}]": (v, e) for e in args.variant for v in runners}
     speed = _copy_speed(args.device)
     rows, notes, metas = [], [], {}
     for name in names:
-        metas[name], model_rows, model_notes = _run_model(args, name, wanted + list(quantized), quantized, speed)
+        metas[name], model_rows, model_notes = _run_model(args, name, wanted + list(quantized) + list(envs), quantized,
+                                                          envs, speed)
         rows += model_rows
         notes += model_notes
         gc.collect()  # the model and its variants' copies leave the device before the next is built
@@ -179,9 +190,10 @@ def run(args) -> dict:
     return {"meta": meta, "rows": rows, "notes": notes}
 
 
-def _run_model(args, name: str, wanted: list[str], quantized: dict[str, str],
+def _run_model(args, name: str, wanted: list[str], quantized: dict[str, str], envs: dict[str, tuple[str, dict]],
                speed: float) -> tuple[dict, list[dict], list[str]]:
-    """The meta, rows and notes of one model of MODELS: every variant of wanted at every batch."""
+    """The meta, rows and notes of one model of MODELS: every variant of wanted at every batch
+    (envs: an environment variant's runner variant and variables)."""
     model = _model(args, name)
     cfg = model.config
     batches = [int(b) for b in args.batches.split(",")]
@@ -196,7 +208,7 @@ def _run_model(args, name: str, wanted: list[str], quantized: dict[str, str],
         * next(model.parameters()).element_size()
     floors = {w: {b: (n + b * kv) / speed * 1e3 for b in batches} for w, n in weight_bytes.items()}
     package = None
-    if any(v.startswith("customops-run") and v not in quantized for v in wanted):
+    if any(v.startswith("customops-run") and envs.get(v, (v,))[0] not in quantized for v in wanted):
         t = time.perf_counter()
         package = customops.export.package_causal_lm(model, tempfile.mkdtemp() + f"/{name}.pt2", max_batch=max(batches),
                                                      max_seq_len=max_seq_len)
@@ -209,7 +221,7 @@ def _run_model(args, name: str, wanted: list[str], quantized: dict[str, str],
                                                          quantize_lm_head=args.quantize_lm_head)
     for b in batches:
         ids = torch.randint(1, cfg.vocab_size, (b, args.prompt_len), generator=g).to(args.device)
-        floor = {v: floors[quantized.get(v, "bf16")][b] for v in wanted}
+        floor = {v: floors[quantized.get(envs[v][0] if v in envs else v, "bf16")][b] for v in wanted}
         times = {v: [] for v in wanted}  # (prefill, decode) a round
         errors = {}
         models = {}  # the variants' models, built at their first round
@@ -226,9 +238,13 @@ def _run_model(args, name: str, wanted: list[str], quantized: dict[str, str],
                     models[v] = _model(args, name)
                     models[v].forward = torch.compile(models[v].forward, mode="reduce-overhead", fullgraph=True)
                 return _hf_times(models[v], ids, args.new_tokens, args.device, cache_implementation="static")
+            runs = 1 if args.rounds > 1 else 2
+            if v in envs:
+                base, env = envs[v]
+                return _runner_times(packages.get(base, package), ids.cpu(), args.new_tokens, runs=runs, env=env)
             if v in packages:
-                return _runner_times(packages[v], ids.cpu(), args.new_tokens, runs=1 if args.rounds > 1 else 2)
-            return _runner_times(package, ids.cpu(), args.new_tokens, *v.split()[2:], runs=1 if args.rounds > 1 else 2)
+                return _runner_times(packages[v], ids.cpu(), args.new_tokens, runs=runs)
+            return _runner_times(package, ids.cpu(), args.new_tokens, *v.split()[2:], runs=runs)
 
         for rnd in range(args.rounds):
             for v in wanted:
@@ -314,6 +330,9 @@ def main(argv: list[str]) -> int:
                    help="the quantized formats' packages quantize the LM head too (its floor with it)")
     p.add_argument("--weights", default="bf16", help="comma-separated package weight formats: bf16 (the model's "
                    "dtype), fp8, int4; each beyond bf16 adds customops-run generate of such a package")
+    p.add_argument("--variant", action="append", type=parse_variant, default=[], metavar="VAR=VALUE[,VAR=VALUE]",
+                   help="customops-run generate of every format again with these environment variables (an "
+                   "experiment switch); repeatable")
     p.add_argument("--rounds", type=int, help="time every variant in turn this many times, report medians "
                    "(default: 1 on CUDA, 5 on CPU)")
     p.add_argument("--json", metavar="PATH")
