@@ -11,6 +11,7 @@
 #include "customops/engine.h"
 #include "customops/package.h"
 #include "generate/causal_lm_impl.h"
+#include "generate/greedy.h"
 #include "ops/cache_attention.h"
 
 #include <algorithm>
@@ -90,13 +91,23 @@ double ms_since(std::chrono::steady_clock::time_point start) {
 // logits is an id of probability 0, which neither greedy nor sampling picks.) The ids alone are
 // always in the vocabulary, for a step queued before the host has read them.
 std::pair<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const Sampling& s, at::Generator* gen) {
+  // A temperature whose reciprocal overflows float (below about 3e-39) defines the argmax's
+  // distribution; dividing the float32 logits by it would give 0 * inf = NaN.
+  const bool sampled = s.temperature > 0 && 1 / s.temperature <= std::numeric_limits<float>::max();
+#ifdef CUSTOMOPS_WITH_CUDA
+  // one kernel for the lines below; CUSTOMOPS_GREEDY_KERNEL=0 keeps them (an experiment switch, for
+  // bench --generate --variant)
+  static const bool kernel = [] {
+    const char* env = std::getenv("CUSTOMOPS_GREEDY_KERNEL");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  if (!sampled && kernel && logits.is_cuda()) return greedy_cuda(logits);
+#endif
   auto [top, ids] = logits.max(-1, /*keepdim=*/true);
   // |top| < inf is isfinite's answer in two kernels instead of four (NaN compares false): a decode
   // step on a small model spends a few microseconds a kernel here, outside its graph
   const at::Tensor finite = top.abs() < std::numeric_limits<double>::infinity();
-  // A temperature whose reciprocal overflows float (below about 3e-39) defines the argmax's
-  // distribution; dividing the float32 logits by it would give 0 * inf = NaN.
-  if (s.temperature > 0 && 1 / s.temperature <= std::numeric_limits<float>::max()) {
+  if (sampled) {
     // the row's max subtracted first, so that a small temperature does not overflow a logit to
     // inf; zeros in a row that is not finite (multinomial on CUDA asserts on the device for NaN)
     at::Tensor l = at::where(finite, logits - top, 0) / s.temperature;

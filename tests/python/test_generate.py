@@ -429,6 +429,37 @@ def test_cuda_bfloat16_package_generates_hugging_face_greedy_ids(tmp_path):
     assert "CUDA graph" not in launched.stderr
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not customops.build_info()["cuda"], reason="needs CUDA")
+@pytest.mark.parametrize("vocab", [lms.VOCAB, lms.VOCAB + 3], ids=["vectors", "odd"])
+def test_cuda_greedy_ids_take_the_first_of_equal_logits(tmp_path, vocab):
+    """CUDA's greedy kernel (cuda/greedy.cu) keeps at::max's rule: an LM head whose second half
+    repeats its first gives every largest logit twice, and the first id wins, every step; the first
+    new id of each prompt is ATen's argmax of the package's own logits. A vocabulary of whole 16-byte
+    vectors of logits and one that is not (the kernel's two loops); CUSTOMOPS_GREEDY_KERNEL=0 (ATen's
+    max instead) gives the same ids. (Not against Hugging Face's ids: in bfloat16 such a small
+    model's choices are close calls.)"""
+    model = lms.llama(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, vocab_size=vocab)
+    half = vocab // 2
+    with torch.no_grad():
+        model.lm_head.weight[half:2 * half] = model.lm_head.weight[:half]
+    model = model.to("cuda", torch.bfloat16)
+    path = customops.export.package_causal_lm(model, tmp_path / "twice.pt2", max_batch=MAX_BATCH,
+                                              max_seq_len=MAX_SEQ_LEN)
+    prompts = [[3 + i % (half - 3) for i in p] for p in lms.prompts(9, 4)]
+    r = lms.generate(path, *lms.prompt_args(prompts), "--max-new-tokens", "8", "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    got = lms.ids_of(r.stdout)
+    assert all(len(ids) == 8 and all(i < half or i == 2 * half for i in ids) for ids in got), got
+    lm = torch._inductor.aoti_load_package(path)
+    longs = dict(dtype=torch.long, device="cuda")
+    ids = torch.tensor([p + [0] * (9 - len(p)) for p in prompts], device="cuda")
+    logits = lm(ids, torch.zeros(2, **longs), torch.tensor([len(p) for p in prompts], **longs), torch.arange(2, **longs))
+    assert logits.argmax(-1).tolist() == [ids[0] for ids in got]
+    aten = lms.run([customops.runner_path(), "generate", path, *lms.prompt_args(prompts), "--max-new-tokens", "8",
+                    "--ignore-eos"], env={"CUSTOMOPS_GREEDY_KERNEL": "0"})  # ATen's max, the switch's way
+    assert aten.returncode == 0 and aten.stdout == r.stdout, aten.stderr
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_cache_attention_never_reads_past_a_length(device, dtype):
