@@ -147,7 +147,9 @@ struct Launched {
 // the rest padding. Prompts of different lengths then share a few shapes. On an H200 a server's
 // prefill at one client took 7.9 ms against 3.7 ms for generate's, which repeats its warm-up's
 // shapes: whether a shape's first run costs that (libraries choosing their kernels for it) is what
-// the switch is to measure. 1 where unset.
+// the switch is to measure. 1 where unset. With N set, the engine also runs each shape such a
+// prefill run can take once when it is made (warm_up), so that a shape's first run is not a
+// request's.
 int64_t prefill_multiple() {
   const char* env = std::getenv("CUSTOMOPS_PREFILL_MULTIPLE");
   if (env == nullptr || *env == '\0') return 1;
@@ -180,7 +182,30 @@ struct Engine::Impl {
   std::unique_ptr<Launched> ahead;          // a decode run launched, not taken
 
   Impl(CausalLM::Impl& lm, EngineOptions o)
-      : m(lm), options(o), slots(o.max_batch > 0 ? std::min(o.max_batch, lm.max_batch) : lm.max_batch) {}
+      : m(lm), options(o), slots(o.max_batch > 0 ? std::min(o.max_batch, lm.max_batch) : lm.max_batch) {
+    warm_up();
+  }
+
+  // With a prefill multiple N (CUSTOMOPS_PREFILL_MULTIPLE), one run of every shape a padded prefill
+  // run can take: n rows (1 up to the slots) of t ids, t a multiple of N that the budget (t n of
+  // it) and the caches leave room for. Their ids are the pad id, on slots 0 to n - 1 from position
+  // 0: no sequence holds a slot yet, and what they write to the caches lies past every later
+  // sequence's length until that sequence writes it. (A run near a cache's end or the budget's may
+  // still take a shape not warmed: t is what is left there.)
+  void warm_up() {
+    if (multiple <= 1) return;
+    const auto opts = at::TensorOptions().dtype(at::kLong);
+    for (int64_t n = 1; n <= max_slots(); ++n) {
+      for (int64_t t = multiple; t * n <= options.token_budget && t <= m.max_seq_len; t += multiple) {
+        m.loader->run({at::full({n, t}, m.pad, opts).to(m.device), at::zeros({n}, opts).to(m.device),
+                       at::full({n}, t, opts).to(m.device), at::arange(n, opts).to(m.device)});
+      }
+    }
+    if (!m.device.is_cpu()) {  // (done before the first request's runs queue behind them)
+      const auto* guard = c10::impl::getDeviceGuardImpl(m.device.type());
+      guard->synchronizeStream(guard->getStream(m.device));
+    }
+  }
 
   int64_t max_slots() const { return static_cast<int64_t>(slots.size()); }
 
