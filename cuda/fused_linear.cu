@@ -534,9 +534,10 @@ int64_t env_count(const char* name) {
 // where CUSTOMOPS_LINEAR_BLOCKS_PER_SM says. A wave that leaves room on every SM lets the next
 // kernel's first blocks start there while this one streams (programmatic dependent launch),
 // loading their first weights before this kernel ends, where a full wave has them wait for its
-// blocks to exit; it streams with fewer warps. Measured in a CUDA graph (bench --linear's graph
-// column): the fixed cost a product pays there, 5-21 us on an H200 (Llama-3-8B's products), is
-// what it is for. (gemv_tma_kernel, one block an SM already, is not capped.)
+// blocks to exit; it streams with fewer warps. The fixed cost a product pays in a CUDA graph, 5-21
+// us on an H200 (Llama-3-8B's products), is what it was for; measured there (bench --linear's graph
+// column, Llama-3.2-1B shapes, 1 row, 2026-11-29) it costs more than it saves: qkv 8.4 us against
+// 6.5, o_proj 5.2 against 3.6. (gemv_tma_kernel, one block an SM already, is not capped.)
 int64_t wave_blocks(int64_t work, int per_sm) {
   const auto* prop = at::cuda::getCurrentDeviceProperties();
   if (const int64_t n = env_count("CUSTOMOPS_LINEAR_BLOCKS_PER_SM"); n > 0) {
@@ -1060,7 +1061,9 @@ __global__ void __launch_bounds__((C + 1) * 32, 1) gemv_tma_mma_kernel(GemvArgs<
 // 0.52 instructions a cycle, int4 0.46), about one warp of 4.2 eligible: the decoding's instructions
 // and their latencies bound it, not the stream (DRAM 49% / 19% of peak at ncu's clocks). Summing a
 // tile's warps by shared-memory atomics instead of a barrier a tile, with int4's scales loaded 4
-// stages ahead, measured the same (float8) or 3% faster (int4): not kept.
+// stages ahead, measured the same (float8) or 3% faster (int4): not kept. Nor was feeding int4's
+// raw nibbles (136 + q) to the tensor cores with bfloat16 x, a third fewer decoding instructions,
+// less 136 times each chunk's sum of x after: no faster in either kernel (2026-11-29).
 template <typename T, Format W, Prologue P>
 bool launch_tma_mma(const GemvArgs<T>& a, cudaStream_t stream) {
   const auto* prop = at::cuda::getCurrentDeviceProperties();
