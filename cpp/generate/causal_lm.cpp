@@ -89,8 +89,12 @@ double ms_since(std::chrono::steady_clock::time_point start) {
 // -inf everywhere: damaged weights, or a model that overflows its dtype; argmax would give an id
 // for it as if it were a token, and the host turns the -1 into an error. (A -inf among finite
 // logits is an id of probability 0, which neither greedy nor sampling picks.) The ids alone are
-// always in the vocabulary, for a step queued before the host has read them.
-std::pair<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const Sampling& s, at::Generator* gen) {
+// always in the vocabulary, for a step queued before the host has read them. Sampling shapes every
+// row's distribution at once (each row's values the same as alone: the ops work row by row) and
+// draws each row's id from its own generator, so a request's draws do not depend on its
+// batch-mates.
+std::pair<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const Sampling& s,
+                                         const std::vector<at::Generator*>& gens) {
   // A temperature whose reciprocal overflows float (below about 3e-39) defines the argmax's
   // distribution; dividing the float32 logits by it would give 0 * inf = NaN.
   const bool sampled = s.temperature > 0 && 1 / s.temperature <= std::numeric_limits<float>::max();
@@ -123,7 +127,14 @@ std::pair<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const Samplin
       at::Tensor drop = (probs.cumsum(-1) - probs) > s.top_p;
       l = at::full_like(l, -inf).scatter(-1, order, sorted.masked_fill(drop, -inf));
     }
-    ids = at::multinomial(l.softmax(-1), 1, /*replacement=*/false, *gen);
+    TORCH_CHECK(static_cast<int64_t>(gens.size()) == l.size(0), "sample: a generator a row, ", gens.size(), " for ",
+                l.size(0), " rows");
+    const at::Tensor probs = l.softmax(-1);
+    ids = at::empty_like(ids);
+    for (int64_t r = 0; r < l.size(0); ++r) {
+      at::Tensor row = ids.narrow(0, r, 1);
+      at::multinomial_out(row, probs.narrow(0, r, 1), 1, /*replacement=*/false, *gens[r]);
+    }
   }
   return {ids.squeeze(-1), at::where(finite, ids, -1).squeeze(-1)};
 }

@@ -50,8 +50,10 @@ void check_sampling(const Sampling& s);
 void check_prompt(const std::vector<int64_t>& prompt, int64_t max_seq_len, int64_t vocab, const std::string& which);
 
 // The next id of each row of logits [B, vocab], on their device: (ids, the same ids with -1 where a
-// row's logits are not finite); see causal_lm.cpp. gen: where s samples (temperature > 0).
-std::pair<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const Sampling& s, at::Generator* gen);
+// row's logits are not finite); see causal_lm.cpp. gens: where s samples (temperature > 0), each
+// row's generator (B of them).
+std::pair<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const Sampling& s,
+                                         const std::vector<at::Generator*>& gens = {});
 at::Generator make_generator(const c10::Device& device, uint64_t seed);
 
 }  // namespace customops

@@ -28,10 +28,12 @@
 #include <deque>
 #include <iostream>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 
 #include "generate/causal_lm_impl.h"
 
@@ -398,15 +400,29 @@ struct Engine::Impl {
                           at::tensor(slot, opts).to(m.device)})
                    .at(0);
     }
-    // every row greedy, then the rows that sample drawn from their own generators
-    auto [next, marked] = sample(logits, Sampling{}, nullptr);
+    // the rows that sample, by their options: each set's distributions shaped at once, each row
+    // drawn from its own generator (a launch or two a row, not the dozen of shaping it alone)
+    std::map<std::tuple<double, int64_t, double>, std::vector<int64_t>> sets;
     for (int64_t r = 0; r < l.rows; ++r) {
       const auto& s = l.sampled[r];
-      if (s && s->gen) {
-        auto [row, row_marked] = sample(logits.narrow(0, r, 1), s->sampling(), &*s->gen);
-        next.narrow(0, r, 1).copy_(row);
-        marked.narrow(0, r, 1).copy_(row_marked);
+      if (s && s->gen) sets[{s->o.temperature, s->o.top_k, s->o.top_p}].push_back(r);
+    }
+    at::Tensor next, marked;
+    const bool one_set = sets.size() == 1 && static_cast<int64_t>(sets.begin()->second.size()) == l.rows;
+    if (!one_set) std::tie(next, marked) = sample(logits, Sampling{});  // every row greedy first
+    for (const auto& [options, rows] : sets) {
+      std::vector<at::Generator*> gens;
+      for (const int64_t r : rows) gens.push_back(&*l.sampled[r]->gen);
+      const Sampling sampling{std::get<0>(options), std::get<1>(options), std::get<2>(options)};
+      if (one_set) {
+        std::tie(next, marked) = sample(logits, sampling, gens);
+        break;
       }
+      at::Tensor index = at::tensor(rows, opts);
+      if (!m.device.is_cpu()) index = index.pin_memory().to(m.device, /*non_blocking=*/true);
+      auto [ids, ids_marked] = sample(logits.index_select(0, index), sampling, gens);
+      next.index_copy_(0, index, ids);
+      marked.index_copy_(0, index, ids_marked);
     }
     l.ids = next;
     if (m.device.is_cpu()) {

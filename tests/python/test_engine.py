@@ -159,15 +159,19 @@ def test_a_cancelled_request_frees_its_slot_for_the_next(lm, consumer, tmp_path)
 
 def test_sampling_is_each_requests_own(lm, consumer, tmp_path):
     """A sampling request draws from its own seeded generator: the same ids alone and beside
-    others (which sample with other seeds, or are greedy)."""
+    others, which sample with other options, or with the same options and other seeds (the engine
+    shapes the distributions of rows with the same options at once), or are greedy."""
     model, path, device = lm
     ps = prompts(5, 9, 3, seed=7)
     sampled = dict(max=12, temp=2, top_k=40, top_p=0.9, seed=11, ignore_eos=True)
     first, _ = engine(consumer, path, [submit(0, ps[0], **sampled)], tmp_path=tmp_path)
-    crowd = [submit(0, ps[1], max=12, temp=3, seed=1, ignore_eos=True), submit(1, ps[2], max=12, ignore_eos=True),
-             submit(2, ps[0], **sampled)]
-    again, _ = engine(consumer, path, crowd, "--budget", "8", tmp_path=tmp_path)
-    assert again[2][2] == first[0][2] and len(first[0][2]) == 12
+    assert len(first[0][2]) == 12
+    greedy = submit(1, ps[2], max=12, ignore_eos=True)
+    for crowd in ([submit(0, ps[1], max=12, temp=3, seed=1, ignore_eos=True), greedy],
+                  [submit(0, ps[1], **{**sampled, "seed": 5}), greedy],
+                  [submit(0, ps[1], **{**sampled, "seed": 5}), submit(1, ps[2], **{**sampled, "seed": 6})]):
+        again, _ = engine(consumer, path, [*crowd, submit(2, ps[0], **sampled)], "--budget", "8", tmp_path=tmp_path)
+        assert again[2][2] == first[0][2], crowd
     other, _ = engine(consumer, path, [submit(0, ps[0], **{**sampled, "seed": 12})], tmp_path=tmp_path)
     assert other[0][2] != first[0][2]
 
