@@ -206,16 +206,20 @@ def test_bench_generate_report_without_eager_says_so(capsys):
 
 def test_bench_serve_report_with_a_variant(tmp_path):
     """--serve at one client: the server's row beside generate's, and again under --variant's
-    environment (the server process gets the variables); --llama-cpp without a built llama-server is
-    refused before any work."""
+    environment (the server process gets the variables), the timed requests and generate sampling
+    with --temperature's options; --llama-cpp without a built llama-server is refused before any
+    work."""
     pytest.importorskip("transformers")
     out = subprocess.run(
         [sys.executable, "-m", "customops", "bench", "--serve", "--device", "cpu", "--layers", "1", "--prompt-len", "8",
          "--new-tokens", "3", "--concurrency", "1", "--requests", "1", "--variant", "CUSTOMOPS_BENCH_PROBE=1",
-         "--no-progress", "--json", "report.json"],
+         "--temperature", "1.5", "--top-k", "20", "--top-p", "0.9", "--no-progress", "--json", "report.json"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    [row] = json.loads((tmp_path / "report.json").read_text())["rows"]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["meta"]["sampling"] == {"temperature": 1.5, "top_k": 20, "top_p": 0.9}
+    assert "3 new tokens sampled (temperature 1.5, top_k 20, top_p 0.9) each" in out.stdout, out.stdout
+    [row] = report["rows"]
     assert row["serve"]["requests"] == 1 and row["generate"]["tokens_per_s"] > 0, row
     assert 0 < row["serve"]["server_ttft_mean_ms"] <= row["serve"]["ttft_p99_ms"], row
     assert row["serve"]["server_queue_mean_ms"] >= 0 and row["serve"]["server_prefill_mean_ms"] > 0, row

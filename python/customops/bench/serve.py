@@ -26,6 +26,11 @@ With ``--llama-cpp DIR`` (a llama.cpp checkout with ``build/bin/llama-server`` b
 model is converted by llama.cpp's own ``convert_hf_to_gguf.py`` (same dtype) and ``llama-server``
 (``--parallel C``, a context of C full sequences, every layer on the GPU under CUDA) takes the same
 clients and prompts (token ids, ``ignore_eos``), the bar the serving issue set.
+
+``--temperature T`` (with ``--top-k`` and ``--top-p``) has every timed request sample with those
+options (a seed of its own) instead of decoding greedily, and ``customops-run generate`` and
+llama-server sample with them too: what a server spends on sampling, which greedy rows skip. The
+greedy text compared with llama-server's stays greedy.
 """
 
 from __future__ import annotations
@@ -242,13 +247,16 @@ def _complete(port, prompt, new_tokens, extra=None) -> str:
 
 
 def _load(port, prompts, concurrency, requests, new_tokens, extra=None) -> dict:
+    """concurrency clients, each sending requests streamed completions one after another (a
+    sampling one, where extra samples, with a seed of its own)."""
     results, errors = [], []
     lock = threading.Lock()
 
     def client(k):
         for j in range(requests):
             try:
-                res = _stream(port, prompts[(k * requests + j) % len(prompts)], new_tokens, extra)
+                seeded = {**extra, "seed": k * requests + j} if extra and extra.get("temperature") else extra
+                res = _stream(port, prompts[(k * requests + j) % len(prompts)], new_tokens, seeded)
             except Exception as e:  # noqa: BLE001
                 errors.append(str(e))
                 return
@@ -281,8 +289,17 @@ def _load(port, prompts, concurrency, requests, new_tokens, extra=None) -> dict:
             "untimed_requests": len(results) - len(timed)}
 
 
-def _generate(package, prompts, new_tokens) -> dict:
+def _sampling(args) -> dict:
+    """The timed requests' sampling options (none: greedy)."""
+    if not args.temperature:
+        return {}
+    return {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+
+
+def _generate(package, prompts, new_tokens, sampling=None) -> dict:
     cmd = [customops.runner_path(), "generate", package, "--max-new-tokens", str(new_tokens), "--ignore-eos"]
+    for k, v in (sampling or {}).items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
     for p in prompts:
         cmd += ["--prompt", " ".join(map(str, p))]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -302,7 +319,7 @@ def _serve(package, tokenizer, c, env, prompts, args) -> tuple[dict, str]:
     try:
         _load(server.port, prompts[:c], c, 1, 8)  # warm-up: the batch sizes' CUDA graphs
         before = _server_times(server.port)
-        result = _load(server.port, prompts, c, args.requests, args.new_tokens)
+        result = _load(server.port, prompts, c, args.requests, args.new_tokens, _sampling(args))
         after = _server_times(server.port)
         # the server's own mean TTFT (submit to first id; what the client's adds is the HTTP path's
         # and the text's), and its parts: the wait for a slot, the prefill
@@ -326,7 +343,7 @@ def _llama(args, gguf, c, prompts) -> tuple[dict, str, str]:
     try:
         extra = {"ignore_eos": True}
         _load(llama.port, prompts[:c], c, 1, 8, extra)
-        result = _load(llama.port, prompts, c, args.requests, args.new_tokens, extra)
+        result = _load(llama.port, prompts, c, args.requests, args.new_tokens, {**extra, **_sampling(args)})
         return result, _complete(llama.port, prompts[0], 16, extra), " ".join(llama.cmd[1:])
     finally:
         llama.stop()
@@ -366,7 +383,7 @@ def run(args) -> dict:
             print(f"... concurrency {c}: customops-run generate, then serve", flush=True)
         row = {"concurrency": c, "floor_ms": floor_ms, "floor_tokens_per_s": c / floor_ms * 1e3}
         try:
-            row["generate"] = _generate(package, prompts[:c], args.new_tokens)
+            row["generate"] = _generate(package, prompts[:c], args.new_tokens, _sampling(args))
             median = sorted(prompts, key=len)[len(prompts) // 2]
             alone = _generate(package, [median], 1)  # the prefill of a prompt of the median length alone
             row["prefill_alone_ms"] = alone["prefill_ms"]
@@ -398,6 +415,7 @@ def run(args) -> dict:
     meta = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "versions": versions(args.device),
             "layers": cfg.num_hidden_layers, "prompt_len": args.prompt_len, "same_length": args.same_length,
             "new_tokens": args.new_tokens, "requests": args.requests, "copy_gb_s": speed / 1e9,
+            "sampling": _sampling(args),
             "variants": [variant_label(env) for env in args.variant]}
     return {"meta": meta, "rows": rows, "notes": notes}
 
@@ -421,8 +439,10 @@ def print_report(report: dict) -> None:
     m = report["meta"]
     print(f"{m['device']}; " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
     lengths = f"{m['prompt_len']}" if m.get("same_length") else f"{m['prompt_len'] // 4}-{m['prompt_len']}"
+    sampling = ", ".join(f"{k} {v}" for k, v in m.get("sampling", {}).items())
     print(f"Llama {m['layers']} layers; prompts of {lengths} ids, {m['new_tokens']} "
-          f"new tokens each, {m['requests']} requests a client one after another")
+          f"{'new tokens sampled (' + sampling + ')' if sampling else 'greedy new tokens'} each, {m['requests']} "
+          "requests a client one after another")
     print(f"{'C':>3s} {'serve tok/s':>12s} {'generate':>9s} {'ratio':>6s} {'floor':>8s} {'TTFT p50/p99 ms':>17s} "
           f"{'in server':>9s} {'queue+prefill':>13s} {'prefill ms':>10s} {'ITL p50/p99 ms':>15s} "
           f"{'generate ms/tok':>15s} {'max gap ms':>10s}")
@@ -487,6 +507,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--new-tokens", type=int, help="default: 128 on CUDA, 16 on CPU")
     p.add_argument("--concurrency", help="comma-separated (default: 1,8,32 on CUDA, 1,2 on CPU)")
     p.add_argument("--requests", type=int, default=2, help="requests each client sends, one after another")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the timed requests sample at this temperature (default 0: greedy), as generate does")
+    p.add_argument("--top-k", type=int, default=0, help="with --temperature (default 0: every id)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature (default 1)")
     p.add_argument("--variant", action="append", type=parse_variant, default=[], metavar="VAR=VALUE[,VAR=VALUE]",
                    help="also serve with these environment variables set (repeatable)")
     p.add_argument("--llama-cpp", type=Path, metavar="DIR",
