@@ -297,16 +297,17 @@ def print_report(report: dict) -> None:
                            for w, gb in mm["weight_gb"].items())
         print(f"{name} ({mm['family']}): {mm['layers']} layers, hidden {mm['hidden']}, vocabulary {mm['vocab']}; "
               f"{floors}")
-    print(f"{'variant':38s} {'model':13s} {'batch':>5s} {'prefill tok/s':>14s} {'decode ms/tok':>14s} {'x floor':>8s} "
+    w = max([38] + [len(r["variant"]) for r in report["rows"]])  # (a --variant's name is longer)
+    print(f"{'variant':{w}s} {'model':13s} {'batch':>5s} {'prefill tok/s':>14s} {'decode ms/tok':>14s} {'x floor':>8s} "
           f"{'vs eager':>9s}")
     for r in report["rows"]:
         if "error" in r:
-            print(f"{r['variant']:38s} {r['model']:13s} {r['batch']:5d}  {r['error']}")
+            print(f"{r['variant']:{w}s} {r['model']:13s} {r['batch']:5d}  {r['error']}")
             continue
         spread = f"  ({r['vs_eager_range'][0]:.2f}-{r['vs_eager_range'][1]:.2f}x)" if len(r["rounds"]) > 1 and \
             "vs_eager_range" in r and r["variant"] != "eager" else ""
         vs = f"{r['vs_eager']:8.2f}x" if "vs_eager" in r else f"{'-':>9s}"  # (eager not among the variants)
-        print(f"{r['variant']:38s} {r['model']:13s} {r['batch']:5d} {r['prefill_tokens_per_s']:14,.0f} "
+        print(f"{r['variant']:{w}s} {r['model']:13s} {r['batch']:5d} {r['prefill_tokens_per_s']:14,.0f} "
               f"{r['decode_ms']:14.2f} {r['decode_ms'] / r['floor_ms']:7.2f}x {vs}{spread}")
     if m.get("rounds", 1) > 1:
         print(f"medians of {m['rounds']} rounds, each timing every variant in turn; vs eager: the median of the "
