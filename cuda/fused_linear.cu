@@ -790,15 +790,16 @@ __device__ __forceinline__ void mma_tile_end(const GemvArgs<T>& a, float* red, i
   sync();
 }
 
-// A task: a warp's next kMmaChunks chunks of a tile (tasks_a_tile a tile for every warp, so that
-// all reach the tile's end together; a warp's chunks are a contiguous range of the tile's).
-template <Format W>
+// A task: a warp's next U chunks of a tile (tasks_a_tile a tile for every warp, so that all reach
+// the tile's end together; a warp's chunks are a contiguous range of the tile's). U is kMmaChunks,
+// or 2 with CUSTOMOPS_LINEAR_MMA_CHUNKS=2 (launch_mma).
+template <Format W, int U = kMmaChunks>
 struct MmaTask {
-  uint4 w[kMmaChunks][2];  // rows g and g + 8
-  float scale[W == Format::kInt4 ? kMmaChunks : 1][2];
+  uint4 w[U][2];  // rows g and g + 8
+  float scale[W == Format::kInt4 ? U : 1][2];
 };
 
-template <typename T, Format W>
+template <typename T, Format W, int U = kMmaChunks>
 struct MmaTasks {
   const GemvArgs<T>& a;
   int tile0, tile_stride, tasks_a_tile, chunks, chunks_a_warp, count;
@@ -806,17 +807,17 @@ struct MmaTasks {
   __device__ int tile(int t) const { return tile0 + t / tasks_a_tile * tile_stride; }
   // chunk u of task t, or -1
   __device__ int chunk(int t, int u) const {
-    const int warp = threadIdx.x / 32, c = warp * chunks_a_warp + t % tasks_a_tile * kMmaChunks + u;
+    const int warp = threadIdx.x / 32, c = warp * chunks_a_warp + t % tasks_a_tile * U + u;
     return c < min(chunks, (warp + 1) * chunks_a_warp) ? c : -1;
   }
 
-  __device__ __forceinline__ void load(int t, MmaTask<W>& task) const {
+  __device__ __forceinline__ void load(int t, MmaTask<W, U>& task) const {
     if (t >= count) return;
     const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
     const int kv = a.K / kElems<T, W>;
     const int64_t n0 = int64_t{tile(t)} * 16 + g;
 #pragma unroll
-    for (int u = 0; u < kMmaChunks; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int j = chunk(t, u);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -833,8 +834,10 @@ struct MmaTasks {
   }
 };
 
-template <typename T, Format W, Prologue P>
-__global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a) {
+// U: chunks a task; two tasks' loads a thread in flight take 16 U registers, and 4 leave room for
+// two blocks an SM (128 registers a thread), 2 for three.
+template <typename T, Format W, Prologue P, int U = kMmaChunks>
+__global__ void __launch_bounds__(kMmaThreads, U >= 4 ? 2 : 3) gemv_mma_kernel(GemvArgs<T> a) {
   constexpr int E = kElems<T, W>;
   extern __shared__ __align__(16) unsigned char smem[];
   const int row_elems = a.K + kMmaRowPad / static_cast<int>(sizeof(T));
@@ -842,13 +845,13 @@ __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a)
   float* red = reinterpret_cast<float*>(smem + int64_t{a.M} * row_elems * sizeof(T));  // [warps, 16, 8]
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
 
-  MmaTasks<T, W> k{a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), 0, a.K / (4 * E), 0, 0};
+  MmaTasks<T, W, U> k{a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), 0, a.K / (4 * E), 0, 0};
   k.chunks_a_warp = (k.chunks + kMmaWarps - 1) / kMmaWarps;
-  k.tasks_a_tile = max(1, (k.chunks_a_warp + kMmaChunks - 1) / kMmaChunks);
+  k.tasks_a_tile = max(1, (k.chunks_a_warp + U - 1) / U);
   const int tiles = static_cast<int>((a.N + 15) / 16);
   k.count = blockIdx.x < tiles ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x * k.tasks_a_tile : 0;
 
-  MmaTask<W> ta, tb;
+  MmaTask<W, U> ta, tb;
   if (!a.constant_weight) wait_prerequisites();
   k.load(0, ta);
   k.load(1, tb);
@@ -857,9 +860,9 @@ __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a)
   prologue_pairs<T, W, P, kMmaThreads>(a, xs, row_elems, [] { __syncthreads(); });
 
   float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows g, g (tokens 2c, 2c + 1), g + 8, g + 8
-  auto consume = [&](int t, const MmaTask<W>& task) {
+  auto consume = [&](int t, const MmaTask<W, U>& task) {
 #pragma unroll
-    for (int u = 0; u < kMmaChunks; ++u) {
+    for (int u = 0; u < U; ++u) {
       const int j = k.chunk(t, u);
       if (j < 0) continue;
       float s0 = 1.f, s1 = 1.f;
@@ -898,7 +901,11 @@ bool launch_mma(const GemvArgs<T>& a, cudaStream_t stream) {
   if (prop->major < 8 || a.K % (4 * E) != 0 || (W == Format::kInt4 && a.group_vectors % 4 != 0)) return false;
   const int64_t smem = mma_smem(a.M, a.K, sizeof(T));
   if (smem + 1024 > static_cast<int64_t>(prop->sharedMemPerBlockOptin)) return false;
-  auto* kernel = &gemv_mma_kernel<T, W, P>;
+  // CUSTOMOPS_LINEAR_MMA_CHUNKS=2 (an experiment): tasks of 2 chunks, three blocks an SM; else 4
+  const int64_t chunks = env_count("CUSTOMOPS_LINEAR_MMA_CHUNKS");
+  TORCH_CHECK(chunks == 0 || chunks == 2 || chunks == 4,
+              "customops.fused_linear: CUSTOMOPS_LINEAR_MMA_CHUNKS must be 2 or 4, not ", chunks);
+  auto* kernel = chunks == 2 ? &gemv_mma_kernel<T, W, P, 2> : &gemv_mma_kernel<T, W, P>;
   if (smem > 48 * 1024) {
     cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
   }

@@ -228,6 +228,38 @@ def test_fused_linear_quantized_streams_through_the_tensor_memory_accelerator(mo
         customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, weight_scale=s)
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+@pytest.mark.parametrize("m, n, k, prologue, dtype", [
+    (1, 1000, 4096, "rms_norm", torch.bfloat16),  # int4: 4 chunks a warp, one task of 4 or two of 2
+    (3, 2064, 14336, "swiglu", torch.bfloat16),  # 14 (int4) or 28 (fp8) chunks a warp: a last task part-filled
+    (8, 40, 512, "none", torch.float16),  # a tile's chunks fewer than its warps; 40 features: fp8 too
+    # keeps this kernel at 8 rows (the FP8 tensor cores take multiples of 16)
+])
+def test_fused_linear_mma_kernel_takes_tasks_of_two_chunks_when_asked(monkeypatch, fmt, m, n, k, prologue, dtype):
+    """CUSTOMOPS_LINEAR_MMA_CHUNKS=2 (an experiment): gemv_mma_kernel loads tasks of 2 chunks
+    instead of 4, in fewer registers, three blocks an SM. Each warp meets its chunks in the same
+    order: the same bits. Any other count than 2 or 4 is an error naming the switch."""
+    monkeypatch.setenv("CUSTOMOPS_LINEAR_QUANT_TMA", "0")  # (the register-loading kernel on Hopper too)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=torch.float32, generator=g) / k**0.5
+    q, s = customops.quantize_fp8(w) if fmt == "fp8" else customops.quantize_int4(w.to(dtype), 128)
+    r = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
+    nw = torch.ones(k, device="cuda", dtype=dtype) if prologue == "rms_norm" else None
+    ys = {}
+    for chunks in ("", "2"):
+        monkeypatch.setenv("CUSTOMOPS_LINEAR_MMA_CHUNKS", chunks)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            ys[chunks] = customops.fused_linear(x, q, None, r, prologue=prologue, norm_weight=nw, weight_scale=s)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if "gemv_mma_kernel" in e.name]
+        assert names and all((", 2>(" in n) == (chunks == "2") for n in names), names  # (U, the last argument)
+    assert torch.equal(ys[""], ys["2"])
+    monkeypatch.setenv("CUSTOMOPS_LINEAR_MMA_CHUNKS", "3")
+    with pytest.raises(RuntimeError, match="customops.fused_linear: CUSTOMOPS_LINEAR_MMA_CHUNKS must be 2 or 4"):
+        customops.fused_linear(x, q, None, r, prologue=prologue, norm_weight=nw, weight_scale=s)
+
+
 def test_fused_linear_under_deterministic_algorithms_sums_in_one_order():
     """The Hopper kernel adds its warps' partial sums in shared memory by atomics (order varies run to
     run); under torch.use_deterministic_algorithms the register kernel runs instead, same values, the
