@@ -642,7 +642,9 @@ constexpr int kMmaRowPad = 16;  // bytes after each row of x in shared memory (f
 // The position of weight e (of a 16-byte vector) in its vector's pair order.
 template <typename T, Format W>
 __host__ __device__ constexpr int pair_position(int e) {
-  if constexpr (W == Format::kInt4) {
+  if constexpr (W == Format::kDense) {
+    return e;  // word e / 2: weights 2q and 2q + 1, as they lie
+  } else if constexpr (W == Format::kInt4) {
     return e / 8 * 8 + e % 4 * 2 + e % 8 / 4;  // word e / 8: nibbles p and p + 4 a pair
   } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
     return e / 4 * 4 + e % 2 * 2 + e % 4 / 2;  // word e / 4: bytes p and p + 2 a pair
@@ -667,7 +669,9 @@ __device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
 template <typename T, Format W>
 __device__ __forceinline__ uint32_t decode_pair(const uint4& v, int q) {
   constexpr bool bf16 = std::is_same_v<T, c10::BFloat16>;
-  if constexpr (W == Format::kInt4) {
+  if constexpr (W == Format::kDense) {
+    return word(v, q);  // (a bfloat16 or half weight is its own pair: nothing to decode)
+  } else if constexpr (W == Format::kInt4) {
     const uint32_t w = word(v, q / 4) >> (4 * (q % 4));
     uint32_t r;
     // (w & 0x000F000F) | magic: 128 + q (bfloat16) or 1024 + q (half); then 1 x that - 136 or - 1032
@@ -1296,12 +1300,20 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
   if (m < 1) return unfused();
   const int64_t row_bytes = k * x.element_size();
   int chunk = 0;  // a quantized weight's rows a launch
-  if (w == Format::kDense) {
+  // CUSTOMOPS_LINEAR_DENSE_MMA=1 (an experiment): a bfloat16 or half weight's 1-8 rows through the
+  // tensor-core kernel of the quantized weights (gemv_mma_kernel, whose decoding is then nothing),
+  // where it applies; past 4 rows the fused kernels had none but the unfused path (three kernels).
+  const bool dense_mma = w == Format::kDense && (t == at::kBFloat16 || t == at::kHalf) && m <= kQuantRowsALaunch &&
+                         env::is("CUSTOMOPS_LINEAR_DENSE_MMA", "1") &&
+                         at::cuda::getCurrentDeviceProperties()->major >= 8 && k % (4 * v) == 0 &&
+                         mma_smem(m, k, x.element_size()) + 1024 <=
+                             static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+  if (w == Format::kDense && !dense_mma) {
     // CUSTOMOPS_LINEAR_MAX_ROWS lowers kMaxRows (an experiment: in a graph on an H200 the 4-row
     // kernel was 1.5-1.8x slower than the unfused path at 8 rows, benchmarks.md "on an H200")
     const int64_t cap = env_count("CUSTOMOPS_LINEAR_MAX_ROWS");
     if (m > (cap > 0 ? std::min<int64_t>(cap, kMaxRows) : kMaxRows) || m * row_bytes > kMaxSmem) return unfused();
-  } else {
+  } else if (w != Format::kDense) {
     const auto* prop = at::cuda::getCurrentDeviceProperties();
     // (as many rows a launch as fit the tensor-core kernel's shared memory)
     chunk = static_cast<int>(std::min<int64_t>(
@@ -1356,6 +1368,12 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
       } else if constexpr (!std::is_same_v<T, double>) {  // (float64: the unfused path, above)
         if (w == Format::kFp8) return launch_quantized<T, Format::kFp8, P>(a, chunk, stream);
         if (w == Format::kInt4) return launch_quantized<T, Format::kInt4, P>(a, chunk, stream);
+        if (dense_mma) {
+          const bool launched = launch_mma<T, Format::kDense, P>(a, stream);
+          TORCH_CHECK(launched, "customops.fused_linear: the tensor-core kernel did not take a product it was "
+                      "checked for");  // (its conditions, above)
+          return;
+        }
         launch_rows<T, P>(a, smem, stream);
       }
     };

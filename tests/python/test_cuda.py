@@ -260,6 +260,37 @@ def test_fused_linear_mma_kernel_takes_tasks_of_two_chunks_when_asked(monkeypatc
         customops.fused_linear(x, q, None, r, prologue=prologue, norm_weight=nw, weight_scale=s)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m, n, k, prologue, bias, residual", [
+    (1, 1000, 4096, "rms_norm", True, False),  # a last tile of 8 features
+    (5, 1000, 4096, "rms_norm", True, False),  # past the register kernel's 4 rows
+    (8, 4096, 4096, "none", False, True),
+    (3, 2064, 14336, "swiglu", False, True),  # a down product: 14 chunks a warp
+    (7, 2064, 14336, "swiglu", False, True),  # x's 7 rows fill most of shared memory
+])
+def test_fused_linear_dense_weight_through_the_tensor_cores_when_asked(monkeypatch, dtype, m, n, k, prologue, bias,
+                                                                       residual):
+    """CUSTOMOPS_LINEAR_DENSE_MMA=1 (an experiment): a bfloat16 or half weight's 1-8 rows go through
+    the quantized weights' tensor-core kernel (gemv_mma_kernel, nothing to decode), norm, SwiGLU,
+    bias and residual fused, where 5-8 rows otherwise take the unfused path; within the output
+    dtype's rounding of float64, and unset, the kernels before it."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k**0.5
+    b = torch.randn(n, device="cuda", dtype=dtype, generator=g) if bias else None
+    r = torch.randn(m, n, device="cuda", dtype=dtype, generator=g) if residual else None
+    nw = (1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.float32, generator=g)) if prologue == "rms_norm" else None
+    ref = T.OPS_BY_NAME["fused_linear"].ref(*(t.double() if t is not None else None for t in (x, w, b, r)),
+                                            prologue=prologue, norm_weight=None if nw is None else nw.double())
+    for switch in ("1", ""):
+        monkeypatch.setenv("CUSTOMOPS_LINEAR_DENSE_MMA", switch)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            y = customops.fused_linear(x, w, b, r, prologue=prologue, norm_weight=nw, constant_weight=True)
+            torch.cuda.synchronize()
+        assert any("gemv_mma_kernel" in e.name for e in prof.events()) == (switch == "1"), switch
+        torch.testing.assert_close(y.double(), ref, atol=3e-2, rtol=2e-2, msg=f"switch {switch!r}")
+
+
 def test_fused_linear_under_deterministic_algorithms_sums_in_one_order():
     """The Hopper kernel adds its warps' partial sums in shared memory by atomics (order varies run to
     run); under torch.use_deterministic_algorithms the register kernel runs instead, same values, the
