@@ -149,9 +149,9 @@ struct Launched {
 // the rest padding. Prompts of different lengths then share a few shapes. On an H200 a server's
 // prefill at one client took 7.9 ms against 3.7 ms for generate's, which repeats its warm-up's
 // shapes: whether a shape's first run costs that (libraries choosing their kernels for it) is what
-// the switch is to measure. 1 where unset. With N set, the engine also runs each shape such a
-// prefill run can take once when it is made (warm_up), so that a shape's first run is not a
-// request's.
+// the switch is to measure. 1 where unset. With N set, an engine on its own thread (start()) also
+// runs each shape such a prefill run can take once before its first step (warm_up), so that a
+// shape's first run is not a request's.
 int64_t prefill_multiple() {
   const char* env = std::getenv("CUSTOMOPS_PREFILL_MULTIPLE");
   if (env == nullptr || *env == '\0') return 1;
@@ -184,13 +184,12 @@ struct Engine::Impl {
   std::unique_ptr<Launched> ahead;          // a decode run launched, not taken
 
   Impl(CausalLM::Impl& lm, EngineOptions o)
-      : m(lm), options(o), slots(o.max_batch > 0 ? std::min(o.max_batch, lm.max_batch) : lm.max_batch) {
-    warm_up();
-  }
+      : m(lm), options(o), slots(o.max_batch > 0 ? std::min(o.max_batch, lm.max_batch) : lm.max_batch) {}
 
   // With a prefill multiple N (CUSTOMOPS_PREFILL_MULTIPLE), one run of every shape a padded prefill
   // run can take: n rows (1 up to the slots) of t ids, t a multiple of N that the budget (t n of
-  // it) and the caches leave room for. Their ids are the pad id, on slots 0 to n - 1 from position
+  // it) and the caches leave room for. Run by the engine's own thread (start(): a server) before
+  // its first step; CausalLM::generate, whose budget is unbounded, warms up its own way. Their ids are the pad id, on slots 0 to n - 1 from position
   // 0: no sequence holds a slot yet, and what they write to the caches lies past every later
   // sequence's length until that sequence writes it. (A run near a cache's end or the budget's may
   // still take a shape not warmed: t is what is left there.)
@@ -586,6 +585,11 @@ void Engine::start() {
   if (i.thread.joinable()) return;
   i.stopping = false;
   i.thread = std::thread([&i] {
+    try {
+      i.warm_up();
+    } catch (const std::exception& e) {
+      std::cerr << "customops::Engine: the warm-up failed (the engine runs without it): " << e.what() << "\n";
+    }
     for (;;) {
       {
         std::unique_lock<std::mutex> lock(i.mu);

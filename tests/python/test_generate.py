@@ -110,10 +110,10 @@ def test_runner_fills_the_cache_to_max_seq_len(packaged, tmp_path):
 
 def test_runner_pads_prefill_chunks_to_a_multiple_when_asked(packaged):
     """CUSTOMOPS_PREFILL_MULTIPLE=N rounds a prefill run's chunk up to a multiple of N where the
-    caches leave room (padding that no query reads), and first runs every such shape once, writing
-    pad ids into the caches of slots no sequence holds yet: the same greedy ids (float32 on the
-    CPU: exactly), also for a prompt one short of the cache, where N does not fit; a value that is
-    no count is refused in one line."""
+    caches leave room (padding that no query reads): the same greedy ids (float32 on the CPU:
+    exactly), also for a prompt one short of the cache, where N does not fit; a value that is no
+    count is refused in one line. (The warm-up of the padded shapes is an engine thread's:
+    test_engine.py.)"""
     model, path = packaged
 
     def generate(multiple, *args):
@@ -123,7 +123,7 @@ def test_runner_pads_prefill_chunks_to_a_multiple_when_asked(packaged):
     args = [*lms.prompt_args(lms.prompts(9, 4)), "--max-new-tokens", "8"]
     plain = generate("", *args)
     assert plain.returncode == 0, plain.stderr
-    for multiple in ("16", "4"):  # warmed: 1 and 2 rows of 16 ids; of 4, 8, ... 24 ids
+    for multiple in ("16", "4"):
         padded = generate(multiple, *args)
         assert padded.returncode == 0 and padded.stdout == plain.stdout, (multiple, padded.stderr)
     prompt = lms.prompts(MAX_SEQ_LEN - 1)[0]
