@@ -109,8 +109,8 @@ std::pair<at::Tensor, at::Tensor> greedy_cuda(const at::Tensor& logits) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, l.scalar_type(), "customops::greedy", [&] {
     const bool vectors = reinterpret_cast<uintptr_t>(l.data_ptr()) % 16 == 0 && vocab * sizeof(scalar_t) % 16 == 0;
     auto* kernel = vectors ? &greedy_kernel<scalar_t, true> : &greedy_kernel<scalar_t, false>;
-    kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(l.data_ptr<scalar_t>(), vocab,
-                                                                 out.data_ptr<int64_t>(), out.data_ptr<int64_t>() + rows);
+    int64_t* ids = out.data_ptr<int64_t>();
+    kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(l.data_ptr<scalar_t>(), vocab, ids, ids + rows);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {out[0], out[1]};

@@ -188,11 +188,11 @@ struct Engine::Impl {
 
   // With a prefill multiple N (CUSTOMOPS_PREFILL_MULTIPLE), one run of every shape a padded prefill
   // run can take: n rows (1 up to the slots) of t ids, t a multiple of N that the budget (t n of
-  // it) and the caches leave room for. Run by the engine's own thread (start(): a server) before
-  // its first step; CausalLM::generate, whose budget is unbounded, warms up its own way. Their ids are the pad id, on slots 0 to n - 1 from position
-  // 0: no sequence holds a slot yet, and what they write to the caches lies past every later
-  // sequence's length until that sequence writes it. (A run near a cache's end or the budget's may
-  // still take a shape not warmed: t is what is left there.)
+  // it) and the caches leave room for. The engine's own thread (start(): a server's) runs it before
+  // its first step; CausalLM::generate's engine, whose budget is unbounded, does not. The ids are
+  // the pad id, on slots 0 to n - 1 from position 0: no sequence holds a slot yet, and what they
+  // write to the caches lies past every later sequence's length until that sequence writes it. (A
+  // run near a cache's end or the budget's may still take a shape not warmed: t is what is left.)
   void warm_up() {
     if (multiple <= 1) return;
     const auto opts = at::TensorOptions().dtype(at::kLong);
@@ -409,10 +409,10 @@ struct Engine::Impl {
     at::Tensor next, marked;
     const bool one_set = sets.size() == 1 && static_cast<int64_t>(sets.begin()->second.size()) == l.rows;
     if (!one_set) std::tie(next, marked) = sample(logits, Sampling{});  // every row greedy first
-    for (const auto& [options, rows] : sets) {
+    for (const auto& [key, rows] : sets) {
       std::vector<at::Generator*> gens;
       for (const int64_t r : rows) gens.push_back(&*l.sampled[r]->gen);
-      const Sampling sampling{std::get<0>(options), std::get<1>(options), std::get<2>(options)};
+      const Sampling sampling{std::get<0>(key), std::get<1>(key), std::get<2>(key)};
       if (one_set) {
         std::tie(next, marked) = sample(logits, sampling, gens);
         break;

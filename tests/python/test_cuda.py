@@ -103,6 +103,20 @@ def test_rms_norm_kernel_paths(rows, n, dtype):
     torch.testing.assert_close(dw.double(), dw64, atol=tol["atol"] * 4 * rows**0.5, rtol=tol["rtol"] * 4)
 
 
+def _dense_linear_case(m, n, k, dtype, prologue, bias, residual):
+    """fused_linear's inputs for m rows of a dense [n, k] weight (seeded; x twice as wide for SwiGLU,
+    a float32 norm weight for RMSNorm), and its float64 reference."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k**0.5
+    b = torch.randn(n, device="cuda", dtype=dtype, generator=g) if bias else None
+    r = torch.randn(m, n, device="cuda", dtype=dtype, generator=g) if residual else None
+    nw = (1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.float32, generator=g)) if prologue == "rms_norm" else None
+    ref = T.OPS_BY_NAME["fused_linear"].ref(*(t.double() if t is not None else None for t in (x, w, b, r)),
+                                            prologue=prologue, norm_weight=None if nw is None else nw.double())
+    return x, w, b, r, nw, ref
+
+
 @pytest.mark.parametrize("constant_weight", [False, True])
 @pytest.mark.parametrize("m", [1, 2, 4])
 @pytest.mark.parametrize("n, k, dtype, prologue, bias, residual", [
@@ -114,15 +128,8 @@ def test_rms_norm_kernel_paths(rows, n, dtype):
 def test_fused_linear_kernel_paths(m, n, k, dtype, prologue, bias, residual, constant_weight):
     """Weights of 25-34 MB: the Hopper kernel (1-2 rows: a producer streaming the weight into shared
     memory in chunks of rows) and the register kernel (4 rows); small weights are the op table's."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=dtype, generator=g)
-    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k**0.5
-    b = torch.randn(n, device="cuda", dtype=dtype, generator=g) if bias else None
-    r = torch.randn(m, n, device="cuda", dtype=dtype, generator=g) if residual else None
-    nw = (1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.float32, generator=g)) if prologue == "rms_norm" else None
+    x, w, b, r, nw, ref = _dense_linear_case(m, n, k, dtype, prologue, bias, residual)
     y = customops.fused_linear(x, w, b, r, prologue=prologue, norm_weight=nw, constant_weight=constant_weight)
-    ref = T.OPS_BY_NAME["fused_linear"].ref(*(t.double() if t is not None else None for t in (x, w, b, r)),
-                                            prologue=prologue, norm_weight=None if nw is None else nw.double())
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(y.double(), ref, **tol)
 
@@ -274,14 +281,7 @@ def test_fused_linear_dense_weight_through_the_tensor_cores_when_asked(monkeypat
     the quantized weights' tensor-core kernel (gemv_mma_kernel, nothing to decode), norm, SwiGLU,
     bias and residual fused, where 5-8 rows otherwise take the unfused path; within the output
     dtype's rounding of float64, and unset, the kernels before it."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=dtype, generator=g)
-    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k**0.5
-    b = torch.randn(n, device="cuda", dtype=dtype, generator=g) if bias else None
-    r = torch.randn(m, n, device="cuda", dtype=dtype, generator=g) if residual else None
-    nw = (1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.float32, generator=g)) if prologue == "rms_norm" else None
-    ref = T.OPS_BY_NAME["fused_linear"].ref(*(t.double() if t is not None else None for t in (x, w, b, r)),
-                                            prologue=prologue, norm_weight=None if nw is None else nw.double())
+    x, w, b, r, nw, ref = _dense_linear_case(m, n, k, dtype, prologue, bias, residual)
     for switch in ("1", ""):
         monkeypatch.setenv("CUSTOMOPS_LINEAR_DENSE_MMA", switch)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
