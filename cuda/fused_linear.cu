@@ -895,16 +895,22 @@ int64_t mma_smem(int64_t m, int64_t k, int64_t element_size, int warps = kMmaWar
   return m * (k * element_size + kMmaRowPad) + warps * 16 * 8 * sizeof(float);
 }
 
-// Launches gemv_mma_kernel for a.M <= 8 rows; false where it does not apply (before sm_80,
-// in_features not a whole number of chunks, int4 groups that are not whole chunks, or x past
-// shared memory).
+// Whether gemv_mma_kernel takes m rows of k inputs of T with weights of format W: sm_80 on, k a
+// whole number of chunks, and x beside the tile ends' sums in shared memory. (An int4 weight's
+// groups must be whole chunks too: launch_mma.)
+template <typename T, Format W>
+bool mma_applies(int64_t m, int64_t k) {
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  return prop->major >= 8 && k % (4 * kElems<T, W>) == 0 &&
+         mma_smem(m, k, sizeof(T)) + 1024 <= static_cast<int64_t>(prop->sharedMemPerBlockOptin);
+}
+
+// Launches gemv_mma_kernel for a.M <= 8 rows; false where it does not apply (mma_applies, and
+// int4 groups that are whole chunks).
 template <typename T, Format W, Prologue P>
 bool launch_mma(const GemvArgs<T>& a, cudaStream_t stream) {
-  const auto* prop = at::cuda::getCurrentDeviceProperties();
-  constexpr int E = kElems<T, W>;
-  if (prop->major < 8 || a.K % (4 * E) != 0 || (W == Format::kInt4 && a.group_vectors % 4 != 0)) return false;
+  if (!mma_applies<T, W>(a.M, a.K) || (W == Format::kInt4 && a.group_vectors % 4 != 0)) return false;
   const int64_t smem = mma_smem(a.M, a.K, sizeof(T));
-  if (smem + 1024 > static_cast<int64_t>(prop->sharedMemPerBlockOptin)) return false;
   // CUSTOMOPS_LINEAR_MMA_CHUNKS=2 (an experiment): tasks of 2 chunks, three blocks an SM; else 4
   const int64_t chunks = env_count("CUSTOMOPS_LINEAR_MMA_CHUNKS");
   TORCH_CHECK(chunks == 0 || chunks == 2 || chunks == 4,
@@ -1305,9 +1311,8 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
   // where it applies; past 4 rows the fused kernels had none but the unfused path (three kernels).
   const bool dense_mma = w == Format::kDense && (t == at::kBFloat16 || t == at::kHalf) && m <= kQuantRowsALaunch &&
                          env::is("CUSTOMOPS_LINEAR_DENSE_MMA", "1") &&
-                         at::cuda::getCurrentDeviceProperties()->major >= 8 && k % (4 * v) == 0 &&
-                         mma_smem(m, k, x.element_size()) + 1024 <=
-                             static_cast<int64_t>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+                         (t == at::kHalf ? mma_applies<c10::Half, Format::kDense>(m, k)
+                                         : mma_applies<c10::BFloat16, Format::kDense>(m, k));
   if (w == Format::kDense && !dense_mma) {
     // CUSTOMOPS_LINEAR_MAX_ROWS lowers kMaxRows (an experiment: in a graph on an H200 the 4-row
     // kernel was 1.5-1.8x slower than the unfused path at 8 rows, benchmarks.md "on an H200")

@@ -404,7 +404,9 @@ struct Engine::Impl {
     std::map<std::tuple<double, int64_t, double>, std::vector<int64_t>> sets;
     for (int64_t r = 0; r < l.rows; ++r) {
       const auto& s = l.sampled[r];
-      if (s && s->gen) sets[{s->o.temperature, s->o.top_k, s->o.top_p}].push_back(r);
+      if (!s || !s->gen) continue;
+      const Sampling o = s->sampling();
+      sets[{o.temperature, o.top_k, o.top_p}].push_back(r);
     }
     at::Tensor next, marked;
     const bool one_set = sets.size() == 1 && static_cast<int64_t>(sets.begin()->second.size()) == l.rows;
