@@ -144,17 +144,22 @@ struct Launched {
   std::optional<c10::Event> ready;            // CUDA: recorded after the copy to host
 };
 
-// CUSTOMOPS_PREFILL_MULTIPLE=N (an experiment, read when an engine is made): a prefill run's chunk
-// length rounded up to a multiple of N where the step's budget and every row's cache leave room,
-// the rest padding. Prompts of different lengths then share a few shapes. On an H200 a server's
-// prefill at one client took 7.9 ms against 3.7 ms for generate's, which repeats its warm-up's
-// shapes: whether a shape's first run costs that (libraries choosing their kernels for it) is what
-// the switch is to measure. 1 where unset. With N set, an engine on its own thread (start()) also
-// runs each shape such a prefill run can take once before its first step (warm_up), so that a
-// shape's first run is not a request's.
-int64_t prefill_multiple() {
+// The multiple a prefill run's chunk length is rounded up to (EngineOptions::prefill_multiple):
+// CUSTOMOPS_PREFILL_MULTIPLE=N where set (read when an engine is made), else the options', else
+// 64 on CUDA and 1 on the CPU. Prompts of different lengths then share a few shapes. On an H200 a
+// server's prefill at one client took 7.9-14.8 ms against 3.6 ms for generate's, which repeats its
+// warm-up's shapes; padded to 64 and warmed (warm_up), 32 clients got 1.28x the tokens/s and half
+// the time to a first token (docs/benchmarks.md, 2026-11-29). On the CPU a shape's first run costs
+// little and the padding's compute a lot.
+int64_t prefill_multiple(const EngineOptions& o, const c10::Device& device) {
   const char* env = std::getenv("CUSTOMOPS_PREFILL_MULTIPLE");
-  if (env == nullptr || *env == '\0') return 1;
+  if (env == nullptr || *env == '\0') {
+    if (o.prefill_multiple < 0) {
+      throw std::invalid_argument("EngineOptions::prefill_multiple must be 0 (the engine's choice) or a count of "
+                                  "tokens, not " + std::to_string(o.prefill_multiple));
+    }
+    return o.prefill_multiple > 0 ? o.prefill_multiple : device.is_cuda() ? 64 : 1;
+  }
   char* end = nullptr;
   const long long n = std::strtoll(env, &end, 10);
   if (*end != '\0' || n < 1) {
@@ -169,7 +174,7 @@ int64_t prefill_multiple() {
 struct Engine::Impl {
   CausalLM::Impl& m;
   EngineOptions options;
-  int64_t multiple = prefill_multiple();  // (CUSTOMOPS_PREFILL_MULTIPLE)
+  int64_t multiple;  // a prefill chunk's length is padded to a multiple of it (prefill_multiple)
 
   std::mutex mu;  // guards incoming, stats and the thread's flags
   std::condition_variable cv;
@@ -184,9 +189,12 @@ struct Engine::Impl {
   std::unique_ptr<Launched> ahead;          // a decode run launched, not taken
 
   Impl(CausalLM::Impl& lm, EngineOptions o)
-      : m(lm), options(o), slots(o.max_batch > 0 ? std::min(o.max_batch, lm.max_batch) : lm.max_batch) {}
+      : m(lm),
+        options(o),
+        multiple(prefill_multiple(o, lm.device)),
+        slots(o.max_batch > 0 ? std::min(o.max_batch, lm.max_batch) : lm.max_batch) {}
 
-  // With a prefill multiple N (CUSTOMOPS_PREFILL_MULTIPLE), one run of every shape a padded prefill
+  // With a prefill multiple N (prefill_multiple above 1), one run of every shape a padded prefill
   // run can take: n rows (1 up to the slots) of t ids, t a multiple of N that the budget (t n of
   // it) and the caches leave room for. The engine's own thread (start(): a server's) runs it before
   // its first step; CausalLM::generate's engine, whose budget is unbounded, does not. The ids are

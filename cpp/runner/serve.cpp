@@ -61,6 +61,8 @@ batched continuously over the package's KV cache slots (its max_batch). Stops on
   --model-name NAME      the model's name in the API (default: the package's file name, no .pt2)
   --max-batch N          requests decoding together, at most the package's max_batch (default: it)
   --token-budget N       tokens a step computes at most, prompt chunks included (default: 2048)
+  --prefill-multiple N   pad prompt chunks to a multiple of N tokens, each such shape run once at
+                         startup (default: 64 on CUDA, 1 on the CPU)
   --max-body BYTES       the largest request body (default: 8388608); larger ones get 413
   --threads N            connections served at once (default: 64)
   --device DEVICE        cpu, cuda or cuda:N (default: the package's device, index 0)
@@ -71,7 +73,7 @@ batched continuously over the package's KV cache slots (its max_batch). Stops on
 struct ServeOptions {
   std::string package, tokenizer, chat_template, host = "127.0.0.1", api_key, model_name, device;
   int port = 8000;
-  int64_t max_batch = 0, token_budget = 2048, max_body = 8 << 20, threads = 64;
+  int64_t max_batch = 0, token_budget = 2048, max_body = 8 << 20, threads = 64, prefill_multiple = 0;
   bool cuda_graph = true;
 };
 
@@ -110,6 +112,8 @@ ServeOptions parse_serve_args(int argc, char** argv) {
       o.max_batch = parse_integer(a, v, 1);
     } else if (a == "--token-budget") {
       o.token_budget = parse_integer(a, v, 1);
+    } else if (a == "--prefill-multiple") {
+      o.prefill_multiple = parse_integer(a, v, 1);
     } else if (a == "--max-body") {
       o.max_body = parse_integer(a, v, 1);
     } else if (a == "--threads") {
@@ -932,6 +936,7 @@ int serve_main(int argc, char** argv) {
   eo.max_batch = o.max_batch;
   eo.token_budget = o.token_budget;
   eo.cuda_graph = o.cuda_graph;
+  eo.prefill_multiple = o.prefill_multiple;
   Engine engine(lm, eo);
   Server server(o, lm, engine, tokenizer, text);
 

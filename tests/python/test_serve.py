@@ -372,9 +372,13 @@ def test_models_tokenize_detokenize_and_metrics(served):
 
 def test_the_package_s_own_tokenizer_serves(served):
     """A package that embeds its tokenizer (package_causal_lm(..., tokenizer=...)) serves without
-    --tokenizer: the same chat template, text and ids as the folder's."""
+    --tokenizer: the same chat template, text and ids as the folder's. This server also pads its
+    prompt chunks to multiples of 8 and runs those shapes at startup (--prefill-multiple, 64 on CUDA
+    by default, 1 on the CPU): the greedy text is the same. A multiple below 1 is refused."""
     server, _, hf_tok = served
-    own = Server(server.package, None, "--api-key", KEY)
+    bad = run([customops.runner_path(), "serve", server.package, "--prefill-multiple", "0"])
+    assert bad.returncode == 2 and "--prefill-multiple" in bad.stderr, bad.stderr
+    own = Server(server.package, None, "--api-key", KEY, "--prefill-multiple", "8")
     try:
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXTS[1]}]
         got, want = (s.client().chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0)

@@ -96,6 +96,13 @@ struct EngineOptions {
   // run) and its prompts' rows times their chunk length.
   int64_t token_budget = 2048;
   bool cuda_graph = true;  // CUDA: replay the decode runs (one id a row) from CUDA graphs
+  // A prefill run's chunk is padded up to a multiple of this many tokens where the budget and the
+  // caches leave room, so that prompts of any length share a few shapes; start() first runs each
+  // of those shapes once, so that no request pays a shape's first run (on a GPU, the libraries'
+  // first choice of kernels and the allocator's first blocks of a size). 0: the engine's choice,
+  // 64 on CUDA and 1 (no padding) on the CPU. The environment's CUSTOMOPS_PREFILL_MULTIPLE, where
+  // set, replaces it (an experiment switch for the benches).
+  int64_t prefill_multiple = 0;
 };
 
 class CUSTOMOPS_API Engine {
