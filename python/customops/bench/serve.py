@@ -169,7 +169,9 @@ def _gguf(model, tokenizer_json: Path, llama_cpp: Path, root: Path) -> Path:
     dtype = {torch.bfloat16: "bf16", torch.float16: "f16"}.get(next(model.parameters()).dtype, "f32")
     convert = (f"import sys; sys.path[:0] = [{str(llama_cpp / 'gguf-py')!r}, {str(llama_cpp)!r}]\n"
                "import convert_hf_to_gguf as c\n"
-               "from conversion.base import TextModel\n"
+               # (its model base class: conversion.base.TextModel since mid-2025, Model before)
+               "try:\n    from conversion.base import TextModel\n"
+               "except ImportError:\n    TextModel = getattr(c, 'TextModel', None) or c.Model\n"
                "TextModel.get_vocab_base_pre = lambda self, tokenizer: 'gpt-2'\n"
                # its Llama tries a tokenizer.model first, importing sentencepiece (which a machine may
                # lack) before it finds none; there is none here
