@@ -795,8 +795,7 @@ __device__ __forceinline__ void mma_tile_end(const GemvArgs<T>& a, float* red, i
 }
 
 // A task: a warp's next U chunks of a tile (tasks_a_tile a tile for every warp, so that all reach
-// the tile's end together; a warp's chunks are a contiguous range of the tile's). U is kMmaChunks,
-// or 2 with CUSTOMOPS_LINEAR_MMA_CHUNKS=2 (launch_mma).
+// the tile's end together; a warp's chunks are a contiguous range of the tile's).
 template <Format W, int U = kMmaChunks>
 struct MmaTask {
   uint4 w[U][2];  // rows g and g + 8
@@ -839,9 +838,10 @@ struct MmaTasks {
 };
 
 // U: chunks a task; two tasks' loads a thread in flight take 16 U registers, and 4 leave room for
-// two blocks an SM (128 registers a thread), 2 for three.
+// two blocks an SM (128 registers a thread). (Tasks of 2 chunks, three blocks an SM, took up to
+// 1.37x the time at 1-8 rows of Llama-3-8B's products with int4 weights on an H200, 2026-11-29.)
 template <typename T, Format W, Prologue P, int U = kMmaChunks>
-__global__ void __launch_bounds__(kMmaThreads, U >= 4 ? 2 : 3) gemv_mma_kernel(GemvArgs<T> a) {
+__global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a) {
   constexpr int E = kElems<T, W>;
   extern __shared__ __align__(16) unsigned char smem[];
   const int row_elems = a.K + kMmaRowPad / static_cast<int>(sizeof(T));
@@ -911,11 +911,7 @@ template <typename T, Format W, Prologue P>
 bool launch_mma(const GemvArgs<T>& a, cudaStream_t stream) {
   if (!mma_applies<T, W>(a.M, a.K) || (W == Format::kInt4 && a.group_vectors % 4 != 0)) return false;
   const int64_t smem = mma_smem(a.M, a.K, sizeof(T));
-  // CUSTOMOPS_LINEAR_MMA_CHUNKS=2 (an experiment): tasks of 2 chunks, three blocks an SM; else 4
-  const int64_t chunks = env_count("CUSTOMOPS_LINEAR_MMA_CHUNKS");
-  TORCH_CHECK(chunks == 0 || chunks == 2 || chunks == 4,
-              "customops.fused_linear: CUSTOMOPS_LINEAR_MMA_CHUNKS must be 2 or 4, not ", chunks);
-  auto* kernel = chunks == 2 ? &gemv_mma_kernel<T, W, P, 2> : &gemv_mma_kernel<T, W, P>;
+  auto* kernel = &gemv_mma_kernel<T, W, P>;
   if (smem > 48 * 1024) {
     cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
   }
@@ -1306,13 +1302,19 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
   if (m < 1) return unfused();
   const int64_t row_bytes = k * x.element_size();
   int chunk = 0;  // a quantized weight's rows a launch
-  // CUSTOMOPS_LINEAR_DENSE_MMA=1 (an experiment): a bfloat16 or half weight's 1-8 rows through the
-  // tensor-core kernel of the quantized weights (gemv_mma_kernel, whose decoding is then nothing),
-  // where it applies; past 4 rows the fused kernels had none but the unfused path (three kernels).
-  const bool dense_mma = w == Format::kDense && (t == at::kBFloat16 || t == at::kHalf) && m <= kQuantRowsALaunch &&
-                         env::is("CUSTOMOPS_LINEAR_DENSE_MMA", "1") &&
-                         (t == at::kHalf ? mma_applies<c10::Half, Format::kDense>(m, k)
-                                         : mma_applies<c10::BFloat16, Format::kDense>(m, k));
+  // A bfloat16 or half weight's 2-4 rows go through the quantized weights' tensor-core kernel
+  // (gemv_mma_kernel, with nothing to decode) where x takes at most 64 KiB of its shared memory.
+  // On an H200 at 4 rows of Llama-3-8B's products it took 0.59-0.78x the time of the kernels here
+  // (qkv, o_proj, gate_up: 4096 inputs), and 1.73x with down's 14,336 (x in 112 KiB, one block an
+  // SM); at one row 0.92-1.05x (2026-11-29). CUSTOMOPS_LINEAR_DENSE_MMA=0 keeps the kernels here,
+  // =1 sends it 1-8 rows wherever it applies (switches for bench --linear --variant).
+  const bool dense_mma = [&] {
+    if (w != Format::kDense || (t != at::kBFloat16 && t != at::kHalf) || m > kQuantRowsALaunch) return false;
+    if (env::is("CUSTOMOPS_LINEAR_DENSE_MMA", "0")) return false;
+    const bool forced = env::is("CUSTOMOPS_LINEAR_DENSE_MMA", "1");
+    if (!forced && (m < 2 || m > kMaxRows || m * row_bytes > 64 * 1024)) return false;
+    return t == at::kHalf ? mma_applies<c10::Half, Format::kDense>(m, k) : mma_applies<c10::BFloat16, Format::kDense>(m, k);
+  }();
   if (w == Format::kDense && !dense_mma) {
     // CUSTOMOPS_LINEAR_MAX_ROWS lowers kMaxRows (an experiment: in a graph on an H200 the 4-row
     // kernel was 1.5-1.8x slower than the unfused path at 8 rows, benchmarks.md "on an H200")

@@ -125,9 +125,12 @@ def _dense_linear_case(m, n, k, dtype, prologue, bias, residual):
     (3001, 2312, torch.float32, "rms_norm", True, True),  # 3 chunks a row, the last one short
     (4099, 4096, torch.float16, "none", False, True),
 ])
-def test_fused_linear_kernel_paths(m, n, k, dtype, prologue, bias, residual, constant_weight):
+def test_fused_linear_kernel_paths(monkeypatch, m, n, k, dtype, prologue, bias, residual, constant_weight):
     """Weights of 25-34 MB: the Hopper kernel (1-2 rows: a producer streaming the weight into shared
-    memory in chunks of rows) and the register kernel (4 rows); small weights are the op table's."""
+    memory in chunks of rows) and the register kernel (4 rows), which bf16 and half take at 2-4 rows
+    only where the tensor cores do not (CUSTOMOPS_LINEAR_DENSE_MMA=0 here; the tensor cores' test is
+    below); small weights are the op table's."""
+    monkeypatch.setenv("CUSTOMOPS_LINEAR_DENSE_MMA", "0")
     x, w, b, r, nw, ref = _dense_linear_case(m, n, k, dtype, prologue, bias, residual)
     y = customops.fused_linear(x, w, b, r, prologue=prologue, norm_weight=nw, constant_weight=constant_weight)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
@@ -235,59 +238,29 @@ def test_fused_linear_quantized_streams_through_the_tensor_memory_accelerator(mo
         customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, weight_scale=s)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int4"])
-@pytest.mark.parametrize("m, n, k, prologue, dtype", [
-    (1, 1000, 4096, "rms_norm", torch.bfloat16),  # int4: 4 chunks a warp, one task of 4 or two of 2
-    (3, 2064, 14336, "swiglu", torch.bfloat16),  # 14 (int4) or 28 (fp8) chunks a warp: a last task part-filled
-    (8, 40, 512, "none", torch.float16),  # a tile's chunks fewer than its warps; 40 features: fp8 too
-    # keeps this kernel at 8 rows (the FP8 tensor cores take multiples of 16)
-])
-def test_fused_linear_mma_kernel_takes_tasks_of_two_chunks_when_asked(monkeypatch, fmt, m, n, k, prologue, dtype):
-    """CUSTOMOPS_LINEAR_MMA_CHUNKS=2 (an experiment): gemv_mma_kernel loads tasks of 2 chunks
-    instead of 4, in fewer registers, three blocks an SM. Each warp meets its chunks in the same
-    order: the same bits. Any other count than 2 or 4 is an error naming the switch."""
-    monkeypatch.setenv("CUSTOMOPS_LINEAR_QUANT_TMA", "0")  # (the register-loading kernel on Hopper too)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=dtype, generator=g)
-    w = torch.randn(n, k, device="cuda", dtype=torch.float32, generator=g) / k**0.5
-    q, s = customops.quantize_fp8(w) if fmt == "fp8" else customops.quantize_int4(w.to(dtype), 128)
-    r = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
-    nw = torch.ones(k, device="cuda", dtype=dtype) if prologue == "rms_norm" else None
-    ys = {}
-    for chunks in ("", "2"):
-        monkeypatch.setenv("CUSTOMOPS_LINEAR_MMA_CHUNKS", chunks)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            ys[chunks] = customops.fused_linear(x, q, None, r, prologue=prologue, norm_weight=nw, weight_scale=s)
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events() if "gemv_mma_kernel" in e.name]
-        assert names and all((", 2>(" in n) == (chunks == "2") for n in names), names  # (U, the last argument)
-    assert torch.equal(ys[""], ys["2"])
-    monkeypatch.setenv("CUSTOMOPS_LINEAR_MMA_CHUNKS", "3")
-    with pytest.raises(RuntimeError, match="customops.fused_linear: CUSTOMOPS_LINEAR_MMA_CHUNKS must be 2 or 4"):
-        customops.fused_linear(x, q, None, r, prologue=prologue, norm_weight=nw, weight_scale=s)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m, n, k, prologue, bias, residual", [
     (1, 1000, 4096, "rms_norm", True, False),  # a last tile of 8 features
+    (4, 1000, 4096, "rms_norm", True, False),  # x in 32 KiB: the tensor cores by default
+    (2, 2064, 14336, "swiglu", False, True),  # a down product's 2 rows, x in 56 KiB: also by default
+    (3, 2064, 14336, "swiglu", False, True),  # 3 rows in 84 KiB: the register kernel by default
     (5, 1000, 4096, "rms_norm", True, False),  # past the register kernel's 4 rows
     (8, 4096, 4096, "none", False, True),
-    (3, 2064, 14336, "swiglu", False, True),  # a down product: 14 chunks a warp
     (7, 2064, 14336, "swiglu", False, True),  # x's 7 rows fill most of shared memory
 ])
-def test_fused_linear_dense_weight_through_the_tensor_cores_when_asked(monkeypatch, dtype, m, n, k, prologue, bias,
-                                                                       residual):
-    """CUSTOMOPS_LINEAR_DENSE_MMA=1 (an experiment): a bfloat16 or half weight's 1-8 rows go through
-    the quantized weights' tensor-core kernel (gemv_mma_kernel, nothing to decode), norm, SwiGLU,
-    bias and residual fused, where 5-8 rows otherwise take the unfused path; within the output
-    dtype's rounding of float64, and unset, the kernels before it."""
+def test_fused_linear_dense_weight_through_the_tensor_cores(monkeypatch, dtype, m, n, k, prologue, bias, residual):
+    """A bfloat16 or half weight's 2-4 rows go through the quantized weights' tensor-core kernel
+    (gemv_mma_kernel, nothing to decode) where x takes at most 64 KiB; CUSTOMOPS_LINEAR_DENSE_MMA=1
+    sends it 1-8 rows wherever it applies, =0 none. Norm, SwiGLU, bias and residual fused; within the
+    output dtype's rounding of float64 every way."""
     x, w, b, r, nw, ref = _dense_linear_case(m, n, k, dtype, prologue, bias, residual)
-    for switch in ("1", ""):
+    by_default = 2 <= m <= 4 and m * k * 2 <= 64 * 1024
+    for switch, mma in (("1", True), ("0", False), ("", by_default)):
         monkeypatch.setenv("CUSTOMOPS_LINEAR_DENSE_MMA", switch)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             y = customops.fused_linear(x, w, b, r, prologue=prologue, norm_weight=nw, constant_weight=True)
             torch.cuda.synchronize()
-        assert any("gemv_mma_kernel" in e.name for e in prof.events()) == (switch == "1"), switch
+        assert any("gemv_mma_kernel" in e.name for e in prof.events()) == mma, switch
         torch.testing.assert_close(y.double(), ref, atol=3e-2, rtol=2e-2, msg=f"switch {switch!r}")
 
 
