@@ -67,6 +67,10 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kMaxRows = 4;  // more rows do as well or better through cuBLAS (bench --decode)
 constexpr int kUnroll = 4;
 constexpr int64_t kMaxSmem = 96 * 1024;
+// x's bytes past which a bf16 or fp16 weight's 3-4 rows leave the register kernel for cuBLAS (and
+// 2-4 rows stay out of gemv_mma_kernel): on an H200 down's 3 rows (14,336 inputs, x in 84 KiB) took
+// 65 us in the register kernel, its 4 rows 36 us through cuBLAS (bench --linear, 2026-11-29).
+constexpr int64_t kMaxSmemManyRows = 64 * 1024;
 // Rows of a quantized weight's product through the register kernel: int4's alternative is a
 // dequantized copy of the weight (its bytes 4x over, written and read), float8's the FP8 tensor
 // cores, which read the weight once for any number of rows.
@@ -1303,7 +1307,7 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
   const int64_t row_bytes = k * x.element_size();
   int chunk = 0;  // a quantized weight's rows a launch
   // A bfloat16 or half weight's 2-4 rows go through the quantized weights' tensor-core kernel
-  // (gemv_mma_kernel, with nothing to decode) where x takes at most 64 KiB of its shared memory.
+  // (gemv_mma_kernel, with nothing to decode) where x takes at most kMaxSmemManyRows.
   // On an H200 at 4 rows of Llama-3-8B's products it took 0.59-0.78x the time of the kernels here
   // (qkv, o_proj, gate_up: 4096 inputs), and 1.73x with down's 14,336 (x in 112 KiB, one block an
   // SM); at one row 0.92-1.05x (2026-11-29). CUSTOMOPS_LINEAR_DENSE_MMA=0 keeps the kernels here,
@@ -1312,14 +1316,17 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
     if (w != Format::kDense || (t != at::kBFloat16 && t != at::kHalf) || m > kQuantRowsALaunch) return false;
     if (env::is("CUSTOMOPS_LINEAR_DENSE_MMA", "0")) return false;
     const bool forced = env::is("CUSTOMOPS_LINEAR_DENSE_MMA", "1");
-    if (!forced && (m < 2 || m > kMaxRows || m * row_bytes > 64 * 1024)) return false;
+    if (!forced && (m < 2 || m > kMaxRows || m * row_bytes > kMaxSmemManyRows)) return false;
     return t == at::kHalf ? mma_applies<c10::Half, Format::kDense>(m, k) : mma_applies<c10::BFloat16, Format::kDense>(m, k);
   }();
   if (w == Format::kDense && !dense_mma) {
     // CUSTOMOPS_LINEAR_MAX_ROWS lowers kMaxRows (an experiment: in a graph on an H200 the 4-row
     // kernel was 1.5-1.8x slower than the unfused path at 8 rows, benchmarks.md "on an H200")
     const int64_t cap = env_count("CUSTOMOPS_LINEAR_MAX_ROWS");
-    if (m > (cap > 0 ? std::min<int64_t>(cap, kMaxRows) : kMaxRows) || m * row_bytes > kMaxSmem) return unfused();
+    if (m > (cap > 0 ? std::min<int64_t>(cap, kMaxRows) : kMaxRows) || m * row_bytes > kMaxSmem ||
+        (m > 2 && m * row_bytes > kMaxSmemManyRows)) {
+      return unfused();
+    }
   } else if (w != Format::kDense) {
     const auto* prop = at::cuda::getCurrentDeviceProperties();
     // (as many rows a launch as fit the tensor-core kernel's shared memory)
