@@ -465,15 +465,16 @@ def print_report(report: dict) -> None:
           "prefill ms: the prefill of a prompt of the median length alone (customops-run generate)")
     for label in report["meta"]["variants"]:
         print(f"\n[{label}]\n{'C':>3s} {'serve tok/s':>12s} {'vs default':>10s} {'TTFT p50/p99 ms':>17s} "
-              f"{'ITL p50/p99 ms':>15s} {'max gap ms':>10s}")
+              f"{'in server':>9s} {'queue+prefill':>13s} {'ITL p50/p99 ms':>15s} {'max gap ms':>10s}")
         for r in report["rows"]:
             if "error" in r.get("variants", {}).get(label, {}):
                 print(f"{r['concurrency']:3d}  {r['variants'][label]['error']}")
             elif label in r.get("variants", {}) and "serve" in r:
                 s, v = r["serve"], r["variants"][label]
+                ttft, queue, prefill = (v.get(f"server_{k}_mean_ms", float("nan")) for k in ("ttft", "queue", "prefill"))
                 print(f"{r['concurrency']:3d} {v['tokens_per_s']:12,.0f} {v['tokens_per_s'] / s['tokens_per_s']:9.2f}x "
-                      f"{v['ttft_p50_ms']:8.1f}/{v['ttft_p99_ms']:<8.1f} {v['itl_p50_ms']:7.2f}/{v['itl_p99_ms']:<7.2f} "
-                      f"{v['max_gap_ms']:10.1f}")
+                      f"{v['ttft_p50_ms']:8.1f}/{v['ttft_p99_ms']:<8.1f} {ttft:9.1f} {queue:6.1f}+{prefill:<6.1f} "
+                      f"{v['itl_p50_ms']:7.2f}/{v['itl_p99_ms']:<7.2f} {v['max_gap_ms']:10.1f}")
     if any("llama_server" in r or "llama_server_error" in r for r in report["rows"]):
         print(f"\n{'C':>3s} {'llama-server tok/s':>18s} {'serve/llama':>11s} {'TTFT p50/p99 ms':>17s} "
               f"{'ITL p50/p99 ms':>15s} {'max gap ms':>10s} {'greedy text agrees':>18s}")
