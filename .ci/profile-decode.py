@@ -1,6 +1,7 @@
 """Every kernel of one decode step of customops-run generate, with its GPU time (ncu).
 
     python3 .ci/profile-decode.py MODEL[,MODEL...] [--batch B] [--layers L] [--base-clocks]
+                                  [--temperature T [--top-k K] [--top-p P]]
 
 MODEL: a name of bench/model.py's MODELS (llama-3.2-1b, llama-3-8b, qwen2.5-1.5b, qwen3-1.7b,
 mistral-7b), built with random weights in bfloat16 and packaged (package_causal_lm, 8 slots of 256
@@ -11,6 +12,7 @@ L2 anyway); --base-clocks takes ncu's defaults (clocks locked to base, L2 flushe
 kernels summed against its time in the graph (bench --generate) say how much is launch and ramp.
 Writes each model's raw CSV to $OUT (or /tmp) as ncu-MODEL.csv. A package is kept in /tmp and
 reused by the next run on the same machine (delete /tmp/profile-*.pt2 after rebuilding customops).
+With --temperature the rows sample (seed 0), and the step's kernels include the sampler's.
 """
 import argparse
 import collections
@@ -47,6 +49,9 @@ def main():
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--base-clocks", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
     args = p.parse_args()
     if not 1 <= args.batch <= 8:
         p.error("--batch takes 1 to 8 (the package's slots)")
@@ -59,6 +64,9 @@ def main():
         del model
         torch.cuda.empty_cache()
         cmd = [customops.runner_path(), "generate", path, "--max-new-tokens", "8", "--ignore-eos", "--no-cuda-graph"]
+        if args.temperature > 0:
+            cmd += ["--temperature", str(args.temperature), "--top-k", str(args.top_k), "--top-p", str(args.top_p),
+                    "--seed", "0"]
         for b in range(args.batch):
             cmd += ["--prompt", " ".join(str(10 + i + b) for i in range(64))]
         raw, names, us = kernels(cmd, args.base_clocks)
@@ -68,7 +76,8 @@ def main():
         if period is None:
             raise SystemExit(f"{name}: no repeating decode step among {len(names)} kernels")
         step = list(zip(names[-period:], us[-period:]))
-        print(f"=== {name}, batch {args.batch}, {args.layers} layers: one decode step is {period} kernels, "
+        sampled = f", temperature {args.temperature} top-k {args.top_k} top-p {args.top_p}" if args.temperature > 0 else ""
+        print(f"=== {name}, batch {args.batch}, {args.layers} layers{sampled}: one decode step is {period} kernels, "
               f"{sum(t for _, t in step):.1f} us summed")
         total = collections.defaultdict(lambda: [0, 0.0])
         for n, t in step:
