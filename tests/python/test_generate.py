@@ -188,6 +188,48 @@ def test_seeded_sampling_is_reproducible(packaged):
     assert all(len(line.split()) == 10 for line in a.stdout.splitlines())
 
 
+def _definition_draws(model, prompt, n, seed, temperature, top_k, top_p):
+    """n ids sampled as the definition says, from Hugging Face's float32 logits of each prefix: the
+    logits less their largest, over the temperature; ids below the k-th largest dropped; then, in
+    descending order, each id whose predecessors' probability already passes top_p; one draw from
+    the rest's softmax, at::multinomial's way (the argmax of p / q, q ~ Exp(1) over the vocabulary
+    from a generator seeded with seed). Also the kept counts of each step."""
+    g = torch.Generator().manual_seed(seed)
+    ids, kept = list(prompt), []
+    for _ in range(n):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1]
+        lg = (logits - logits.max()) / temperature
+        lg = lg.masked_fill(lg < lg.topk(top_k).values[-1], -torch.inf)
+        values, order = lg.sort(descending=True)
+        probs = values.softmax(-1)
+        lg[order[(probs.cumsum(-1) - probs) > top_p]] = -torch.inf
+        kept.append(int(torch.isfinite(lg).sum()))
+        q = torch.empty(1, VOCAB).exponential_(1, generator=g)[0]
+        ids.append(int((lg.softmax(-1) / q).argmax()))
+    return ids[len(prompt):], kept
+
+
+def test_sampled_ids_are_the_definitions_draws(packaged):
+    """customops-run generate samples as _definition_draws says, each prompt from its own generator
+    (seeded with --seed for prompt 0, and --seed xor 0x9E3779B97F4A7C15 i for prompt i): the same ids.
+    The temperature leaves top-p keeping fewer ids than top-k at some steps, and more than one."""
+    model, path = packaged
+    ps = lms.prompts(5, 9, seed=3)
+    temperature, top_k, top_p = 12.0, 40, 0.8
+    counts = []
+    for seed in (1, 2**63 + 5):
+        r = lms.generate(path, *lms.prompt_args(ps), "--max-new-tokens", "4", "--temperature", str(temperature),
+                         "--top-k", str(top_k), "--top-p", str(top_p), "--seed", str(seed), "--ignore-eos")
+        assert r.returncode == 0, r.stderr
+        for i, (p, got) in enumerate(zip(ps, lms.ids_of(r.stdout))):
+            want, kept = _definition_draws(model, p, 4, seed ^ (0x9E3779B97F4A7C15 * i) % 2**64, temperature, top_k,
+                                           top_p)
+            assert got == want, (seed, i)
+            counts += kept
+    assert any(1 < k < top_k for k in counts), counts
+
+
 @pytest.mark.parametrize("args,error", [
     (["--prompt", " ".join(["5"] * (MAX_SEQ_LEN + 1))], r"prompt 0 has 25 ids, more than the package's max_seq_len \(24\)"),
     (["--prompt", "5", "--prompt", "6", "--prompt", "7"], r"3 prompts, but the package takes 1 to 2"),
