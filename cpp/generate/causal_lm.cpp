@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 
 #include "customops/engine.h"
@@ -16,6 +17,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <stdexcept>
@@ -82,6 +84,62 @@ double ms_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
 }
 
+// top-p on the CPU without sorting the vocabulary: which of each row's scaled logits l [B, vocab]
+// (largest 0, -inf where top-k dropped them) to drop. The kept ids are those at or above tau, the
+// smallest value whose larger values' mass (sum of exp) is at most top_p of the row's: in
+// descending order, every id whose predecessors' probability does not yet pass top_p, as sort's
+// way keeps them (equal values at tau are all kept). Found by a quickselect on (value, exp) pairs
+// that descends into the side holding tau, in about 2 vocab steps; the sums are in double. At
+// batch 8 with a vocabulary of 128,256 on a 2-core CPU a top-p step took 31 ms with it against 64
+// with the sort (torch 2.13). CUDA keeps the sort (one batched op there).
+at::Tensor top_p_drop_cpu(const at::Tensor& l, double top_p) {
+  const at::Tensor x = l.to(at::kFloat).contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor drop = at::empty(x.sizes(), x.options().dtype(at::kBool));
+  const float* xs = x.const_data_ptr<float>();
+  bool* ds = drop.mutable_data_ptr<bool>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    struct Entry {
+      float value, mass;
+    };
+    std::vector<Entry> a(static_cast<size_t>(n));
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xs + r * n;
+      double total = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        a[i] = {row[i], std::exp(row[i])};
+        total += a[i].mass;
+      }
+      const double limit = top_p * total;
+      double above = 0;  // the mass of the values above [lo, hi): at most limit
+      auto lo = a.begin(), hi = a.end();
+      float tau = 0;
+      while (true) {
+        const float p0 = lo->value, p1 = lo[(hi - lo) / 2].value, p2 = (hi - 1)->value;
+        const float pivot = std::max(std::min(p0, p1), std::min(std::max(p0, p1), p2));  // (their median)
+        const auto gt = std::partition(lo, hi, [&](const Entry& e) { return e.value > pivot; });
+        const auto eq = std::partition(gt, hi, [&](const Entry& e) { return e.value == pivot; });
+        double greater = 0, equal = 0;
+        for (auto it = lo; it != gt; ++it) greater += it->mass;
+        for (auto it = gt; it != eq; ++it) equal += it->mass;
+        if (above + greater > limit) {  // pivot's larger values pass top_p: tau is one of them
+          hi = gt;
+          continue;
+        }
+        if (above + greater + equal > limit || eq == hi) {  // below pivot every value would pass
+          tau = pivot;
+          break;
+        }
+        above += greater + equal;
+        lo = eq;
+      }
+      bool* out = ds + r * n;
+      for (int64_t i = 0; i < n; ++i) out[i] = row[i] < tau;
+    }
+  });
+  return drop;
+}
+
 }  // namespace
 
 // The next id of each row of logits [B, vocab], on their device: (ids, the same ids with -1 where a
@@ -120,7 +178,9 @@ std::pair<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const Samplin
       at::Tensor kth = std::get<0>(l.topk(s.top_k, -1)).narrow(-1, s.top_k - 1, 1);
       l = l.masked_fill(l < kth, -inf);
     }
-    if (s.top_p < 1) {
+    if (s.top_p < 1 && l.is_cpu()) {
+      l = l.masked_fill(top_p_drop_cpu(l, s.top_p), -inf);
+    } else if (s.top_p < 1) {
       auto [sorted, order] = l.sort(-1, /*descending=*/true);
       at::Tensor probs = sorted.softmax(-1);
       // drop an id when the ids before it already reach top_p (the first id always stays)
@@ -129,13 +189,17 @@ std::pair<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const Samplin
     }
     TORCH_CHECK(static_cast<int64_t>(gens.size()) == l.size(0), "sample: a generator a row, ", gens.size(), " for ",
                 l.size(0), " rows");
-    // at::multinomial's own way for one draw (argmax of p / q, q ~ Exp(1)), with each row's q from
-    // its own generator: the same ids as multinomial row by row, in a launch a row instead of about
-    // ten (multinomial first checks p: its extremes, two device asserts, its sums). p is a softmax
-    // of finite values, so it would pass them.
-    at::Tensor q = at::empty_like(l);
-    for (int64_t r = 0; r < l.size(0); ++r) q.narrow(0, r, 1).exponential_(1, *gens[r]);
-    ids = at::div(l.softmax(-1), q).argmax(-1, /*keepdim=*/true);
+    // Inverse transform sampling: one uniform u a row from the row's own generator, and the first
+    // id whose cumulative mass passes u times the row's (the masses exp(l), float, summed in
+    // double; an id of mass 0 never passes). at::multinomial's way (the argmax of p / q, q ~ Exp(1)
+    // over the whole vocabulary) drew a random number an id: at batch 8 with a vocabulary of 128,256
+    // on a 2-core CPU a sampled step took 24 ms against 4 greedy, most of it that noise.
+    const at::Tensor cdf = l.to(at::kFloat).exp().to(at::kDouble).cumsum(-1);
+    const int64_t vocab = cdf.size(-1);
+    at::Tensor u = at::empty({cdf.size(0), 1}, cdf.options());
+    for (int64_t r = 0; r < cdf.size(0); ++r) u.narrow(0, r, 1).uniform_(0, 1, *gens[r]);
+    ids = at::searchsorted(cdf, u * cdf.narrow(-1, vocab - 1, 1), /*out_int32=*/false, /*right=*/true)
+              .clamp_max(vocab - 1);  // (u * total < total; the clamp is for rounding's sake)
   }
   return {ids.squeeze(-1), at::where(finite, ids, -1).squeeze(-1)};
 }

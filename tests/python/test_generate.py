@@ -192,8 +192,9 @@ def _definition_draws(model, prompt, n, seed, temperature, top_k, top_p):
     """n ids sampled as the definition says, from Hugging Face's float32 logits of each prefix: the
     logits less their largest, over the temperature; ids below the k-th largest dropped; then, in
     descending order, each id whose predecessors' probability already passes top_p; one draw from
-    the rest's softmax, at::multinomial's way (the argmax of p / q, q ~ Exp(1) over the vocabulary
-    from a generator seeded with seed). Also the kept counts of each step."""
+    the rest by inverse transform (a uniform u from a generator seeded with seed, and the first id
+    whose cumulative mass, exp of the float32 values summed in float64, passes u times the total).
+    Also the kept counts of each step."""
     g = torch.Generator().manual_seed(seed)
     ids, kept = list(prompt), []
     for _ in range(n):
@@ -205,8 +206,9 @@ def _definition_draws(model, prompt, n, seed, temperature, top_k, top_p):
         probs = values.softmax(-1)
         lg[order[(probs.cumsum(-1) - probs) > top_p]] = -torch.inf
         kept.append(int(torch.isfinite(lg).sum()))
-        q = torch.empty(1, VOCAB).exponential_(1, generator=g)[0]
-        ids.append(int((lg.softmax(-1) / q).argmax()))
+        u = torch.empty(1, 1, dtype=torch.float64).uniform_(0, 1, generator=g)[0]
+        cdf = lg.float().exp().double().cumsum(-1)
+        ids.append(int(torch.searchsorted(cdf, u * cdf[-1:], right=True).clamp_max(VOCAB - 1)))
     return ids[len(prompt):], kept
 
 
