@@ -201,7 +201,8 @@ def _definition_draws(model, prompt, n, seed, temperature, top_k, top_p):
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0, -1]
         lg = (logits - logits.max()) / temperature
-        lg = lg.masked_fill(lg < lg.topk(top_k).values[-1], -torch.inf)
+        if top_k:
+            lg = lg.masked_fill(lg < lg.topk(top_k).values[-1], -torch.inf)
         values, order = lg.sort(descending=True)
         probs = values.softmax(-1)
         lg[order[(probs.cumsum(-1) - probs) > top_p]] = -torch.inf
@@ -212,13 +213,14 @@ def _definition_draws(model, prompt, n, seed, temperature, top_k, top_p):
     return ids[len(prompt):], kept
 
 
-def test_sampled_ids_are_the_definitions_draws(packaged):
+@pytest.mark.parametrize("temperature, top_k, top_p", [(12.0, 40, 0.8), (6.0, 0, 0.5)])
+def test_sampled_ids_are_the_definitions_draws(packaged, temperature, top_k, top_p):
     """customops-run generate samples as _definition_draws says, each prompt from its own generator
     (seeded with --seed for prompt 0, and --seed xor 0x9E3779B97F4A7C15 i for prompt i): the same ids.
-    The temperature leaves top-p keeping fewer ids than top-k at some steps, and more than one."""
+    The temperatures leave top-p keeping fewer ids than top-k (or the vocabulary) at some steps,
+    and more than one."""
     model, path = packaged
     ps = lms.prompts(5, 9, seed=3)
-    temperature, top_k, top_p = 12.0, 40, 0.8
     counts = []
     for seed in (1, 2**63 + 5):
         r = lms.generate(path, *lms.prompt_args(ps), "--max-new-tokens", "4", "--temperature", str(temperature),
@@ -229,7 +231,7 @@ def test_sampled_ids_are_the_definitions_draws(packaged):
                                            top_p)
             assert got == want, (seed, i)
             counts += kept
-    assert any(1 < k < top_k for k in counts), counts
+    assert any(1 < k < (top_k or VOCAB) for k in counts), counts
 
 
 @pytest.mark.parametrize("args,error", [
