@@ -171,7 +171,7 @@ std::pair<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const Samplin
   const at::Tensor finite = top.abs() < std::numeric_limits<double>::infinity();
   if (sampled) {
     // the row's max subtracted first, so that a small temperature does not overflow a logit to
-    // inf; zeros in a row that is not finite (multinomial on CUDA asserts on the device for NaN)
+    // inf; zeros in a row that is not finite (its NaN would spread through the cumulative sum below)
     at::Tensor l = at::where(finite, logits - top, 0) / s.temperature;
     const double inf = std::numeric_limits<double>::infinity();
     if (s.top_k > 0 && s.top_k < l.size(-1)) {

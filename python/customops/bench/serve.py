@@ -437,6 +437,11 @@ def prompt_lengths(longest: int, same_length: bool, n: int, g: torch.Generator) 
     return torch.randint(max(1, longest // 4), longest + 1, (n,), generator=g).tolist()
 
 
+def _server_means(result: dict) -> tuple[float, ...]:
+    """A serve run's own mean TTFT, wait for a slot and prefill (ms; NaN where the run has none)."""
+    return tuple(result.get(f"server_{k}_mean_ms", float("nan")) for k in _FIRST_TOKEN)
+
+
 def print_report(report: dict) -> None:
     m = report["meta"]
     print(f"{m['device']}; " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
@@ -453,7 +458,7 @@ def print_report(report: dict) -> None:
             print(f"{r['concurrency']:3d}  {r['error']}")
             continue
         s, g = r["serve"], r["generate"]
-        ttft, queue, prefill = (s.get(f"server_{k}_mean_ms", float("nan")) for k in ("ttft", "queue", "prefill"))
+        ttft, queue, prefill = _server_means(s)
         print(f"{r['concurrency']:3d} {s['tokens_per_s']:12,.0f} {g['tokens_per_s']:9,.0f} "
               f"{s['tokens_per_s'] / g['tokens_per_s']:5.2f}x {r['floor_tokens_per_s']:8,.0f} "
               f"{s['ttft_p50_ms']:8.1f}/{s['ttft_p99_ms']:<8.1f} {ttft:9.1f} {queue:6.1f}+{prefill:<6.1f} "
@@ -471,7 +476,7 @@ def print_report(report: dict) -> None:
                 print(f"{r['concurrency']:3d}  {r['variants'][label]['error']}")
             elif label in r.get("variants", {}) and "serve" in r:
                 s, v = r["serve"], r["variants"][label]
-                ttft, queue, prefill = (v.get(f"server_{k}_mean_ms", float("nan")) for k in ("ttft", "queue", "prefill"))
+                ttft, queue, prefill = _server_means(v)
                 print(f"{r['concurrency']:3d} {v['tokens_per_s']:12,.0f} {v['tokens_per_s'] / s['tokens_per_s']:9.2f}x "
                       f"{v['ttft_p50_ms']:8.1f}/{v['ttft_p99_ms']:<8.1f} {ttft:9.1f} {queue:6.1f}+{prefill:<6.1f} "
                       f"{v['itl_p50_ms']:7.2f}/{v['itl_p99_ms']:<7.2f} {v['max_gap_ms']:10.1f}")
