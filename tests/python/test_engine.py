@@ -106,12 +106,14 @@ def test_a_prompt_admitted_beside_decoding_requests_runs_alone(lm, consumer, tmp
     """A long prompt admitted while another request decodes is prefilled in its own run beside the
     decode run, over its own slot: the decoding row computes one position a step, never the
     chunk's length, and the engine plans each prompt id and each fed-back id once (no padding).
-    The request in slot 0 ends first, and the one after it is admitted while slot 1 decodes."""
+    The request in slot 0 ends first, and the one after it is admitted while slot 1 decodes. (Prefill
+    multiple 1: CUDA's default pads chunks, test_requests_from_other_threads runs that.)"""
     model, path, device = lm
     ps = prompts(4, 30, 9, seed=9)
     script = [submit(0, ps[0], max=12, ignore_eos=True), submit(3, ps[1], max=6, ignore_eos=True),
               submit(12, ps[2], max=5, ignore_eos=True)]
-    got, stderr = engine(consumer, path, script, "--budget", "8", tmp_path=tmp_path)
+    got, stderr = engine(consumer, path, script, "--budget", "8", tmp_path=tmp_path,
+                         env={"CUSTOMOPS_PREFILL_MULTIPLE": "1"})
     for k, (p, m) in enumerate(zip(ps, (12, 6, 5))):
         assert got[k] == ("length", m, alone(consumer, path, p, m)), k
     st = stats(stderr)
