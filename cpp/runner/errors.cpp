@@ -2,9 +2,12 @@
 // what the user gave quoted so that it cannot garble the terminal or flood it.
 #include <c10/util/Exception.h>
 
+#include <execinfo.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <iostream>
@@ -27,7 +30,40 @@ size_t utf8_length(const std::string& s, size_t i) {
   return n;
 }
 
+// Where a crash report goes: stderr, or where without_backtraces keeps it while it captures fd 2.
+volatile sig_atomic_t crash_fd = 2;
+
+// (async-signal-safe: write, backtrace_symbols_fd, raise)
+void write_stderr(const char* text) {
+  ssize_t ignored = write(crash_fd, text, std::strlen(text));
+  (void)ignored;
+}
+
+void on_crash(int signal) {
+  const char* name = signal == SIGSEGV ? "SIGSEGV"
+                     : signal == SIGBUS ? "SIGBUS"
+                     : signal == SIGILL ? "SIGILL"
+                     : signal == SIGFPE ? "SIGFPE"
+                                        : "SIGABRT";
+  write_stderr("customops-run: crashed (");
+  write_stderr(name);
+  write_stderr("); please report it with this stack:\n");
+  void* frames[64];
+  backtrace_symbols_fd(frames, backtrace(frames, 64), crash_fd);
+  raise(signal);  // the default action now (SA_RESETHAND), at once (SA_NODEFER)
+}
+
 }  // namespace
+
+void report_crashes() {
+  void* warm[1];
+  backtrace(warm, 1);  // (its first call loads libgcc_s: here, not in the handler)
+  struct sigaction action {};
+  action.sa_handler = on_crash;
+  action.sa_flags = SA_RESETHAND | SA_NODEFER;
+  sigemptyset(&action.sa_mask);
+  for (int signal : {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT}) sigaction(signal, &action, nullptr);
+}
 
 std::string quoted(const std::string& text, size_t max_bytes) {
   std::string out = "'";
@@ -86,11 +122,13 @@ void without_backtraces(const std::function<void()>& fn) {
     if (capture) std::fclose(capture);
     return fn();
   }
+  crash_fd = saved;
   std::string error;  // fn's error, as main words it
   auto restore = [&] {
     std::cerr.flush();
     std::fflush(stderr);
     dup2(saved, 2);
+    crash_fd = 2;
     close(saved);
     std::string text;
     std::rewind(capture);

@@ -126,6 +126,7 @@ int run(const Options& o) {
 
 int main(int argc, char** argv) {
   using namespace customops::runner;
+  report_crashes();
   try {
     if (argc > 1 && std::string(argv[1]) == "generate") return generate_main(argc - 1, argv + 1);
     if (argc > 1 && std::string(argv[1]) == "serve") return serve_main(argc - 1, argv + 1);

@@ -79,6 +79,10 @@ std::string quoted(const std::string& text, size_t max_bytes = 40);
 // backtrace included, before it returns the failure that customops-run reports in one line (the
 // model's own "Error: ..." line is left out too where that line repeats fn's error).
 void without_backtraces(const std::function<void()>& fn);
+// From here on a crash (SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT) writes which signal it was and the
+// stack (glibc's backtrace: each frame's library and offset, addr2line's input) to stderr, then ends
+// the process as that signal would have: what a bug report needs, from a server that ran for days.
+void report_crashes();
 
 // ---- args.cpp
 struct Options {

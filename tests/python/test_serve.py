@@ -409,6 +409,19 @@ def test_sigterm_stops_the_server_cleanly(served, tmp_path):
     assert any("stopped" in line for line in other.stderr), other.stderr
 
 
+def test_a_crash_reports_its_signal_and_stack(served):
+    """A crash (here a SIGSEGV sent from outside) writes which signal it was and the stack to stderr,
+    then ends the process as that signal does: what a bug report from a server needs."""
+    server, _, _ = served
+    other = Server(server.package, server.proc.args[4])
+    other.proc.send_signal(signal.SIGSEGV)
+    assert other.proc.wait(timeout=30) == -signal.SIGSEGV
+    time.sleep(0.2)
+    text = "".join(other.stderr)
+    assert "customops-run: crashed (SIGSEGV); please report it with this stack:" in text, text
+    assert re.search(r"customops-run\(\+0x[0-9a-f]+\)\[0x[0-9a-f]+\]", text), text  # (addr2line's input)
+
+
 def test_random_request_bodies_get_an_answer_or_a_400_never_a_crash(served):
     """400 request bodies whose fields are drawn at random (every JSON type, edge numbers, huge
     and negative values, strings of special tokens, deep nesting), some of them valid: each gets
