@@ -23,7 +23,8 @@ those environment variables set (a kernel's switches), e.g.
 ``CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES=64`` for prefill chunks on the split-KV kernel.
 
 With ``--llama-cpp DIR`` (a llama.cpp checkout with ``build/bin/llama-server`` built), the same
-model is converted by llama.cpp's own ``convert_hf_to_gguf.py`` (same dtype) and ``llama-server``
+model is converted by llama.cpp's own ``convert_hf_to_gguf.py`` (same dtype, or ``--gguf-type``'s:
+f16 for a llama.cpp older than its bf16 CUDA kernels) and ``llama-server``
 (``--parallel C``, a context of C full sequences, every layer on the GPU under CUDA) takes the same
 clients and prompts (token ids, ``ignore_eos``), the bar the serving issue set.
 
@@ -156,8 +157,10 @@ class _LlamaServer:
         self.log.close()
 
 
-def _gguf(model, tokenizer_json: Path, llama_cpp: Path, root: Path) -> Path:
-    """The model in llama.cpp's format, converted by llama.cpp's convert_hf_to_gguf.py. Its check of
+def _gguf(model, tokenizer_json: Path, llama_cpp: Path, root: Path, outtype: str = "same") -> Path:
+    """The model in llama.cpp's format, converted by llama.cpp's convert_hf_to_gguf.py to outtype
+    ("same": the model's dtype; f16: as many bytes a weight as bf16, llama.cpp's CUDA kernels' oldest
+    case, for a llama.cpp young at bf16). Its check of
     the BPE pre-tokenizer knows only published tokenizers' hashes; this one's is GPT-2's design
     (the prompts are ids, so only the vocabulary matters to the server)."""
     from transformers import PreTrainedTokenizerFast
@@ -167,6 +170,7 @@ def _gguf(model, tokenizer_json: Path, llama_cpp: Path, root: Path) -> Path:
     PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json)).save_pretrained(hf)
     out = root / "model.gguf"
     dtype = {torch.bfloat16: "bf16", torch.float16: "f16"}.get(next(model.parameters()).dtype, "f32")
+    dtype = dtype if outtype == "same" else outtype
     convert = (f"import sys; sys.path[:0] = [{str(llama_cpp / 'gguf-py')!r}, {str(llama_cpp)!r}]\n"
                "import convert_hf_to_gguf as c\n"
                # (its model base class: conversion.base.TextModel since mid-2025, Model before)
@@ -366,9 +370,9 @@ def run(args) -> dict:
     gguf = None
     if args.llama_cpp:
         t = time.perf_counter()
-        gguf = _gguf(model, root / "tokenizer.json", args.llama_cpp, root)
-        notes.append(f"convert_hf_to_gguf.py: {time.perf_counter() - t:.0f} s; llama-server "
-                     f"{_llama_version(args.llama_cpp)}")
+        gguf = _gguf(model, root / "tokenizer.json", args.llama_cpp, root, args.gguf_type)
+        notes.append(f"convert_hf_to_gguf.py: {time.perf_counter() - t:.0f} s (GGUF weights: {args.gguf_type}); "
+                     f"llama-server {_llama_version(args.llama_cpp)}")
     del model
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -523,6 +527,9 @@ def main(argv: list[str]) -> int:
                    help="also serve with these environment variables set (repeatable)")
     p.add_argument("--llama-cpp", type=Path, metavar="DIR",
                    help="a llama.cpp checkout with build/bin/llama-server: runs it beside customops-run serve")
+    p.add_argument("--gguf-type", choices=["same", "f16", "bf16", "f32"], default="same",
+                   help="with --llama-cpp: its weights' type (default: the model's dtype; f16 has bf16's bytes "
+                        "and is what an older llama.cpp's CUDA kernels do best)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
