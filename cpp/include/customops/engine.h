@@ -122,7 +122,9 @@ class CUSTOMOPS_API Engine {
   // Runs one step if any request is in flight; false where there was none. For a caller that
   // drives the engine itself, from one thread, without start().
   bool step();
-  // A thread that runs steps while requests are in flight and sleeps while none are.
+  // A thread that runs steps while requests are in flight and sleeps while none are. On a GPU it
+  // first runs the padded prefill shapes (prefill_multiple) and one draw of each way of sampling,
+  // so that no request pays a kernel's first launch.
   void start();
   void stop();  // ends that thread (after its current step); requests in flight end as cancelled,
                 // and submit refuses new ones
