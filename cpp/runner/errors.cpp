@@ -3,9 +3,11 @@
 #include <c10/util/Exception.h>
 
 #include <execinfo.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 #include <csignal>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -39,7 +41,22 @@ void write_stderr(const char* text) {
   (void)ignored;
 }
 
-void on_crash(int signal) {
+// n in hexadecimal, "0x" first (async-signal-safe)
+void write_hex(uintptr_t n) {
+  char text[2 + 2 * sizeof n + 1];
+  char* end = text + sizeof text - 1;
+  *end = '\0';
+  char* at = end;
+  do {
+    *--at = "0123456789abcdef"[n & 0xf];
+    n >>= 4;
+  } while (n != 0);
+  *--at = 'x';
+  *--at = '0';
+  write_stderr(at);
+}
+
+void on_crash(int signal, siginfo_t* info, void* context) {
   const char* name = signal == SIGSEGV ? "SIGSEGV"
                      : signal == SIGBUS ? "SIGBUS"
                      : signal == SIGILL ? "SIGILL"
@@ -47,9 +64,33 @@ void on_crash(int signal) {
                                         : "SIGABRT";
   write_stderr("customops-run: crashed (");
   write_stderr(name);
+  if ((signal == SIGSEGV || signal == SIGBUS) && info->si_code > 0) {  // (si_code <= 0: sent by a process)
+    write_stderr(" at address ");
+    write_hex(reinterpret_cast<uintptr_t>(info->si_addr));
+  }
   write_stderr("); please report it with this stack:\n");
   void* frames[64];
   backtrace_symbols_fd(frames, backtrace(frames, 64), crash_fd);
+  // Where the stack above ends at the signal's trampoline, the crash was in code the unwinder
+  // cannot read, such as a call into a library no longer mapped: then the return address that
+  // call left names its caller (x86-64: the stack's top; AArch64: the link register).
+  const auto* uc = static_cast<const ucontext_t*>(context);
+  void* where[1] = {nullptr};
+#if defined(__x86_64__)
+  where[0] = reinterpret_cast<void*>(uc->uc_mcontext.gregs[REG_RIP]);
+#elif defined(__aarch64__)
+  where[0] = reinterpret_cast<void*>(uc->uc_mcontext.pc);
+#endif
+  if (where[0] != nullptr) {
+    write_stderr("customops-run: the program counter, then the return address a call there would have left:\n");
+    backtrace_symbols_fd(where, 1, crash_fd);
+#if defined(__x86_64__)
+    where[0] = *reinterpret_cast<void* const*>(uc->uc_mcontext.gregs[REG_RSP]);
+#elif defined(__aarch64__)
+    where[0] = reinterpret_cast<void*>(uc->uc_mcontext.regs[30]);
+#endif
+    backtrace_symbols_fd(where, 1, crash_fd);
+  }
   raise(signal);  // the default action now (SA_RESETHAND), at once (SA_NODEFER)
 }
 
@@ -59,8 +100,8 @@ void report_crashes() {
   void* warm[1];
   backtrace(warm, 1);  // (its first call loads libgcc_s: here, not in the handler)
   struct sigaction action {};
-  action.sa_handler = on_crash;
-  action.sa_flags = SA_RESETHAND | SA_NODEFER;
+  action.sa_sigaction = on_crash;
+  action.sa_flags = SA_SIGINFO | SA_RESETHAND | SA_NODEFER;
   sigemptyset(&action.sa_mask);
   for (int signal : {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT}) sigaction(signal, &action, nullptr);
 }
