@@ -260,7 +260,11 @@ std::set<std::string> loaded_objects() {
 // used the package's own tokenizer: right after the dynamic linker unmapped that library, with the
 // program counter in no mapped code. The same package with a copy of that tokenizer as --tokenizer
 // ended cleanly. What calls into the unloaded library is not known (docs/serving.md).
+// CUSTOMOPS_UNLOAD_MODEL=1 leaves the library to be unloaded (an experiment switch: the crash's
+// reproduction, whose report names the caller).
 void keep_mapped(const std::set<std::string>& before) {
+  const char* unload = std::getenv("CUSTOMOPS_UNLOAD_MODEL");
+  if (unload != nullptr && std::string(unload) == "1") return;
   for (const std::string& name : loaded_objects()) {
     if (before.count(name) || name.find("/data/aotinductor/") == std::string::npos) continue;
     if (name.size() < 3 || name.compare(name.size() - 3, 3, ".so") != 0) continue;
