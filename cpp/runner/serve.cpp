@@ -23,6 +23,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -117,7 +118,7 @@ ServeOptions parse_serve_args(int argc, char** argv) {
     } else if (a == "--max-body") {
       o.max_body = parse_integer(a, v, 1);
     } else if (a == "--threads") {
-      o.threads = parse_integer(a, v, 1);
+      o.threads = parse_integer(a, v, 1, 4096);  // (each a thread, made when listening starts)
     } else if (a == "--device") {
       o.device = v;
     } else {
@@ -431,10 +432,17 @@ class Server {
   void routes(httplib::Server& http) {
     http.set_payload_max_length(static_cast<size_t>(o_.max_body));
     // httplib bounds a body by its Content-Length only: a chunked body, one without a length, or a
-    // compressed one (which it inflates) could be any size. Refused before the body is read.
+    // compressed one (which it inflates) could be any size. Refused before the body is read, and
+    // so is every method but GET, HEAD and POST: httplib reads a PUT's, PATCH's or DELETE's body
+    // before it finds no route for it (a chunked PUT of 300 MiB grew the server by 300 MiB). The
+    // connection is closed after a refusal: its body, unread, is not a next request.
     http.set_pre_routing_handler([](const httplib::Request& req, httplib::Response& res) {
-      if (req.method != "POST") return httplib::Server::HandlerResponse::Unhandled;
-      if (req.has_header("Content-Encoding")) {
+      if (req.method == "GET" || req.method == "HEAD") return httplib::Server::HandlerResponse::Unhandled;
+      if (req.method != "POST") {
+        send_json(res, 405, error_body("method " + runner::quoted(req.method) + " is not allowed (GET, HEAD and POST are)",
+                                       "invalid_request_error"));
+        res.set_header("Allow", "GET, HEAD, POST");
+      } else if (req.has_header("Content-Encoding")) {
         send_json(res, 415, error_body("compressed request bodies are not accepted", "invalid_request_error"));
       } else if (req.has_header("Transfer-Encoding") || !req.has_header("Content-Length")) {
         send_json(res, 411, error_body("a request body needs a Content-Length (chunked bodies are not accepted)",
@@ -442,6 +450,7 @@ class Server {
       } else {
         return httplib::Server::HandlerResponse::Unhandled;
       }
+      res.set_header("Connection", "close");
       return httplib::Server::HandlerResponse::Handled;
     });
     http.Post("/v1/completions", [this](const auto& req, auto& res) { handle(req, res, [&] { generate(req, res, false); }); });
@@ -977,10 +986,24 @@ int serve_main(int argc, char** argv) {
   std::cerr << "customops-run serve: " << o.model_name << " on http://" << o.host << ":" << port << " ("
             << lm.device().str() << ", " << (o.max_batch ? std::min(o.max_batch, lm.max_batch()) : lm.max_batch())
             << " slots of " << lm.max_seq_len() << " tokens)" << std::endl;
-  http.listen_after_bind();
+  // (listening makes the --threads threads: a failure there is an error, after the waiter ends)
+  std::exception_ptr failed;
+  try {
+    http.listen_after_bind();
+  } catch (...) {
+    failed = std::current_exception();
+  }
   listened = true;
   pthread_kill(waiter.native_handle(), SIGTERM);  // where listening ended otherwise
   waiter.join();
+  if (failed) {
+    engine.stop();
+    try {
+      std::rethrow_exception(failed);
+    } catch (const std::exception& e) {
+      throw UserError("serving failed: " + message_of(e));
+    }
+  }
   engine.stop();
   std::cerr << "customops-run serve: stopped" << std::endl;
   return 0;

@@ -327,16 +327,22 @@ def test_the_api_key_and_the_body_limit(served):
     status, out = server.http("POST", "/v1/completions", {"prompt": "x" * (MAX_BODY + 10)})
     assert status == 413 and "larger than" in out["error"]["message"]
     assert server.http("GET", "/health", key=False) == (200, {"status": "ok"})  # open, as llama-server's
-    # bodies httplib would not bound by --max-body: chunked, or compressed
-
+    # bodies httplib would not bound by --max-body: chunked, or compressed, or another method's (it
+    # reads a PUT's body before it finds no route); refused unread, the connection closed
     port = int(server.url.rsplit(":", 1)[1])
-    for headers, status in (({"Transfer-Encoding": "chunked"}, 411), ({"Content-Encoding": "gzip"}, 415)):
+    for method, headers, status in (("POST", {"Transfer-Encoding": "chunked"}, 411),
+                                    ("POST", {"Content-Encoding": "gzip"}, 415),
+                                    ("PUT", {"Transfer-Encoding": "chunked"}, 405), ("DELETE", {}, 405)):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
         body = b"2\r\n{}\r\n0\r\n\r\n" if "Transfer-Encoding" in headers else b"{}"
-        conn.request("POST", "/v1/completions", body, {"Authorization": f"Bearer {KEY}", **headers})
+        conn.request(method, "/v1/completions", body, {"Authorization": f"Bearer {KEY}", **headers})
         r = conn.getresponse()
-        assert r.status == status and "error" in json.loads(r.read()), headers
+        assert r.status == status and "error" in json.loads(r.read()), (method, headers)
+        assert r.getheader("Connection") == "close", r.getheaders()
+        if status == 405:
+            assert r.getheader("Allow") == "GET, HEAD, POST"
         conn.close()
+    assert server.http("GET", "/health", key=False) == (200, {"status": "ok"})
     with pytest.raises(openai.BadRequestError, match="not served here"):
         server.client().completions.create(model="other", prompt="hi", max_tokens=2)
 
