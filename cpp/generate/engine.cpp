@@ -270,9 +270,17 @@ struct Engine::Impl {
       if (slots[slot]) continue;
       std::shared_ptr<Seq> s = std::move(waiting.front());
       waiting.pop_front();
+      if (s->o.temperature > 0) {
+        try {
+          s->gen = make_generator(m.device, s->o.seed);
+        } catch (const std::exception& e) {  // (in no queue now: ended here, or its client would wait forever)
+          end(s, FinishReason::error, std::string("cannot make the request's generator: ") + e.what());
+          --slot;
+          continue;
+        }
+      }
       s->slot = slot;
       s->state->admit();
-      if (s->o.temperature > 0) s->gen = make_generator(m.device, s->o.seed);
       slots[slot] = s;
     }
     std::lock_guard<std::mutex> lock(mu);
