@@ -99,9 +99,16 @@ void on_crash(int signal, siginfo_t* info, void* context) {
 void report_crashes() {
   void* warm[1];
   backtrace(warm, 1);  // (its first call loads libgcc_s: here, not in the handler)
+  // the main thread's handler runs on a stack of its own, so that an overflow of its stack is
+  // reported too (other threads' overflows end without the report)
+  static char alternate[1 << 16];
+  stack_t stack{};
+  stack.ss_sp = alternate;
+  stack.ss_size = sizeof alternate;
+  sigaltstack(&stack, nullptr);
   struct sigaction action {};
   action.sa_sigaction = on_crash;
-  action.sa_flags = SA_SIGINFO | SA_RESETHAND | SA_NODEFER;
+  action.sa_flags = SA_SIGINFO | SA_RESETHAND | SA_NODEFER | SA_ONSTACK;
   sigemptyset(&action.sa_mask);
   for (int signal : {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT}) sigaction(signal, &action, nullptr);
 }
