@@ -96,7 +96,8 @@ class _Server:
         deadline = time.monotonic() + 300
         while True:
             self.log.seek(0)
-            m = re.search(r":(\d+) \(", self.log.readline())
+            # (anywhere in the log: a line printed before it, a warning, must not hide it)
+            m = re.search(r" on http://\S+:(\d+) \(", self.log.read())
             if m:
                 break
             if self.proc.poll() is not None or time.monotonic() > deadline:
