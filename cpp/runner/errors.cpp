@@ -2,6 +2,7 @@
 // what the user gave quoted so that it cannot garble the terminal or flood it.
 #include <c10/util/Exception.h>
 
+#include <dlfcn.h>
 #include <execinfo.h>
 #include <ucontext.h>
 #include <unistd.h>
@@ -72,25 +73,50 @@ void on_crash(int signal, siginfo_t* info, void* context) {
   void* frames[64];
   backtrace_symbols_fd(frames, backtrace(frames, 64), crash_fd);
   // Where the stack above ends at the signal's trampoline, the crash was in code the unwinder
-  // cannot read, such as a call into a library no longer mapped: then the return address that
-  // call left names its caller (x86-64: the stack's top; AArch64: the link register).
+  // cannot read: a call through a null pointer (the program counter is 0), or into a library no
+  // longer mapped. Then the return address that call left names its caller (x86-64: the stack's
+  // top; AArch64: the link register), and on x86-64 the return addresses further up the stack (the
+  // words that point just past a call instruction in a loaded library) name the callers' callers.
   const auto* uc = static_cast<const ucontext_t*>(context);
-  void* where[1] = {nullptr};
 #if defined(__x86_64__)
-  where[0] = reinterpret_cast<void*>(uc->uc_mcontext.gregs[REG_RIP]);
+  const auto pc = static_cast<uintptr_t>(uc->uc_mcontext.gregs[REG_RIP]);
+  const auto* sp = reinterpret_cast<void* const*>(uc->uc_mcontext.gregs[REG_RSP]);
+  void* caller = sp != nullptr ? sp[0] : nullptr;
 #elif defined(__aarch64__)
-  where[0] = reinterpret_cast<void*>(uc->uc_mcontext.pc);
+  const auto pc = static_cast<uintptr_t>(uc->uc_mcontext.pc);
+  void* caller = reinterpret_cast<void*>(uc->uc_mcontext.regs[30]);
+#else
+  const uintptr_t pc = 0;
+  void* caller = nullptr;
 #endif
-  if (where[0] != nullptr) {
-    write_stderr("customops-run: the program counter, then the return address a call there would have left:\n");
-    backtrace_symbols_fd(where, 1, crash_fd);
+  write_stderr("customops-run: the program counter was ");
+  write_hex(pc);
+  write_stderr("; the return address a call there would have left:\n");
+  void* where[1] = {caller};
+  backtrace_symbols_fd(where, 1, crash_fd);
 #if defined(__x86_64__)
-    where[0] = *reinterpret_cast<void* const*>(uc->uc_mcontext.gregs[REG_RSP]);
-#elif defined(__aarch64__)
-    where[0] = reinterpret_cast<void*>(uc->uc_mcontext.regs[30]);
-#endif
-    backtrace_symbols_fd(where, 1, crash_fd);
+  if (sp != nullptr) {
+    // (dladdr is not async-signal-safe; this is a crash's last word, after the report above)
+    write_stderr("customops-run: return addresses further up the stack (a scan, not an unwinding):\n");
+    int found = 0;
+    for (int i = 1; i < 1024 && found < 24; ++i) {
+      const auto* at = static_cast<const unsigned char*>(sp[i]);
+      Dl_info info;
+      if (at == nullptr || dladdr(at, &info) == 0 || at - 7 < static_cast<const unsigned char*>(info.dli_fbase)) {
+        continue;
+      }
+      // call rel32 (e8), or an indirect call (ff /2: 2, 3, 6 or 7 bytes)
+      if (at[-5] != 0xe8 && !(at[-2] == 0xff && (at[-1] & 0x38) == 0x10) &&
+          !(at[-3] == 0xff && (at[-2] & 0x38) == 0x10) && !(at[-6] == 0xff && (at[-5] & 0x38) == 0x10) &&
+          !(at[-7] == 0xff && (at[-6] & 0x38) == 0x10)) {
+        continue;
+      }
+      where[0] = sp[i];
+      backtrace_symbols_fd(where, 1, crash_fd);
+      ++found;
+    }
   }
+#endif
   raise(signal);  // the default action now (SA_RESETHAND), at once (SA_NODEFER)
 }
 

@@ -9,7 +9,6 @@
 
 #include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <map>
 #include <optional>
@@ -141,16 +140,13 @@ EmbeddedTokenizer::EmbeddedTokenizer(const std::string& package) {
       if (!out) throw UserError("cannot write the package's tokenizer into " + dir);
     }
   } catch (...) {  // (a constructor that throws runs no destructor)
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
+    remove_tree(path_);
     throw;
   }
 }
 
 EmbeddedTokenizer::~EmbeddedTokenizer() {
-  if (path_.empty()) return;
-  std::error_code ignored;
-  std::filesystem::remove_all(path_, ignored);
+  if (!path_.empty()) remove_tree(path_);
 }
 
 void check_tokenizer(const Tokenizer& tokenizer, const CausalLM& lm) {

@@ -6,10 +6,12 @@
 #include <customops/package.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
+#include <ftw.h>
+
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <optional>
 #include <string>
 #include <vector>
@@ -17,6 +19,13 @@
 #include "runner/runner.h"
 
 namespace customops::runner {
+
+void remove_tree(const std::string& path) noexcept {
+  // depth first (a folder's entries before it), without following symbolic links
+  nftw(
+      path.c_str(), [](const char* entry, const struct stat*, int, struct FTW*) { return std::remove(entry), 0; }, 16,
+      FTW_DEPTH | FTW_PHYS);
+}
 
 // A folder for the loader's unpacked copy of the package (given to it as TMPDIR while it loads),
 // removed at the end: the loader removes its copy when it is destroyed, but not when loading fails.
@@ -43,8 +52,7 @@ class ScratchDir {
   }
   ~ScratchDir() {
     restore_tmpdir();
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
+    remove_tree(path_);
   }
   ScratchDir(const ScratchDir&) = delete;
   ScratchDir& operator=(const ScratchDir&) = delete;

@@ -126,6 +126,12 @@ struct ModelError : std::runtime_error {
 
 class ScratchDir;
 
+// Removes path and, where it is a folder, everything in it (symbolic links themselves, never what
+// they point to); errors are ignored. Not std::filesystem::remove_all: torch's own libraries export
+// a copy of std::filesystem that the dynamic linker may bind this program's calls to, and the copy
+// in torch 2.11's CUDA wheel crashes in remove_all (a call through a null pointer, seen on an H200).
+void remove_tree(const std::string& path) noexcept;
+
 // A package loaded onto a device, to be run any number of times.
 class LoadedPackage {
  public:

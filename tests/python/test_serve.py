@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import re
 import signal
 import socket
@@ -91,11 +92,12 @@ def served(request, tmp_path_factory):
 
 
 class Server:
-    def __init__(self, package, tokenizer, *args):
-        """tokenizer None: the one the package embeds."""
+    def __init__(self, package, tokenizer, *args, env=None):
+        """tokenizer None: the one the package embeds; env: variables added to this process's."""
         given = [] if tokenizer is None else ["--tokenizer", tokenizer]
         self.proc = subprocess.Popen([customops.runner_path(), "serve", package, *given, "--port", "0", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env={**os.environ, **env} if env else None)
         line = self.proc.stderr.readline()
         m = re.search(r"on http://127\.0\.0\.1:(\d+) ", line)
         assert m, line + self.proc.stderr.read() if self.proc.poll() is not None else line
@@ -376,15 +378,20 @@ def test_models_tokenize_detokenize_and_metrics(served):
     assert value("customops_request_queue_time_seconds_sum") >= 0
 
 
-def test_the_package_s_own_tokenizer_serves(served):
+def test_the_package_s_own_tokenizer_serves(served, tmp_path):
     """A package that embeds its tokenizer (package_causal_lm(..., tokenizer=...)) serves without
     --tokenizer: the same chat template, text and ids as the folder's. This server also pads its
     prompt chunks to multiples of 8 and runs those shapes at startup (--prefill-multiple, 64 on CUDA
-    by default, 1 on the CPU): the greedy text is the same. A multiple below 1 is refused."""
+    by default, 1 on the CPU): the greedy text is the same. A multiple below 1 is refused. The
+    tokenizer's files, unpacked into TMPDIR while the server runs, are gone when it has stopped (on
+    CUDA the removal once crashed at exit)."""
     server, _, hf_tok = served
     bad = run([customops.runner_path(), "serve", server.package, "--prefill-multiple", "0"])
     assert bad.returncode == 2 and "--prefill-multiple" in bad.stderr, bad.stderr
-    own = Server(server.package, None, "--api-key", KEY, "--prefill-multiple", "8")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    own = Server(server.package, None, "--api-key", KEY, "--prefill-multiple", "8", env={"TMPDIR": str(tmp)})
+    assert any(p.name.startswith("customops-tokenizer-") for p in tmp.iterdir()), list(tmp.iterdir())
     try:
         messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": TEXTS[1]}]
         got, want = (s.client().chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0)
@@ -396,12 +403,14 @@ def test_the_package_s_own_tokenizer_serves(served):
             TEXTS[5], add_special_tokens=False).input_ids
     finally:
         assert own.stop() == 0
+    assert list(tmp.iterdir()) == []
     r = run([customops.runner_path(), server.package, "--info"])
     assert re.search(r"^tokenizer: .*tokenizer\.json.*tokenizer_config\.json", r.stdout, re.M), r.stdout
     # generate --text: the package's tokenizer in and out, as the folder's
     outs = [run([customops.runner_path(), "generate", server.package, *how, "--prompt", TEXTS[0], "--max-new-tokens",
-                 "4", "--ignore-eos"]) for how in (["--text"], ["--tokenizer", server.proc.args[4]])]
+                 "4", "--ignore-eos"], env={"TMPDIR": tmp}) for how in (["--text"], ["--tokenizer", server.proc.args[4]])]
     assert all(r.returncode == 0 for r in outs) and outs[0].stdout == outs[1].stdout != "", outs
+    assert list(tmp.iterdir()) == []
 
 
 def test_sigterm_stops_the_server_cleanly(served, tmp_path):
@@ -426,6 +435,7 @@ def test_a_crash_reports_its_signal_and_stack(served):
     text = "".join(other.stderr)
     assert "customops-run: crashed (SIGSEGV); please report it with this stack:" in text, text
     assert re.search(r"customops-run\(\+0x[0-9a-f]+\)\[0x[0-9a-f]+\]", text), text  # (addr2line's input)
+    assert "customops-run: the program counter was 0x" in text, text
 
 
 def test_random_request_bodies_get_an_answer_or_a_400_never_a_crash(served):
