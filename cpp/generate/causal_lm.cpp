@@ -15,15 +15,11 @@
 #include "generate/greedy.h"
 #include "ops/cache_attention.h"
 
-#include <dlfcn.h>
-#include <link.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
-#include <set>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -237,44 +233,6 @@ void check_prompt(const std::vector<int64_t>& p, int64_t max_seq_len, int64_t vo
   }
 }
 
-namespace {
-
-// The path of every object the dynamic linker has loaded into this process.
-std::set<std::string> loaded_objects() {
-  std::set<std::string> names;
-  dl_iterate_phdr(
-      [](dl_phdr_info* info, size_t, void* out) {
-        if (info->dlpi_name != nullptr && *info->dlpi_name != '\0') {
-          static_cast<std::set<std::string>*>(out)->insert(info->dlpi_name);
-        }
-        return 0;
-      },
-      &names);
-  return names;
-}
-
-// Marks the model library the package loader opened (an AOTInductor .so it unpacked, loaded since
-// `before`) never to be unloaded: destroying the loader deletes the model and its unpacked files
-// but leaves the library's code mapped until the process ends, as it stays on the CPU. On an H200
-// (torch 2.11) customops-run serve and generate ended with SIGSEGV after their work whenever they
-// used the package's own tokenizer: right after the dynamic linker unmapped that library, with the
-// program counter in no mapped code. The same package with a copy of that tokenizer as --tokenizer
-// ended cleanly. What calls into the unloaded library is not known (docs/serving.md).
-// CUSTOMOPS_UNLOAD_MODEL=1 leaves the library to be unloaded (an experiment switch: the crash's
-// reproduction, whose report names the caller).
-void keep_mapped(const std::set<std::string>& before) {
-  const char* unload = std::getenv("CUSTOMOPS_UNLOAD_MODEL");
-  if (unload != nullptr && std::string(unload) == "1") return;
-  for (const std::string& name : loaded_objects()) {
-    if (before.count(name) || name.find("/data/aotinductor/") == std::string::npos) continue;
-    if (name.size() < 3 || name.compare(name.size() - 3, 3, ".so") != 0) continue;
-    // (RTLD_NOLOAD: only the flag changes; the reference this takes is never dropped)
-    dlopen(name.c_str(), RTLD_NOW | RTLD_NOLOAD | RTLD_NODELETE);
-  }
-}
-
-}  // namespace
-
 CausalLM::CausalLM(const std::string& package_path, std::optional<c10::Device> device) : impl_(new Impl) {
   auto& m = *impl_;
   verify_package(package_path);  // torch's loader would run a damaged package
@@ -336,11 +294,9 @@ CausalLM::CausalLM(const std::string& package_path, std::optional<c10::Device> d
   // The package checks the dtypes, shapes and strides of its inputs at every run (torch's switch,
   // read when a package first runs; as customops-run's default, unless the process set it).
   setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", /*overwrite=*/0);
-  const std::set<std::string> before = loaded_objects();
   m.loader = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
       package_path, "model", /*run_single_threaded=*/true, /*num_runners=*/1,
       m.device.is_cpu() ? c10::DeviceIndex(-1) : m.device.index());
-  keep_mapped(before);
 }
 
 CausalLM::~CausalLM() = default;

@@ -58,10 +58,6 @@ class CUSTOMOPS_API CausalLM {
   // package, or a device it cannot run on; c10::Error where torch's loader fails. The package
   // checks its inputs at every run (AOTI_RUNTIME_CHECK_INPUTS=1, unless the process set it).
   explicit CausalLM(const std::string& package_path, std::optional<c10::Device> device = std::nullopt);
-  // Frees the model: its device memory, and its unpacked files' names. The model's library stays
-  // mapped until the process ends, code and the weights compiled into it, so its file's space in the
-  // temporary folder is freed only then: on CUDA, code of an unloaded model was called after it
-  // was unmapped (docs/serving.md), and on the CPU torch's loader never unloads it.
   ~CausalLM();
   CausalLM(const CausalLM&) = delete;
   CausalLM& operator=(const CausalLM&) = delete;
