@@ -8,7 +8,8 @@
 // GET /health, GET /metrics (Prometheus text), POST /tokenize, POST /detokenize. A bad request gets
 // OpenAI's error JSON ({"error": {"message", "type", "param", "code"}}) with 400 (401 without the
 // API key, 404 for an unknown path, 413 for a body over --max-body), never a crash. A client that
-// goes away mid-stream cancels its request, which frees its slot at the engine's next step.
+// goes away, mid-stream or while it waits for a whole answer, cancels its request, which frees its
+// slot at the engine's next step.
 #include "runner/runner.h"
 
 #ifdef CUSTOMOPS_WITH_SERVE
@@ -16,13 +17,21 @@
 #include <customops/engine.h>
 #include <customops/generate.h>
 #include <customops/tokenizer.h>
+#include <dirent.h>
 #include <httplib.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <filesystem>
 #include <fstream>
@@ -342,6 +351,70 @@ struct Metrics {
   Histogram queue{{0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30}};
   Histogram prefill{{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5}};
 };
+
+// ---- the client's connection ------------------------------------------------------------------
+// cpp-httplib 0.11 (Debian 12's) gives a handler no handle on its connection, and tells it nothing
+// of a client that went away until it writes; a request without "stream" writes only at its end.
+// So that such a request stops when its client leaves, its handler finds the connection's socket
+// among this process's open files by its two ends (httplib's own numbers for them) and watches it.
+
+// An IP address's port; -1 for another kind of socket.
+int port_of(const sockaddr_storage& a) {
+  if (a.ss_family == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in&>(a).sin_port);
+  if (a.ss_family == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6&>(a).sin6_port);
+  return -1;
+}
+
+// An address's host as httplib writes Request::remote_addr (getnameinfo's numeric form).
+std::string host_of(const sockaddr_storage& a, socklen_t n) {
+  char host[NI_MAXHOST];
+  if (getnameinfo(reinterpret_cast<const sockaddr*>(&a), n, host, sizeof host, nullptr, 0, NI_NUMERICHOST) != 0) {
+    return {};
+  }
+  return host;
+}
+
+// The socket whose peer is the request's client and whose own port is the request's; -1 where none is
+// found (then the request is not watched). It stays this connection's while its handler runs.
+int connection_socket(const httplib::Request& req) {
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return -1;
+  int found = -1;
+  while (const dirent* e = readdir(dir)) {
+    char* end = nullptr;
+    const long fd = std::strtol(e->d_name, &end, 10);
+    struct stat st {};
+    if (end == e->d_name || *end != '\0' || fd == dirfd(dir) || fstat(static_cast<int>(fd), &st) != 0 ||
+        !S_ISSOCK(st.st_mode)) {
+      continue;
+    }
+    sockaddr_storage peer{}, self{};
+    socklen_t np = sizeof peer, ns = sizeof self;
+    if (getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&peer), &np) != 0 ||
+        getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&self), &ns) != 0) {
+      continue;
+    }
+    if (port_of(peer) == req.remote_port && port_of(self) == req.local_port && host_of(peer, np) == req.remote_addr) {
+      found = static_cast<int>(fd);
+      break;
+    }
+  }
+  closedir(dir);
+  return found;
+}
+
+// Whether the client closed its end of the connection (or it failed): readable, with nothing to
+// read. A client that sent more (a pipelined request) is still there. (A client that shuts down
+// only its sending side while it waits for the answer counts as gone, as in newer cpp-httplib.)
+bool client_gone(int fd) {
+  if (fd < 0) return false;
+  pollfd p{fd, POLLIN, 0};
+  if (poll(&p, 1, 0) <= 0) return false;
+  if (p.revents & (POLLERR | POLLHUP | POLLNVAL)) return true;
+  char byte;
+  const ssize_t n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
 
 // ---- text out, with stop strings ----------------------------------------------------------------
 
@@ -764,9 +837,14 @@ class Server {
     if (!job.stream) {
       std::string text;
       Request::Update u;
+      const int connection = connection_socket(req);
       try {
         do {
-          u = run->request->next();
+          u = run->request->next(std::chrono::milliseconds(50));
+          if (!u.finished && client_gone(connection)) {
+            res.status = 499;  // (nginx's "client closed request", for no one: its Run cancels the request)
+            return;
+          }
           text += advance(*run, u);
         } while (!u.finished && !run->text.stopped());
       } catch (...) {  // (the text's failure: the run ends as an error, not as dropped)

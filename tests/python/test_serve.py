@@ -251,22 +251,39 @@ def test_concurrent_clients_each_get_their_result_alone(served):
     assert server.http("GET", "/health") == (200, {"status": "ok"})
 
 
+def _long_prompt(server, model, hf_tok, n):
+    """A prompt whose greedy continuation runs the whole n ids (no eos), so that finishing it would show."""
+    prompt = next((t for t in TEXTS if greedy_text(server, model, hf_tok, hf_tok(t).input_ids, n)[1] == n), None)
+    if prompt is None:
+        pytest.skip("every prompt's greedy continuation ends at eos before max_tokens")
+    return prompt
+
+
+def _ends(server):
+    return {r: server.metric(f'customops_requests_finished_total{{reason="{r}"}}') for r in ("stop", "length", "cancelled")}
+
+
+def _wait_for_a_cancel(server, before, tokens, n):
+    """Waits for the request in flight to end as cancelled; checks it ended short of n ids."""
+    deadline = time.time() + 30
+    while (server.metric("customops_requests_running") > 0 or _ends(server)["cancelled"] == before["cancelled"]) and \
+            time.time() < deadline:
+        time.sleep(0.05)
+    after = _ends(server)
+    assert {r: after[r] - before[r] for r in before} == {"stop": 0, "length": 0, "cancelled": 1}
+    assert server.metric("customops_requests_running") == 0
+    assert server.metric("customops_generated_tokens_total") - tokens < n
+    assert server.http("GET", "/health") == (200, {"status": "ok"})
+
+
 def test_a_dropped_stream_is_cancelled_not_finished(served):
     """A client that closes a long stream after its first chunk ends its request: the server sees
     the closed connection at its next write, cancels the request (counted as cancelled, not
     length) and frees its slot, short of the max_tokens it asked for."""
     server, model, hf_tok = served
     n = MAX_SEQ_LEN - 40
-    # a prompt whose greedy continuation runs the whole n ids (no eos), so that finishing it would show
-    prompt = next((t for t in TEXTS if greedy_text(server, model, hf_tok, hf_tok(t).input_ids, n)[1] == n), None)
-    if prompt is None:
-        pytest.skip("every prompt's greedy continuation ends at eos before max_tokens")
-
-    def ended(reason):
-        return server.metric(f'customops_requests_finished_total{{reason="{reason}"}}')
-
-    before = {r: ended(r) for r in ("stop", "length", "cancelled")}
-    tokens = server.metric("customops_generated_tokens_total")
+    prompt = _long_prompt(server, model, hf_tok, n)
+    before, tokens = _ends(server), server.metric("customops_generated_tokens_total")
     # a raw connection, closed as soon as the first event arrives (no client library between)
     conn = http.client.HTTPConnection("127.0.0.1", int(server.url.rsplit(":", 1)[1]), timeout=30)
     conn.request("POST", "/v1/completions", json.dumps(dict(model=NAME, prompt=prompt, max_tokens=n, temperature=0,
@@ -276,15 +293,24 @@ def test_a_dropped_stream_is_cancelled_not_finished(served):
     assert r.status == 200 and r.readline().startswith(b"data: ")
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    deadline = time.time() + 30
-    while (server.metric("customops_requests_running") > 0 or ended("cancelled") == before["cancelled"]) and \
-            time.time() < deadline:
-        time.sleep(0.05)
-    assert {r: ended(r) - before[r] for r in before} == {"stop": 0, "length": 0, "cancelled": 1}
-    assert server.metric("customops_requests_running") == 0
-    generated = server.metric("customops_generated_tokens_total") - tokens
-    assert 1 <= generated < n
-    assert server.http("GET", "/health") == (200, {"status": "ok"})
+    _wait_for_a_cancel(server, before, tokens, n)
+    assert server.metric("customops_generated_tokens_total") - tokens >= 1
+
+
+def test_a_client_that_leaves_before_its_whole_answer_cancels_it(served):
+    """A request without stream writes nothing until its end, and cpp-httplib 0.11 tells its handler
+    nothing of the connection: the server watches the connection's socket itself, so a client that
+    closes it (a timeout, a user's ^C) cancels its request at the engine's next step instead of
+    holding a slot to max_tokens."""
+    server, model, hf_tok = served
+    n = MAX_SEQ_LEN - 40
+    prompt = _long_prompt(server, model, hf_tok, n)
+    before, tokens = _ends(server), server.metric("customops_generated_tokens_total")
+    body = json.dumps(dict(model=NAME, prompt=prompt, max_tokens=n, temperature=0)).encode()
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    _wait_for_a_cancel(server, before, tokens, n)
 
 
 @pytest.mark.parametrize("path,body,status,match", [
