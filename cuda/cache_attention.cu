@@ -740,12 +740,13 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_cuda(const at::Tensor& q_in, 
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(q_in.get_device());
   const int smem_optin = static_cast<int>(prop->sharedMemPerBlockOptin);
   // The kernel takes kCacheAttentionMaxQueries new queries a sequence (decoding, drafts), or up to
-  // CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES: an experiment for the serving engine's prefill chunks
-  // beside decoding rows, one launch for every row with the lengths on the device, where the generic
-  // path waits for the lengths and attends one sequence at a time.
+  // those of the thread's CacheAttentionChunks (the serving engine's prefill chunks beside decoding
+  // rows: one launch for every row with the lengths on the device, where the generic path waits for
+  // the lengths and attends one sequence at a time), or up to CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES
+  // where set (an experiment switch: every call of the process).
   const int64_t max_queries = env::count("customops::cache_attention", "CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES",
                                          "new queries a sequence")
-                                  .value_or(kCacheAttentionMaxQueries);
+                                  .value_or(std::max(kCacheAttentionMaxQueries, CacheAttentionChunks::current()));
   // (a GPU whose blocks cannot take two tiles, D = 256 below compute capability 9.0 but 8.0's, and a
   // cache of more than 2^30 positions, past the kernel's 32-bit positions, take the other paths)
   if (!cache_attention_on_device(q_in.scalar_type(), q_in.size(3), std::min(t, kCacheAttentionMaxQueries)) ||

@@ -30,12 +30,14 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <tuple>
 
 #include "generate/causal_lm_impl.h"
+#include "ops/cache_attention.h"
 
 namespace customops {
 
@@ -175,6 +177,15 @@ struct Engine::Impl {
   CausalLM::Impl& m;
   EngineOptions options;
   int64_t multiple;  // a prefill chunk's length is padded to a multiple of it (prefill_multiple)
+  // CUSTOMOPS_ENGINE_CHUNK_ATTENTION=1: a prefill run beside a decode run attends through the CUDA
+  // split-KV kernel (CacheAttentionChunks), lengths on the device, instead of the generic path's
+  // host reads that make the device wait between layers. An experiment switch: on an H200, 32
+  // clients got 1.18x the tokens/s with every chunk in that kernel, but a long prefill alone was
+  // 10-17% slower there, so prefill runs alone keep the generic path (docs/benchmarks.md, 2026-11-29).
+  bool chunk_attention = [] {
+    const char* v = std::getenv("CUSTOMOPS_ENGINE_CHUNK_ATTENTION");
+    return v != nullptr && std::string(v) == "1";
+  }();
 
   std::mutex mu;  // guards incoming, stats and the thread's flags
   std::condition_variable cv;
@@ -308,6 +319,8 @@ struct Engine::Impl {
       for (const auto& s : prefilling) room = std::min(room, m.max_seq_len - s->filled);
       t = std::min(t, room);
       if (const int64_t r = t % multiple; r != 0) t = multiple - r > room - t ? room : t + (multiple - r);
+      std::optional<CacheAttentionChunks> on_device;
+      if (chunk_attention && !decoding.empty()) on_device.emplace(t);
       runs.push_back(launch_rows(prefilling, t));
     }
     return runs;

@@ -289,7 +289,14 @@ void check_write(const char* op, const at::Tensor& k_cache, const at::Tensor& v_
   }
 }
 
+// CacheAttentionChunks::current()
+thread_local int64_t chunk_queries = 0;
+
 }  // namespace
+
+CacheAttentionChunks::CacheAttentionChunks(int64_t queries) : previous_(chunk_queries) { chunk_queries = queries; }
+CacheAttentionChunks::~CacheAttentionChunks() { chunk_queries = previous_; }
+int64_t CacheAttentionChunks::current() { return chunk_queries; }
 
 void check_cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& lengths, const Slots& slots) {

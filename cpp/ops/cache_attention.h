@@ -40,6 +40,23 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_generic(const at::Tensor& q, 
 // CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES lets the kernel take them (cuda/cache_attention.cu).
 constexpr int64_t kCacheAttentionMaxQueries = 16;
 
+// While one lives, cache_attention's CUDA split-KV kernel takes up to `queries` new queries a
+// sequence in this thread (where CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES is not set): customops::Engine's
+// prefill chunks run beside decoding rows, whose lengths the generic path would read on the host,
+// one sequence at a time, while the decode run launched before them waits. Scopes nest.
+class CacheAttentionChunks {
+ public:
+  explicit CacheAttentionChunks(int64_t queries);
+  ~CacheAttentionChunks();
+  CacheAttentionChunks(const CacheAttentionChunks&) = delete;
+  CacheAttentionChunks& operator=(const CacheAttentionChunks&) = delete;
+  // The innermost scope's queries in this thread; 0 outside every scope.
+  static int64_t current();
+
+ private:
+  int64_t previous_;
+};
+
 // Whether cache_attention's CUDA kernel reads lengths on the device for q of this dtype, head dim
 // and number of new queries (with a positive finite scale): no host sync, so a CUDA graph can
 // capture it. customops::CausalLM asks before it captures a decode step.

@@ -79,9 +79,12 @@ def test_requests_that_come_and_go_get_their_ids_alone(lm, consumer, tmp_path):
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs CUDA")
-def test_cuda_graph_steps_give_each_request_its_ids_alone(consumer, tmp_path):
+@pytest.mark.parametrize("chunk_attention", ["", "1"], ids=["generic-chunks", "split-kv-chunks"])
+def test_cuda_graph_steps_give_each_request_its_ids_alone(consumer, tmp_path, chunk_attention):
     """bfloat16, head dim 64: decode steps of each batch size replay a CUDA graph, one step ahead of
-    the host, between the eager steps that admit prompts (whole: the budget takes them)."""
+    the host, between the eager steps that admit prompts (whole: the budget takes them). With
+    CUSTOMOPS_ENGINE_CHUNK_ATTENTION=1 the prompts admitted beside decoding rows (up to 30 ids, past
+    the 16 queries of a decode) attend through the split-KV kernel."""
     import causal_lms
 
     model = causal_lms.llama(hidden_size=128, num_attention_heads=2, num_key_value_heads=1).to("cuda", torch.bfloat16)
@@ -90,7 +93,8 @@ def test_cuda_graph_steps_give_each_request_its_ids_alone(consumer, tmp_path):
     ps = prompts(5, 17, 3, 11, 30, 2, 8, seed=4)
     n = [12, 6, 9, 10, 7, 5, 8]
     script = [submit(a, p, max=k, ignore_eos=True) for a, p, k in zip([0, 0, 2, 3, 3, 9, 10], ps, n)]
-    got, stderr = engine(consumer, path, script, "--budget", "1000", tmp_path=tmp_path)
+    got, stderr = engine(consumer, path, script, "--budget", "1000", tmp_path=tmp_path,
+                         env={"CUSTOMOPS_ENGINE_CHUNK_ATTENTION": chunk_attention})
     for k, (p, m) in enumerate(zip(ps, n)):
         assert got[k] == ("length", m, alone(consumer, path, p, m)), k
     assert int(stderr.split()[3]) > 0, stderr  # decode steps replayed from CUDA graphs
