@@ -4,6 +4,7 @@
 
 #include <dlfcn.h>
 #include <execinfo.h>
+#include <sys/uio.h>
 #include <ucontext.h>
 #include <unistd.h>
 
@@ -57,7 +58,19 @@ void write_hex(uintptr_t n) {
   write_stderr(at);
 }
 
+// Copies n bytes at from into to without touching them: false where any is not readable (a read
+// through process_vm_readv fails with EFAULT where a load would fault). Async-signal-safe.
+bool read_safely(void* to, const void* from, size_t n) {
+  iovec local{to, n}, remote{const_cast<void*>(from), n};
+  return process_vm_readv(getpid(), &local, 1, &remote, 1, 0) == static_cast<ssize_t>(n);
+}
+
+constexpr int kCrashSignals[] = {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT};
+
 void on_crash(int signal, siginfo_t* info, void* context) {
+  // every crash signal's default action from here: a fault inside this report ends the process as
+  // that fault would, not with a second report that names the wrong signal
+  for (int s : kCrashSignals) std::signal(s, SIG_DFL);
   const char* name = signal == SIGSEGV ? "SIGSEGV"
                      : signal == SIGBUS ? "SIGBUS"
                      : signal == SIGILL ? "SIGILL"
@@ -72,52 +85,57 @@ void on_crash(int signal, siginfo_t* info, void* context) {
   write_stderr("); please report it with this stack:\n");
   void* frames[64];
   backtrace_symbols_fd(frames, backtrace(frames, 64), crash_fd);
-  // Where the stack above ends at the signal's trampoline, the crash was in code the unwinder
-  // cannot read: a call through a null pointer (the program counter is 0), or into a library no
+  // Where the program counter is in no loaded object, the stack above ends at the signal's
+  // trampoline: a call through a null pointer (the program counter is 0), or into a library no
   // longer mapped. Then the return address that call left names its caller (x86-64: the stack's
   // top; AArch64: the link register), and on x86-64 the return addresses further up the stack (the
-  // words that point just past a call instruction in a loaded library) name the callers' callers.
+  // words that point just past a call instruction in a loaded object) name the callers' callers.
+  // (dladdr is not async-signal-safe; this is a crash's last word, after the report above)
   const auto* uc = static_cast<const ucontext_t*>(context);
 #if defined(__x86_64__)
   const auto pc = static_cast<uintptr_t>(uc->uc_mcontext.gregs[REG_RIP]);
   const auto* sp = reinterpret_cast<void* const*>(uc->uc_mcontext.gregs[REG_RSP]);
-  void* caller = sp != nullptr ? sp[0] : nullptr;
 #elif defined(__aarch64__)
   const auto pc = static_cast<uintptr_t>(uc->uc_mcontext.pc);
-  void* caller = reinterpret_cast<void*>(uc->uc_mcontext.regs[30]);
 #else
   const uintptr_t pc = 0;
-  void* caller = nullptr;
 #endif
+  Dl_info where_info;
+  if (pc != 0 && dladdr(reinterpret_cast<void*>(pc), &where_info) != 0) {
+    raise(signal);  // the stack above is whole: the default action now (SA_NODEFER: at once)
+    return;
+  }
   write_stderr("customops-run: the program counter was ");
   write_hex(pc);
-  write_stderr("; the return address a call there would have left:\n");
-  void* where[1] = {caller};
+  write_stderr(", in no loaded object; the return address a call there would have left:\n");
+  void* where[1] = {nullptr};
+#if defined(__x86_64__)
+  read_safely(&where[0], sp, sizeof where[0]);
+#elif defined(__aarch64__)
+  where[0] = reinterpret_cast<void*>(uc->uc_mcontext.regs[30]);
+#endif
   backtrace_symbols_fd(where, 1, crash_fd);
 #if defined(__x86_64__)
-  if (sp != nullptr) {
-    // (dladdr is not async-signal-safe; this is a crash's last word, after the report above)
-    write_stderr("customops-run: return addresses further up the stack (a scan, not an unwinding):\n");
-    int found = 0;
-    for (int i = 1; i < 1024 && found < 24; ++i) {
-      const auto* at = static_cast<const unsigned char*>(sp[i]);
-      Dl_info info;
-      if (at == nullptr || dladdr(at, &info) == 0 || at - 7 < static_cast<const unsigned char*>(info.dli_fbase)) {
-        continue;
-      }
-      // call rel32 (e8), or an indirect call (ff /2: 2, 3, 6 or 7 bytes)
-      if (at[-5] != 0xe8 && !(at[-2] == 0xff && (at[-1] & 0x38) == 0x10) &&
-          !(at[-3] == 0xff && (at[-2] & 0x38) == 0x10) && !(at[-6] == 0xff && (at[-5] & 0x38) == 0x10) &&
-          !(at[-7] == 0xff && (at[-6] & 0x38) == 0x10)) {
-        continue;
-      }
-      where[0] = sp[i];
-      backtrace_symbols_fd(where, 1, crash_fd);
-      ++found;
-    }
+  write_stderr("customops-run: return addresses further up the stack (a scan, not an unwinding):\n");
+  int found = 0;
+  for (int i = 1; i < 1024 && found < 24; ++i) {
+    void* word = nullptr;
+    unsigned char before[8];  // the 7 bytes before the word's address, and one to spare
+    Dl_info object;
+    if (!read_safely(&word, sp + i, sizeof word)) break;  // past the stack's end
+    const auto* at = static_cast<const unsigned char*>(word);
+    if (at == nullptr || dladdr(at, &object) == 0 || !read_safely(before, at - 8, sizeof before)) continue;
+    // a call rel32 (e8) ends there, or an indirect call (ff /2, 2 to 7 bytes with its prefix,
+    // ModRM, SIB and displacement): before[8 - k] is the byte k places back
+    bool call = before[3] == 0xe8;
+    for (int k = 2; k <= 7 && !call; ++k) call = before[8 - k] == 0xff && (before[9 - k] & 0x38) == 0x10;
+    if (!call) continue;
+    where[0] = word;
+    backtrace_symbols_fd(where, 1, crash_fd);
+    ++found;
   }
 #endif
-  raise(signal);  // the default action now (SA_RESETHAND), at once (SA_NODEFER)
+  raise(signal);
 }
 
 }  // namespace
@@ -136,7 +154,7 @@ void report_crashes() {
   action.sa_sigaction = on_crash;
   action.sa_flags = SA_SIGINFO | SA_RESETHAND | SA_NODEFER | SA_ONSTACK;
   sigemptyset(&action.sa_mask);
-  for (int signal : {SIGSEGV, SIGBUS, SIGILL, SIGFPE, SIGABRT}) sigaction(signal, &action, nullptr);
+  for (int signal : kCrashSignals) sigaction(signal, &action, nullptr);
 }
 
 std::string quoted(const std::string& text, size_t max_bytes) {

@@ -98,6 +98,34 @@ def test_runner_is_installed_and_links_no_python():
     assert version.returncode == 0 and customops.__version__ in version.stdout, version
 
 
+NULL_CALL = r"""
+#include <stdlib.h>
+void (*volatile null_target)(void);
+__attribute__((noinline)) void calls_through_null(void) { null_target(); __asm__ volatile(""); }
+static void at_exit(void) { calls_through_null(); }
+__attribute__((constructor)) static void init(void) { atexit(at_exit); }
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine != "x86_64" or not shutil.which("cc"),
+                    reason="the stack scan is x86-64's; needs a C compiler")
+def test_a_crash_through_a_null_pointer_names_its_caller(tmp_path):
+    """A call through a null pointer leaves a program counter of 0, where the unwinder stops at the
+    signal's trampoline: the crash report then gives the return address the call left, which names
+    the caller (how the crash of torch's exported std::filesystem::remove_all was found), and the
+    return addresses further up the stack. Here a library preloaded into customops-run makes that
+    call as the process exits."""
+    (tmp_path / "null_call.c").write_text(NULL_CALL)
+    lib = tmp_path / "libnull_call.so"
+    subprocess.run(["cc", "-O1", "-fPIC", "-shared", "-o", lib, tmp_path / "null_call.c"], check=True)
+    r = run([customops.runner_path(), "--version"], env={"LD_PRELOAD": str(lib)})
+    assert r.returncode == -signal.SIGSEGV, describe(r.returncode) + r.stderr
+    lines = r.stderr.splitlines()
+    at = next(i for i, line in enumerate(lines) if "the program counter was 0x0, in no loaded object" in line)
+    assert re.match(r"^\S*libnull_call\.so\(calls_through_null\+0x[0-9a-f]+\)", lines[at + 1]), r.stderr
+    assert "return addresses further up the stack" in lines[at + 2], r.stderr
+
+
 def test_runner_matches_eager_at_three_batch_sizes(package):
     runner = customops.runner_path()
     for n in M.BATCH_SIZES:

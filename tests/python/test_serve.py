@@ -461,7 +461,7 @@ def test_a_crash_reports_its_signal_and_stack(served):
     text = "".join(other.stderr)
     assert "customops-run: crashed (SIGSEGV); please report it with this stack:" in text, text
     assert re.search(r"customops-run\(\+0x[0-9a-f]+\)\[0x[0-9a-f]+\]", text), text  # (addr2line's input)
-    assert "customops-run: the program counter was 0x" in text, text
+    assert "the program counter was" not in text, text  # (its stack is whole: no scan)
 
 
 def test_random_request_bodies_get_an_answer_or_a_400_never_a_crash(served):
