@@ -27,7 +27,6 @@
 #include <sys/stat.h>
 
 #include <atomic>
-#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -365,7 +364,7 @@ int port_of(const sockaddr_storage& a) {
   return -1;
 }
 
-// An address's host as httplib writes Request::remote_addr (getnameinfo's numeric form).
+// An address's host as httplib writes Request::remote_addr and local_addr (getnameinfo's numeric form).
 std::string host_of(const sockaddr_storage& a, socklen_t n) {
   char host[NI_MAXHOST];
   if (getnameinfo(reinterpret_cast<const sockaddr*>(&a), n, host, sizeof host, nullptr, 0, NI_NUMERICHOST) != 0) {
@@ -374,12 +373,27 @@ std::string host_of(const sockaddr_storage& a, socklen_t n) {
   return host;
 }
 
-// The socket whose peer is the request's client and whose own port is the request's; -1 where none is
-// found (then the request is not watched). It stays this connection's while its handler runs.
+// Whether fd is a socket connected from the request's client address and port to its local
+// address and port: one connection has these four.
+bool is_connection(int fd, const httplib::Request& req) {
+  sockaddr_storage peer{}, self{};
+  socklen_t np = sizeof peer, ns = sizeof self;
+  return getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &np) == 0 &&
+         getsockname(fd, reinterpret_cast<sockaddr*>(&self), &ns) == 0 && port_of(peer) == req.remote_port &&
+         port_of(self) == req.local_port && host_of(peer, np) == req.remote_addr &&
+         host_of(self, ns) == req.local_addr;
+}
+
+// The request's connection's socket; -1 where none is found (then the request is not watched). It
+// stays this connection's while its handler runs (httplib closes it after). Each of httplib's
+// threads serves one connection at a time, often many requests on it: the last one found is
+// tried first, and the open files are read only where it is not this request's.
 int connection_socket(const httplib::Request& req) {
+  thread_local int last = -1;
+  if (last >= 0 && is_connection(last, req)) return last;
+  last = -1;
   DIR* dir = opendir("/proc/self/fd");
   if (dir == nullptr) return -1;
-  int found = -1;
   while (const dirent* e = readdir(dir)) {
     char* end = nullptr;
     const long fd = std::strtol(e->d_name, &end, 10);
@@ -388,32 +402,22 @@ int connection_socket(const httplib::Request& req) {
         !S_ISSOCK(st.st_mode)) {
       continue;
     }
-    sockaddr_storage peer{}, self{};
-    socklen_t np = sizeof peer, ns = sizeof self;
-    if (getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&peer), &np) != 0 ||
-        getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&self), &ns) != 0) {
-      continue;
-    }
-    if (port_of(peer) == req.remote_port && port_of(self) == req.local_port && host_of(peer, np) == req.remote_addr) {
-      found = static_cast<int>(fd);
+    if (is_connection(static_cast<int>(fd), req)) {
+      last = static_cast<int>(fd);
       break;
     }
   }
   closedir(dir);
-  return found;
+  return last;
 }
 
-// Whether the client closed its end of the connection (or it failed): readable, with nothing to
-// read. A client that sent more (a pipelined request) is still there. (A client that shuts down
-// only its sending side while it waits for the answer counts as gone, as in newer cpp-httplib.)
+// Whether the client closed its end of the connection, or the connection failed. Bytes it sent
+// and nobody read yet (a pipelined request) do not hide a close. (A client that shuts down only its
+// sending side while it waits for the answer counts as gone, as in newer cpp-httplib.)
 bool client_gone(int fd) {
   if (fd < 0) return false;
-  pollfd p{fd, POLLIN, 0};
-  if (poll(&p, 1, 0) <= 0) return false;
-  if (p.revents & (POLLERR | POLLHUP | POLLNVAL)) return true;
-  char byte;
-  const ssize_t n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+  pollfd p{fd, POLLRDHUP, 0};
+  return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLERR | POLLHUP | POLLNVAL)) != 0;
 }
 
 // ---- text out, with stop strings ----------------------------------------------------------------
