@@ -98,6 +98,21 @@ def test_runner_is_installed_and_links_no_python():
     assert version.returncode == 0 and customops.__version__ in version.stdout, version
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's dynamic linker")
+def test_runner_binds_std_filesystem_to_libstdcxx(tmp_path):
+    """torch's libraries export a copy of std::filesystem, and torch 2.11's CUDA libtorch.so has one
+    whose remove_all calls through a null pointer (customops-run crashed so at exit): customops-run
+    lists libstdc++ before torch, so that every std::filesystem symbol of the process binds to it
+    (LD_BIND_NOW: every reference bound as the program loads, LD_DEBUG: each binding written)."""
+    r = run([customops.runner_path(), "--version"],
+            env={"LD_BIND_NOW": "1", "LD_DEBUG": "bindings", "LD_DEBUG_OUTPUT": str(tmp_path / "bind")})
+    assert r.returncode == 0, r.stderr
+    lines = [line for f in tmp_path.glob("bind*") for line in f.read_text().splitlines() if "St10filesystem" in line]
+    assert lines
+    to = {re.search(r" to (\S+) ", line).group(1) for line in lines}
+    assert all(Path(t).name.startswith("libstdc++") for t in to), sorted(to)
+
+
 NULL_CALL = r"""
 #include <stdlib.h>
 void (*volatile null_target)(void);
