@@ -26,6 +26,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
@@ -435,11 +436,16 @@ class TextOut {
   std::string push(const std::vector<int64_t>& ids) {
     std::string out;
     for (int64_t id : ids) {
-      if (!stopped_ && id < vocab_) pending_ += stream_.push(id);
+      if (stopped_) break;
+      ++taken_;
+      if (id < vocab_) pending_ += stream_.push(id);
       out += release(false);
     }
     return out;
   }
+  // The ids taken: up to the one that completed a stop string, where one did. (The engine may have
+  // sampled more before the request was cancelled: no one's, and not counted.)
+  int64_t taken() const { return taken_; }
   std::string finish() {
     if (!stopped_) pending_ += stream_.finish();
     return release(true);
@@ -478,6 +484,7 @@ class TextOut {
   std::vector<std::string> stops_;
   int64_t vocab_;
   std::string pending_;
+  int64_t taken_ = 0;
   bool stopped_ = false;
 };
 
@@ -513,16 +520,35 @@ class Server {
     // so is every method but GET, HEAD and POST: httplib reads a PUT's, PATCH's or DELETE's body
     // before it finds no route for it (a chunked PUT of 300 MiB grew the server by 300 MiB). The
     // connection is closed after a refusal: its body, unread, is not a next request.
-    http.set_pre_routing_handler([](const httplib::Request& req, httplib::Response& res) {
+    // A POST's Content-Length is checked here too, so that a body over the limit is refused at once
+    // (httplib reads such a body to skip it, until its read timeout where it never comes) and two
+    // lengths, or one that is not a count, are refused (httplib takes the first; a proxy may take
+    // another, and read the rest as a request of its own). So is a header name with white space
+    // in it ("Transfer-Encoding : chunked"), which httplib keeps as another name.
+    const size_t max_body = static_cast<size_t>(o_.max_body);
+    http.set_pre_routing_handler([max_body](const httplib::Request& req, httplib::Response& res) {
       if (req.method == "GET" || req.method == "HEAD") return httplib::Server::HandlerResponse::Unhandled;
+      const std::string length = req.get_header_value("Content-Length");
+      const bool spaced = std::any_of(req.headers.begin(), req.headers.end(), [](const auto& h) {
+        return h.first.find_first_of(" \t") != std::string::npos;
+      });
       if (req.method != "POST") {
         send_json(res, 405, error_body("method " + runner::quoted(req.method) + " is not allowed (GET, HEAD and POST are)",
                                        "invalid_request_error"));
         res.set_header("Allow", "GET, HEAD, POST");
-      } else if (req.has_header("Content-Encoding")) {
+      } else if (spaced) {
+        send_json(res, 400, error_body("a header's name holds white space", "invalid_request_error"));
+      } else if (req.has_header("Content-Encoding") &&
+                 (req.get_header_value_count("Content-Encoding") > 1 || req.get_header_value("Content-Encoding") != "identity")) {
         send_json(res, 415, error_body("compressed request bodies are not accepted", "invalid_request_error"));
       } else if (req.has_header("Transfer-Encoding") || !req.has_header("Content-Length")) {
         send_json(res, 411, error_body("a request body needs a Content-Length (chunked bodies are not accepted)",
+                                       "invalid_request_error"));
+      } else if (req.get_header_value_count("Content-Length") > 1 || length.empty() ||
+                 length.find_first_not_of("0123456789") != std::string::npos) {
+        send_json(res, 400, error_body("Content-Length must be given once, as a count of bytes", "invalid_request_error"));
+      } else if (length.size() > 18 || std::stoull(length) > max_body) {
+        send_json(res, 413, error_body("the request body is larger than the server takes (--max-body)",
                                        "invalid_request_error"));
       } else {
         return httplib::Server::HandlerResponse::Unhandled;
@@ -796,7 +822,9 @@ class Server {
   // Takes an update's ids into run (its text, metrics); returns the text to send.
   std::string advance(Run& run, const Request::Update& u) {
     const auto now = Clock::now();
-    if (!u.ids.empty()) {
+    const int64_t before = run.text.taken();
+    std::string out = run.text.push(u.ids);
+    if (const int64_t n = run.text.taken() - before; n > 0) {
       const double since = std::chrono::duration<double>(now - run.last).count();
       if (run.first) {
         metrics_.ttft.observe(since);
@@ -805,16 +833,15 @@ class Server {
           metrics_.queue.observe(std::chrono::duration<double>(*t.admitted - t.submitted).count());
           metrics_.prefill.observe(std::chrono::duration<double>(*t.first_id - *t.admitted).count());
         }
-        if (u.ids.size() > 1) metrics_.itl.observe(0, static_cast<int64_t>(u.ids.size()) - 1);
+        if (n > 1) metrics_.itl.observe(0, n - 1);
       } else {
-        metrics_.itl.observe(since / u.ids.size(), static_cast<int64_t>(u.ids.size()));
+        metrics_.itl.observe(since / static_cast<double>(n), n);
       }
       run.first = false;
       run.last = now;
-      run.completion_tokens += static_cast<int64_t>(u.ids.size());
-      metrics_.generated_tokens += static_cast<int64_t>(u.ids.size());
+      run.completion_tokens += n;
+      metrics_.generated_tokens += n;
     }
-    std::string out = run.text.push(u.ids);
     if (u.finished) run.reason = u.reason;
     if (u.finished && !run.text.stopped()) out += run.text.finish();
     if (run.text.stopped()) run.request->cancel();

@@ -134,17 +134,21 @@ class Server:
         return self.proc.returncode
 
 
-def greedy_text(server, model, hf_tok, ids, n):
-    """The greedy continuation of ids alone, its text (special tokens left out) and its length:
-    Hugging Face's generate on the CPU, customops-run generate of the one prompt on CUDA."""
+def greedy_ids(server, model, ids, n):
+    """The greedy continuation of ids alone: Hugging Face's generate on the CPU, customops-run
+    generate of the one prompt on CUDA."""
     from causal_lms import generate, hf_generate
 
     if server.device == "cpu":
-        new = hf_generate(model, ids, n)
-    else:
-        r = generate(server.package, "--max-new-tokens", str(n), "--prompt", " ".join(map(str, ids)))
-        assert r.returncode == 0, r.stderr
-        new = list(map(int, r.stdout.split()))
+        return hf_generate(model, ids, n)
+    r = generate(server.package, "--max-new-tokens", str(n), "--prompt", " ".join(map(str, ids)))
+    assert r.returncode == 0, r.stderr
+    return list(map(int, r.stdout.split()))
+
+
+def greedy_text(server, model, hf_tok, ids, n):
+    """greedy_ids' text (special tokens left out) and length."""
+    new = greedy_ids(server, model, ids, n)
     return hf_tok.decode(new, skip_special_tokens=True), len(new)
 
 
@@ -192,18 +196,26 @@ def test_chat_renders_the_template_and_is_hugging_face_greedy_generate(served):
 
 
 def test_stop_strings_cut_the_text_before_them(served):
+    """The text ends before the first stop string, and usage counts the ids up to the one that
+    completed it, however many more the engine sampled before the request was cancelled (an update
+    can bring many ids at once)."""
     server, model, hf_tok = served
     client = server.client()
     text = TEXTS[1]
-    full, _ = greedy_text(server, model, hf_tok, hf_tok(text).input_ids, 16)
+    ids = greedy_ids(server, model, hf_tok(text).input_ids, 16)
+    full = hf_tok.decode(ids, skip_special_tokens=True)
     stop = full[len(full) // 2:len(full) // 2 + 2]
     assert stop.strip(), full
     want = full[:full.index(stop)]
-    r = client.completions.create(model=NAME, prompt=text, max_tokens=16, temperature=0, stop=[stop, "never here"])
-    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
-    chunks = list(client.completions.create(model=NAME, prompt=text, max_tokens=16, temperature=0, stop=stop,
-                                            stream=True))
-    assert "".join(c.choices[0].text for c in chunks) == want
+    upto = next(m for m in range(1, len(ids) + 1) if stop in hf_tok.decode(ids[:m], skip_special_tokens=True))
+    for _ in range(4):
+        r = client.completions.create(model=NAME, prompt=text, max_tokens=64, temperature=0, stop=[stop, "never here"])
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+        assert r.usage.completion_tokens == upto
+    chunks = list(client.completions.create(model=NAME, prompt=text, max_tokens=64, temperature=0, stop=stop,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == upto
     # two stop strings, one inside the other's text: the one the text reaches first ends it
     inner = stop[1:]
     both = full[:min(full.index(stop) + 1, full.index(inner))]
@@ -373,6 +385,21 @@ def test_the_api_key_and_the_body_limit(served):
         if status == 405:
             assert r.getheader("Allow") == "GET, HEAD, POST"
         conn.close()
+    # a length over the limit is refused at once (httplib would wait for that body to skip it); two
+    # lengths, one that is not a count, or a header name with white space (which httplib keeps as
+    # another header) are refused: a proxy in front may read them otherwise
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    for lines, status in (([b"Content-Length: %d" % (MAX_BODY + 1)], 413), ([b"Content-Length: " + b"9" * 30], 413),
+                          ([b"Content-Length: %d" % len(body), b"Content-Length: 5"], 400),
+                          ([b"Content-Length: -5"], 400), ([b"Content-Length: 5", b"Transfer-Encoding : chunked"], 400),
+                          ([b"Content-Length: %d" % len(body), b"Content-Encoding: identity"], 200)):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            start = time.monotonic()
+            s.sendall(b"\r\n".join([b"POST /v1/completions HTTP/1.1", b"Host: x", b"Authorization: Bearer " + KEY.encode(),
+                                     *lines, b"", body if status == 200 else b""]))
+            answer = s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 %d " % status), (lines, answer)
+        assert time.monotonic() - start < 2, lines  # (httplib's read timeout is 5 s)
     assert server.http("GET", "/health", key=False) == (200, {"status": "ok"})
     with pytest.raises(openai.BadRequestError, match="not served here"):
         server.client().completions.create(model="other", prompt="hi", max_tokens=2)
