@@ -281,10 +281,24 @@ std::optional<double> number_field(const json& body, const char* key, double lo,
   const double d = v->get<double>();
   if (!(d >= lo && d <= hi)) {
     std::ostringstream m;
-    m << key << " must be in [" << lo << ", " << hi << "], not " << d;
+    m << key << " must be in [" << lo << ", " << hi << "], not " << json(d).dump();  // (shortest exact form)
     throw bad_request(m.str(), key);
   }
   return d;
+}
+
+// A list of token ids (JSON integers), as int64; one past int64 (2^63 and up) is refused here,
+// where it would otherwise wrap to a negative id.
+std::vector<int64_t> id_list(const json& list, const char* key) {
+  std::vector<int64_t> ids;
+  ids.reserve(list.size());
+  for (const json& v : list) {
+    if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX)) {
+      throw bad_request(std::string(key) + " holds an id past any vocabulary (" + v.dump() + ")", key);
+    }
+    ids.push_back(v.get<int64_t>());
+  }
+  return ids;
 }
 
 std::optional<int64_t> int_field(const json& body, const char* key, int64_t lo) {
@@ -656,7 +670,7 @@ class Server {
     if (prompt.is_array() && !prompt.empty() && std::all_of(prompt.begin(), prompt.end(), [](const json& v) {
           return v.is_number_integer();
         })) {
-      return prompt.get<std::vector<int64_t>>();
+      return id_list(prompt, "prompt");
     }
     if (prompt.is_array() && prompt.size() > 1) throw bad_request("one prompt a request (n = 1)", "prompt");
     throw bad_request("prompt must be a string, or a list of token ids", "prompt");
@@ -969,7 +983,7 @@ class Server {
         !std::all_of(tokens->begin(), tokens->end(), [](const json& t) { return t.is_number_integer(); })) {
       throw bad_request("tokens must be a list of token ids", "tokens");
     }
-    send_json(res, 200, {{"content", tokenizer_.decode(tokens->get<std::vector<int64_t>>())}});
+    send_json(res, 200, {{"content", tokenizer_.decode(id_list(*tokens, "tokens"))}});
   }
 
   std::string metrics() {
