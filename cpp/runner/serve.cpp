@@ -228,6 +228,11 @@ json error_body(const std::string& message, const std::string& type, const std::
             {"code", code.empty() ? json() : json(code)}}}};
 }
 
+// The answer to a body over --max-body, whether its Content-Length said so or httplib found it.
+json too_large() {
+  return error_body("the request body is larger than the server takes (--max-body)", "invalid_request_error");
+}
+
 void send_json(httplib::Response& res, int status, const json& body) {
   res.status = status;
   res.set_content(body.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
@@ -562,8 +567,7 @@ class Server {
                  length.find_first_not_of("0123456789") != std::string::npos) {
         send_json(res, 400, error_body("Content-Length must be given once, as a count of bytes", "invalid_request_error"));
       } else if (length.size() > 18 || std::stoull(length) > max_body) {
-        send_json(res, 413, error_body("the request body is larger than the server takes (--max-body)",
-                                       "invalid_request_error"));
+        send_json(res, 413, too_large());
       } else {
         return httplib::Server::HandlerResponse::Unhandled;
       }
@@ -584,8 +588,7 @@ class Server {
       if (res.status == 404) {
         send_json(res, 404, error_body("no such endpoint: " + req.method + " " + req.path, "invalid_request_error"));
       } else if (res.status == 413) {
-        send_json(res, 413, error_body("the request body is larger than the server takes (--max-body)",
-                                       "invalid_request_error"));
+        send_json(res, 413, too_large());
       } else {
         send_json(res, res.status, error_body("the request failed with HTTP status " + std::to_string(res.status),
                                               "invalid_request_error"));
