@@ -177,14 +177,15 @@ struct Engine::Impl {
   CausalLM::Impl& m;
   EngineOptions options;
   int64_t multiple;  // a prefill chunk's length is padded to a multiple of it (prefill_multiple)
-  // CUSTOMOPS_ENGINE_CHUNK_ATTENTION=1: a prefill run beside a decode run attends through the CUDA
-  // split-KV kernel (CacheAttentionChunks), lengths on the device, instead of the generic path's
-  // host reads that make the device wait between layers. An experiment switch: on an H200, 32
-  // clients got 1.18x the tokens/s with every chunk in that kernel, but a long prefill alone was
-  // 10-17% slower there, so prefill runs alone keep the generic path (docs/benchmarks.md, 2026-11-29).
+  // A prefill run launched beside a decode run attends through the CUDA split-KV kernel
+  // (CacheAttentionChunks), lengths on the device, not through the generic path, whose host reads
+  // of the lengths make the device wait between layers while the decode run waits behind it. On an
+  // H200 that gave 32 clients 1.25x the tokens/s; a prefill run alone keeps the generic path, where
+  // a long prompt is 10-17% faster (docs/benchmarks.md, 2026-11-29).
+  // CUSTOMOPS_ENGINE_CHUNK_ATTENTION=0: every prefill run through the generic path (the benches).
   bool chunk_attention = [] {
     const char* v = std::getenv("CUSTOMOPS_ENGINE_CHUNK_ATTENTION");
-    return v != nullptr && std::string(v) == "1";
+    return v == nullptr || std::string(v) != "0";
   }();
 
   std::mutex mu;  // guards incoming, stats and the thread's flags

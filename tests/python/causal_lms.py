@@ -54,9 +54,9 @@ def generate(path, *args):
     return run([customops.runner_path(), "generate", path, *args])
 
 
-def api(consumer, path, *args):
+def api(consumer, path, *args, env=None):
     """generate_api PATH ARGS: the C++ API's new ids, or one line naming what it threw (exit 3)."""
-    return run([consumer / "generate_api", path, *args])
+    return run([consumer / "generate_api", path, *args], env=env)
 
 
 def ids_of(stdout: str) -> list[list[int]]:
