@@ -391,9 +391,10 @@ def run(args) -> dict:
         row = {"concurrency": c, "floor_ms": floor_ms, "floor_tokens_per_s": c / floor_ms * 1e3}
         try:
             row["generate"] = _generate(package, prompts[:c], args.new_tokens, _sampling(args))
-            median = sorted(prompts, key=len)[len(prompts) // 2]
-            alone = _generate(package, [median], 1)  # the prefill of a prompt of the median length alone
-            row["prefill_alone_ms"] = alone["prefill_ms"]
+            if c == 1:  # the median of each prompt's prefill alone, as one client sends them
+                row["prefill_alone_ms"] = statistics.median(_generate(package, [p], 1)["prefill_ms"] for p in prompts)
+            else:  # the prefill of a prompt of the median length alone
+                row["prefill_alone_ms"] = _generate(package, [sorted(prompts, key=len)[len(prompts) // 2]], 1)["prefill_ms"]
             row["serve"], text = _serve(package, root / "tokenizer.json", c, {}, prompts, args)
             for env in args.variant:
                 try:
@@ -472,7 +473,8 @@ def print_report(report: dict) -> None:
     print("ratio: serve's tokens/s over generate's for the same prompts at once; floor: C tokens per decode step "
           "at the copy speed; in server: the mean TTFT the server measures itself (/metrics: submit to first id), "
           "and its means of a request's wait for a slot and of its prefill (from its slot to its first id); "
-          "prefill ms: the prefill of a prompt of the median length alone (customops-run generate)")
+          "prefill ms: the prefill of a prompt of the median length alone (customops-run generate; at one client, "
+          "the median of each of its prompts alone)")
     for label in report["meta"]["variants"]:
         print(f"\n[{label}]\n{'C':>3s} {'serve tok/s':>12s} {'vs default':>10s} {'TTFT p50/p99 ms':>17s} "
               f"{'in server':>9s} {'queue+prefill':>13s} {'ITL p50/p99 ms':>15s} {'max gap ms':>10s}")
