@@ -467,6 +467,19 @@ def test_package_fails_to_load_without_customops(packages, consumer):
     assert re.search(r"Could not find schema for customops::\w+", r.stderr), r.stderr
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("readelf") is None,
+                    reason="ELF programs (readelf)")
+def test_a_program_linking_customops_lists_libstdcxx_before_torch(consumer):
+    """customops::customops's interface puts libstdc++ first among a program's libraries, ahead of
+    torch's copy of std::filesystem (test_runner_binds_std_filesystem_to_libstdcxx says why), for
+    every program of a user as for customops-run."""
+    for program in (consumer / "engine_api", Path(customops.runner_path())):
+        out = subprocess.run(["readelf", "-d", str(program)], capture_output=True, text=True, check=True).stdout
+        needed = re.findall(r"\(NEEDED\)\s+Shared library: \[(\S+)\]", out)
+        torch_first = min(i for i, lib in enumerate(needed) if lib.startswith(("libtorch", "libc10")))
+        assert any(lib.startswith("libstdc++") for lib in needed[:torch_first]), (program.name, needed)
+
+
 def test_tensor_files_round_trip_between_python_and_cpp(consumer, tmp_path):
     # torch.save -> torch::jit::pickle_load -> pickle_save -> torch.load(weights_only=True).
     tensors = [
