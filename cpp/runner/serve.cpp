@@ -35,6 +35,7 @@
 #include <exception>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -58,7 +59,8 @@ constexpr const char* kServeUsage = R"(usage: customops-run serve PACKAGE.pt2 [-
 Serves a causal-LM package (customops.export.package_causal_lm) over HTTP, as OpenAI's API and
 llama.cpp's llama-server shape it: POST /v1/completions and /v1/chat/completions (streaming with
 "stream": true), GET /v1/models, /health and /metrics, POST /tokenize and /detokenize. Requests are
-batched continuously over the package's KV cache slots (its max_batch). Stops on SIGINT or SIGTERM.
+batched continuously over the package's KV cache slots (its max_batch). Stops on SIGINT or SIGTERM
+(at once while the package loads).
 
   --tokenizer PATH       a folder written by save_pretrained (tokenizer.json or tokenizer.model,
                          and tokenizer_config.json: its chat template, bos and eos tokens), or a
@@ -1034,21 +1036,84 @@ class Server {
   int64_t created_ = 0;
 };
 
+// SIGINT and SIGTERM go to one thread of their own: blocked in every other (the mask is set before
+// any thread starts, and threads inherit it), so that none takes them with the default action.
+// Before the server serves, a signal ends the process at once (a package's load can take minutes
+// and cannot be interrupted): the embedded tokenizer's folder removed, exit status 0. Once serving,
+// it calls the stop that serve_main hands over.
+class StopSignals {
+ public:
+  StopSignals() {
+    sigemptyset(&set_);
+    sigaddset(&set_, SIGINT);
+    sigaddset(&set_, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &set_, nullptr);
+    thread_ = std::thread([this] { wait(); });
+  }
+  ~StopSignals() { finish(); }
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+
+  // Runs make (which may make a folder and return its path) with signals held off, then removes
+  // that folder where a signal stops the process before it serves.
+  void removed_on_early_stop(const std::function<std::string()>& make) {
+    std::lock_guard<std::mutex> lock(mu_);
+    folder_ = make();
+  }
+  // From now on a signal calls stop (on this object's thread).
+  void serving(std::function<void()> stop) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = std::move(stop);
+  }
+  // Signals stop nothing from now on; returns once a stop under way has returned (before what it
+  // stops goes away).
+  void finish() {
+    if (!thread_.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    pthread_kill(thread_.native_handle(), SIGTERM);  // (a thread that has returned ignores it)
+    thread_.join();
+  }
+
+ private:
+  void wait() {
+    int signal = 0;
+    sigwait(&set_, &signal);
+    std::unique_lock<std::mutex> lock(mu_);
+    if (done_) return;
+    if (!stop_) {
+      if (!folder_.empty()) remove_tree(folder_);
+      std::fputs(signal == SIGINT ? "customops-run serve: stopped before serving (SIGINT)\n"
+                                  : "customops-run serve: stopped before serving (SIGTERM)\n",
+                 stderr);
+      std::fflush(stderr);
+      std::_Exit(0);
+    }
+    const std::function<void()> stop = stop_;
+    lock.unlock();
+    stop();
+  }
+
+  sigset_t set_;
+  std::mutex mu_;
+  std::string folder_;
+  std::function<void()> stop_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
 }  // namespace
 
 int serve_main(int argc, char** argv) {
-  // SIGINT and SIGTERM go to one thread, which stops the server: blocked before any thread starts
-  // (every thread inherits the mask), so that none takes them with the default action
-  sigset_t stop_signals;
-  sigemptyset(&stop_signals);
-  sigaddset(&stop_signals, SIGINT);
-  sigaddset(&stop_signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
   ServeOptions o = parse_serve_args(argc, argv);
+  StopSignals signals;
+  std::cerr << "customops-run serve: loading " << o.package << std::endl;
   // without --tokenizer, the tokenizer the package embeds (in a folder of its own while this runs)
   std::optional<EmbeddedTokenizer> embedded;
   if (o.tokenizer.empty()) {
-    embedded.emplace(o.package);
+    signals.removed_on_early_stop([&] { return embedded.emplace(o.package).path(); });
     if (embedded->path().empty()) {
       throw UsageError("serve needs --tokenizer (the model's tokenizer: text in and out), or a package that embeds "
                        "one (package_causal_lm(..., tokenizer=...))");
@@ -1097,9 +1162,7 @@ int serve_main(int argc, char** argv) {
   // event, others with 503) and new ones are refused, so that no connection keeps the server up.
   // A signal before listening starts waits for it (stop() does nothing to a server not running yet).
   std::atomic<bool> listened{false};
-  std::thread waiter([&http, &engine, &listened, stop_signals] {
-    int signal = 0;
-    sigwait(&stop_signals, &signal);
+  signals.serving([&http, &engine, &listened] {
     engine.stop();
     while (!listened) {
       if (http.is_running()) {
@@ -1112,7 +1175,7 @@ int serve_main(int argc, char** argv) {
   std::cerr << "customops-run serve: " << o.model_name << " on http://" << o.host << ":" << port << " ("
             << lm.device().str() << ", " << (o.max_batch ? std::min(o.max_batch, lm.max_batch()) : lm.max_batch())
             << " slots of " << lm.max_seq_len() << " tokens)" << std::endl;
-  // (listening makes the --threads threads: a failure there is an error, after the waiter ends)
+  // (listening makes the --threads threads: a failure there is an error, once signals stop nothing)
   std::exception_ptr failed;
   try {
     http.listen_after_bind();
@@ -1120,8 +1183,7 @@ int serve_main(int argc, char** argv) {
     failed = std::current_exception();
   }
   listened = true;
-  pthread_kill(waiter.native_handle(), SIGTERM);  // where listening ended otherwise
-  waiter.join();
+  signals.finish();
   if (failed) {
     engine.stop();
     try {

@@ -98,9 +98,14 @@ class Server:
         self.proc = subprocess.Popen([customops.runner_path(), "serve", package, *given, "--port", "0", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, **env} if env else None)
-        line = self.proc.stderr.readline()
-        m = re.search(r"on http://127\.0\.0\.1:(\d+) ", line)
-        assert m, line + self.proc.stderr.read() if self.proc.poll() is not None else line
+        self.startup: list[str] = []  # the lines before the one that says where it listens
+        while True:
+            line = self.proc.stderr.readline()
+            m = re.search(r"on http://127\.0\.0\.1:(\d+) ", line)
+            if m or not line:
+                break
+            self.startup.append(line)
+        assert m, "".join(self.startup) + line + self.proc.stderr.read()
         self.url = f"http://127.0.0.1:{m.group(1)}"
         self.stderr: list[str] = []
         threading.Thread(target=lambda: self.stderr.extend(self.proc.stderr), daemon=True).start()
@@ -481,6 +486,26 @@ def test_sigterm_stops_the_server_cleanly(served, tmp_path):
     assert other.stop() == 0
     time.sleep(0.2)
     assert any("stopped" in line for line in other.stderr), other.stderr
+
+
+def test_a_signal_while_loading_stops_the_server_at_once(served, tmp_path):
+    """SIGTERM or SIGINT while the package loads (minutes for a large model, not interruptible)
+    ends the server at once, with status 0 and the package's tokenizer folder removed, instead of
+    after the load and warm-up."""
+    server, _, _ = served
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        tmp = tmp_path / sig.name
+        tmp.mkdir()
+        proc = subprocess.Popen([customops.runner_path(), "serve", server.package, "--port", "0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "TMPDIR": str(tmp)})
+        first = proc.stderr.readline()
+        assert first.startswith("customops-run serve: loading "), first
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 0
+        rest = proc.stderr.read()
+        assert f"stopped before serving ({sig.name})" in rest and "on http://" not in rest, rest
+        assert list(tmp.iterdir()) == []
 
 
 def test_a_crash_reports_its_signal_and_stack(served):
