@@ -100,7 +100,10 @@ T parse_number(const std::string& flag, const std::string& value) {
 
 }  // namespace
 
-std::unique_ptr<CausalLM> load_causal_lm(const std::string& package, const std::optional<std::string>& device) {
+std::unique_ptr<CausalLM> load_causal_lm(const std::string& package, const std::optional<std::string>& device,
+                                         const TempFolder& unpack_into) {
+  // (torch's loader unpacks the package also to read its metadata)
+  const TmpdirScope unpacked(unpack_into.path());
   // The package's device, checked against --device as the plain runner checks it.
   Options po;
   po.package = package;
@@ -128,25 +131,18 @@ EmbeddedTokenizer::EmbeddedTokenizer(const std::string& package) {
       throw UserError(package + " embeds a tokenizer file with a path in its name (" + runner::quoted(name) + ")");
     }
   }
-  const char* tmp = std::getenv("TMPDIR");
-  std::string dir = std::string(tmp != nullptr && *tmp != '\0' ? tmp : "/tmp") + "/customops-tokenizer-XXXXXX";
-  if (mkdtemp(dir.data()) == nullptr) throw UserError("cannot make a folder for the package's tokenizer in " + dir);
-  path_ = dir;
-  try {
-    for (const auto& [name, bytes] : files) {
-      std::ofstream out(dir + "/" + name, std::ios::binary);
-      out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-      out.close();
-      if (!out) throw UserError("cannot write the package's tokenizer into " + dir);
-    }
-  } catch (...) {  // (a constructor that throws runs no destructor)
-    remove_tree(path_);
-    throw;
+  const std::string& dir = folder_.emplace("customops-tokenizer").path();
+  for (const auto& [name, bytes] : files) {
+    std::ofstream out(dir + "/" + name, std::ios::binary);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    out.close();
+    if (!out) throw UserError("cannot write the package's tokenizer into " + dir);
   }
 }
 
-EmbeddedTokenizer::~EmbeddedTokenizer() {
-  if (!path_.empty()) remove_tree(path_);
+const std::string& EmbeddedTokenizer::path() const {
+  static const std::string none;
+  return folder_ ? folder_->path() : none;
 }
 
 void check_tokenizer(const Tokenizer& tokenizer, const CausalLM& lm) {
@@ -207,6 +203,8 @@ int generate_main(int argc, char** argv) {
   }
   if (package.empty()) throw UsageError("generate expects PACKAGE.pt2 (see generate --help)");
   if (text && tokenizer_path) throw UsageError("give --text (the package's tokenizer) or --tokenizer, not both");
+  // SIGINT or SIGTERM ends it at once, its folders removed, with status 130 or 143
+  StopSignals signals("generate: interrupted", /*early_stop_fails=*/true);
   // --text: the tokenizer the package embeds, in a folder of its own while this runs
   std::optional<EmbeddedTokenizer> embedded;
   if (text) {
@@ -239,7 +237,8 @@ int generate_main(int argc, char** argv) {
   if (!tokenizer) {
     for (const auto& [text, where] : given) prompts.push_back(parse_ids(text, where));
   }
-  std::unique_ptr<CausalLM> lm = load_causal_lm(package, device);
+  const TempFolder unpacked("customops-run");  // (before the model, which keeps files in it)
+  std::unique_ptr<CausalLM> lm = load_causal_lm(package, device, unpacked);
   if (tokenizer) {
     check_tokenizer(*tokenizer, *lm);
     const std::optional<int64_t> bos_id = lm->bos_token_id() ? lm->bos_token_id() : tokenizer->bos_id();

@@ -6,12 +6,6 @@
 #include <customops/package.h>
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
-#include <ftw.h>
-
-#include <cerrno>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -19,48 +13,6 @@
 #include "runner/runner.h"
 
 namespace customops::runner {
-
-void remove_tree(const std::string& path) noexcept {
-  // depth first (a folder's entries before it), without following symbolic links
-  nftw(
-      path.c_str(), [](const char* entry, const struct stat*, int, struct FTW*) { return std::remove(entry), 0; }, 16,
-      FTW_DEPTH | FTW_PHYS);
-}
-
-// A folder for the loader's unpacked copy of the package (given to it as TMPDIR while it loads),
-// removed at the end: the loader removes its copy when it is destroyed, but not when loading fails.
-class ScratchDir {
- public:
-  ScratchDir() {
-    const char* tmp = std::getenv("TMPDIR");
-    std::string base = tmp && *tmp ? tmp : "/tmp";
-    std::string templ = base + "/customops-run-XXXXXX";
-    if (!mkdtemp(templ.data())) {
-      throw UserError("cannot create a folder in " + base + " to unpack the package in: " + std::strerror(errno));
-    }
-    path_ = templ;
-    if (tmp) old_tmpdir_ = tmp;
-    setenv("TMPDIR", path_.c_str(), /*overwrite=*/1);
-  }
-  // Puts TMPDIR back once the loader has unpacked the package.
-  void restore_tmpdir() {
-    if (old_tmpdir_) {
-      setenv("TMPDIR", old_tmpdir_->c_str(), 1);
-    } else {
-      unsetenv("TMPDIR");
-    }
-  }
-  ~ScratchDir() {
-    restore_tmpdir();
-    remove_tree(path_);
-  }
-  ScratchDir(const ScratchDir&) = delete;
-  ScratchDir& operator=(const ScratchDir&) = delete;
-
- private:
-  std::string path_;
-  std::optional<std::string> old_tmpdir_;
-};
 
 namespace {
 
@@ -89,20 +41,19 @@ std::string with_hint(const std::string& msg) {
 
 LoadedPackage::LoadedPackage(const std::string& path, const std::string& model_name, const c10::Device& device,
                              bool check_inputs)
-    : path_(path), device_(device) {
+    : path_(path), device_(device), unpacked_("customops-run") {
   // The generated model checks its inputs' dtypes, shapes, strides and devices only when this is
   // set (read once, on the first run); without it a wrong shape reads out of bounds.
   if (check_inputs) setenv("AOTI_RUNTIME_CHECK_INPUTS", "1", /*overwrite=*/0);
   customops::verify_package(path_);
-  scratch_ = std::make_unique<ScratchDir>();
   try {
+    const TmpdirScope unpack_here(unpacked_.path());
     loader_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
         path_, model_name, /*run_single_threaded=*/false, /*num_runners=*/1,
         device_.is_cpu() ? c10::DeviceIndex(-1) : device_.index());
   } catch (const std::exception& e) {
     throw UserError("cannot load " + path_ + ": " + with_hint(message_of(e)));
   }
-  scratch_->restore_tmpdir();
 }
 
 LoadedPackage::~LoadedPackage() = default;

@@ -82,6 +82,8 @@ int run(const Options& o) {
   }
   c10::Device device = pick_device(o, meta["AOTI_DEVICE_KEY"]);
   check_outputs_path(o.outputs);
+  // SIGINT or SIGTERM ends it at once, the unpacked package removed, with status 130 or 143
+  StopSignals signals("interrupted", /*early_stop_fails=*/true);
   auto inputs = read_inputs(o.inputs, device);
 
   auto load_start = std::chrono::steady_clock::now();

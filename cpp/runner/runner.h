@@ -2,20 +2,25 @@
 // runs it; package_checks.cpp checks a package before it is loaded; tensor_io.cpp reads inputs and
 // writes outputs; loaded_package.cpp loads and runs a package without knowing the command line (a
 // C++ API for running packages, or a decode loop, builds on it); errors.cpp words errors;
-// generate.cpp and serve.cpp are the generate and serve commands.
+// process.cpp keeps temporary folders and stop signals; generate.cpp and serve.cpp are the
+// generate and serve commands.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+
+#include <signal.h>
 
 #include <cstddef>
 #include <exception>
 #include <functional>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -39,27 +44,89 @@ struct UsageError : UserError {
   using UserError::UserError;
 };
 
-// ---- generate.cpp
-// customops-run generate ARGS (argv[0] is "generate"): its own command line and run.
-int generate_main(int argc, char** argv);
-// The causal-LM package at package loaded onto its device (checked against device, as --device),
-// and a UserError that says what is wrong where it cannot be.
-std::unique_ptr<CausalLM> load_causal_lm(const std::string& package, const std::optional<std::string>& device);
-// A UserError where the tokenizer cannot be the model's (its vocabulary is larger).
-void check_tokenizer(const Tokenizer& tokenizer, const CausalLM& lm);
-// The tokenizer a package embeds (customops.export.package_causal_lm(..., tokenizer=...)), written
-// into a folder of its own (as save_pretrained would write it) for as long as this object lives:
-// path() is that folder, empty where the package embeds none.
-class EmbeddedTokenizer {
+// ---- process.cpp
+// Removes path and, where it is a folder, everything in it (symbolic links themselves, never what
+// they point to); errors are ignored. Not std::filesystem::remove_all: torch's own libraries export
+// a copy of std::filesystem that the dynamic linker may bind this program's calls to, and the copy
+// in torch 2.11's CUDA wheel crashes in remove_all (a call through a null pointer, seen on an H200).
+void remove_tree(const std::string& path) noexcept;
+
+// A folder of its own under TMPDIR (or /tmp), PREFIX-XXXXXX, removed with everything in it when
+// this goes away, or by StopSignals where a signal ends the process first. A UserError where it
+// cannot be made.
+class TempFolder {
  public:
-  explicit EmbeddedTokenizer(const std::string& package);
-  ~EmbeddedTokenizer();
-  EmbeddedTokenizer(const EmbeddedTokenizer&) = delete;
-  EmbeddedTokenizer& operator=(const EmbeddedTokenizer&) = delete;
+  explicit TempFolder(const std::string& prefix);
+  ~TempFolder();
+  TempFolder(const TempFolder&) = delete;
+  TempFolder& operator=(const TempFolder&) = delete;
   const std::string& path() const { return path_; }
 
  private:
   std::string path_;
+};
+
+// TMPDIR is folder while one lives, then as it was: torch's package loader unpacks a package under
+// TMPDIR and removes its copy when it is destroyed, but not where loading fails or a signal ends
+// the process, so it is given a TempFolder.
+class TmpdirScope {
+ public:
+  explicit TmpdirScope(const std::string& folder);
+  ~TmpdirScope();
+  TmpdirScope(const TmpdirScope&) = delete;
+  TmpdirScope& operator=(const TmpdirScope&) = delete;
+
+ private:
+  std::optional<std::string> old_;
+};
+
+// SIGINT and SIGTERM go to one thread of their own, blocked in every other (the mask is set here,
+// before the command starts any thread, and threads inherit it), so that none takes them with the
+// default action. Until serving() a signal ends the process at once: "customops-run EARLY_STOP
+// (SIGINT)" on stderr, exit status 128 + the signal where early_stop_fails, else 0 (a load of
+// minutes cannot be interrupted otherwise), and every TempFolder removed by a child process as
+// soon as this one is gone. After serving() it
+// calls stop, on that thread; finish() (or the destructor) returns once a stop under way has.
+class StopSignals {
+ public:
+  StopSignals(std::string early_stop, bool early_stop_fails);
+  ~StopSignals();
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+  void serving(std::function<void()> stop);
+  void finish();
+
+ private:
+  void wait();
+  std::string early_stop_;
+  bool early_stop_fails_;
+  sigset_t set_;
+  std::mutex mu_;
+  std::function<void()> stop_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
+// ---- generate.cpp
+// customops-run generate ARGS (argv[0] is "generate"): its own command line and run.
+int generate_main(int argc, char** argv);
+// The causal-LM package at package loaded onto its device (checked against device, as --device),
+// and a UserError that says what is wrong where it cannot be. Torch's loader unpacks the package
+// into unpack_into, which must outlive the CausalLM.
+std::unique_ptr<CausalLM> load_causal_lm(const std::string& package, const std::optional<std::string>& device,
+                                         const TempFolder& unpack_into);
+// A UserError where the tokenizer cannot be the model's (its vocabulary is larger).
+void check_tokenizer(const Tokenizer& tokenizer, const CausalLM& lm);
+// The tokenizer a package embeds (customops.export.package_causal_lm(..., tokenizer=...)), written
+// into a TempFolder (as save_pretrained would write it) for as long as this object lives: path()
+// is that folder, empty where the package embeds none.
+class EmbeddedTokenizer {
+ public:
+  explicit EmbeddedTokenizer(const std::string& package);
+  const std::string& path() const;
+
+ private:
+  std::optional<TempFolder> folder_;
 };
 
 // ---- serve.cpp
@@ -124,14 +191,6 @@ struct ModelError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-class ScratchDir;
-
-// Removes path and, where it is a folder, everything in it (symbolic links themselves, never what
-// they point to); errors are ignored. Not std::filesystem::remove_all: torch's own libraries export
-// a copy of std::filesystem that the dynamic linker may bind this program's calls to, and the copy
-// in torch 2.11's CUDA wheel crashes in remove_all (a call through a null pointer, seen on an H200).
-void remove_tree(const std::string& path) noexcept;
-
 // A package loaded onto a device, to be run any number of times.
 class LoadedPackage {
  public:
@@ -152,7 +211,7 @@ class LoadedPackage {
  private:
   std::string path_;
   c10::Device device_;
-  std::unique_ptr<ScratchDir> scratch_;  // declared before the loader, so it outlives it
+  TempFolder unpacked_;  // declared before the loader, so it outlives it
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
 };
 

@@ -1036,84 +1036,17 @@ class Server {
   int64_t created_ = 0;
 };
 
-// SIGINT and SIGTERM go to one thread of their own: blocked in every other (the mask is set before
-// any thread starts, and threads inherit it), so that none takes them with the default action.
-// Before the server serves, a signal ends the process at once (a package's load can take minutes
-// and cannot be interrupted): the embedded tokenizer's folder removed, exit status 0. Once serving,
-// it calls the stop that serve_main hands over.
-class StopSignals {
- public:
-  StopSignals() {
-    sigemptyset(&set_);
-    sigaddset(&set_, SIGINT);
-    sigaddset(&set_, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &set_, nullptr);
-    thread_ = std::thread([this] { wait(); });
-  }
-  ~StopSignals() { finish(); }
-  StopSignals(const StopSignals&) = delete;
-  StopSignals& operator=(const StopSignals&) = delete;
-
-  // Runs make (which may make a folder and return its path) with signals held off, then removes
-  // that folder where a signal stops the process before it serves.
-  void removed_on_early_stop(const std::function<std::string()>& make) {
-    std::lock_guard<std::mutex> lock(mu_);
-    folder_ = make();
-  }
-  // From now on a signal calls stop (on this object's thread).
-  void serving(std::function<void()> stop) {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = std::move(stop);
-  }
-  // Signals stop nothing from now on; returns once a stop under way has returned (before what it
-  // stops goes away).
-  void finish() {
-    if (!thread_.joinable()) return;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      done_ = true;
-    }
-    pthread_kill(thread_.native_handle(), SIGTERM);  // (a thread that has returned ignores it)
-    thread_.join();
-  }
-
- private:
-  void wait() {
-    int signal = 0;
-    sigwait(&set_, &signal);
-    std::unique_lock<std::mutex> lock(mu_);
-    if (done_) return;
-    if (!stop_) {
-      if (!folder_.empty()) remove_tree(folder_);
-      std::fputs(signal == SIGINT ? "customops-run serve: stopped before serving (SIGINT)\n"
-                                  : "customops-run serve: stopped before serving (SIGTERM)\n",
-                 stderr);
-      std::fflush(stderr);
-      std::_Exit(0);
-    }
-    const std::function<void()> stop = stop_;
-    lock.unlock();
-    stop();
-  }
-
-  sigset_t set_;
-  std::mutex mu_;
-  std::string folder_;
-  std::function<void()> stop_;
-  bool done_ = false;
-  std::thread thread_;
-};
-
 }  // namespace
 
 int serve_main(int argc, char** argv) {
   ServeOptions o = parse_serve_args(argc, argv);
-  StopSignals signals;
-  std::cerr << "customops-run serve: loading " << o.package << std::endl;
+  // Before it serves, a signal ends the process at once (a package's load can take minutes and
+  // cannot be interrupted), its folders removed, with status 0; after, it stops the server.
+  StopSignals signals("serve: stopped before serving", /*early_stop_fails=*/false);
   // without --tokenizer, the tokenizer the package embeds (in a folder of its own while this runs)
   std::optional<EmbeddedTokenizer> embedded;
   if (o.tokenizer.empty()) {
-    signals.removed_on_early_stop([&] { return embedded.emplace(o.package).path(); });
+    embedded.emplace(o.package);
     if (embedded->path().empty()) {
       throw UsageError("serve needs --tokenizer (the model's tokenizer: text in and out), or a package that embeds "
                        "one (package_causal_lm(..., tokenizer=...))");
@@ -1128,8 +1061,9 @@ int serve_main(int argc, char** argv) {
     throw UserError(e.what());
   }
   const Tokenizer& tokenizer = *tokenizer_owner;
+  const TempFolder unpacked("customops-run");  // (before the model, which keeps files in it)
   std::unique_ptr<CausalLM> lm_owner =
-      load_causal_lm(o.package, o.device.empty() ? std::nullopt : std::optional<std::string>(o.device));
+      load_causal_lm(o.package, o.device.empty() ? std::nullopt : std::optional<std::string>(o.device), unpacked);
   CausalLM& lm = *lm_owner;
   check_tokenizer(tokenizer, lm);
   EngineOptions eo;

@@ -488,10 +488,21 @@ def test_sigterm_stops_the_server_cleanly(served, tmp_path):
     assert any("stopped" in line for line in other.stderr), other.stderr
 
 
+def _empty_soon(folder, seconds=10):
+    """Whether folder is empty within seconds (what a stopped process made is removed by its child,
+    once it is gone)."""
+    deadline = time.monotonic() + seconds
+    while any(folder.iterdir()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_a_signal_while_loading_stops_the_server_at_once(served, tmp_path):
     """SIGTERM or SIGINT while the package loads (minutes for a large model, not interruptible)
-    ends the server at once, with status 0 and the package's tokenizer folder removed, instead of
-    after the load and warm-up."""
+    ends the server at once, with status 0, the package's unpacked copy and its tokenizer's folder
+    removed, instead of after the load and warm-up."""
     server, _, _ = served
     for sig in (signal.SIGTERM, signal.SIGINT):
         tmp = tmp_path / sig.name
@@ -499,13 +510,36 @@ def test_a_signal_while_loading_stops_the_server_at_once(served, tmp_path):
         proc = subprocess.Popen([customops.runner_path(), "serve", server.package, "--port", "0"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**os.environ, "TMPDIR": str(tmp)})
-        first = proc.stderr.readline()
-        assert first.startswith("customops-run serve: loading "), first
+        deadline = time.monotonic() + 60
+        while not any(p.name.startswith("customops-run-") for p in tmp.iterdir()):  # (the package unpacking)
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.002)
         proc.send_signal(sig)
         assert proc.wait(timeout=30) == 0
         rest = proc.stderr.read()
         assert f"stopped before serving ({sig.name})" in rest and "on http://" not in rest, rest
-        assert list(tmp.iterdir()) == []
+        assert _empty_soon(tmp), list(tmp.iterdir())
+
+
+def test_a_signal_ends_generate_at_once_leaving_no_folder(served, tmp_path):
+    """SIGINT or SIGTERM during customops-run generate ends it at once with status 128 + the signal,
+    the package's unpacked copy and its tokenizer's folder removed (both are in TMPDIR while it
+    runs: a large model's unpacked copy is gigabytes)."""
+    server, _, _ = served
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        tmp = tmp_path / sig.name
+        tmp.mkdir()
+        proc = subprocess.Popen([customops.runner_path(), "generate", server.package, "--text", "--prompt", "hi",
+                                 "--max-new-tokens", "8", "--ignore-eos"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp)})
+        deadline = time.monotonic() + 60
+        while not any(p.name.startswith("customops-run-") for p in tmp.iterdir()):  # (the package unpacking)
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.002)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 128 + sig, proc.communicate()
+        assert f"customops-run generate: interrupted ({sig.name})" in proc.stderr.read()
+        assert _empty_soon(tmp), list(tmp.iterdir())
 
 
 def test_a_crash_reports_its_signal_and_stack(served):
