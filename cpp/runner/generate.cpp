@@ -203,8 +203,8 @@ int generate_main(int argc, char** argv) {
   }
   if (package.empty()) throw UsageError("generate expects PACKAGE.pt2 (see generate --help)");
   if (text && tokenizer_path) throw UsageError("give --text (the package's tokenizer) or --tokenizer, not both");
-  // SIGINT or SIGTERM ends it at once, its folders removed, with status 130 or 143
-  StopSignals signals("generate: interrupted", /*early_stop_fails=*/true);
+  // SIGINT or SIGTERM ends it at once, its folders removed
+  StopSignals signals("generate: interrupted");
   // --text: the tokenizer the package embeds, in a folder of its own while this runs
   std::optional<EmbeddedTokenizer> embedded;
   if (text) {

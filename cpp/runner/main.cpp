@@ -74,7 +74,14 @@ std::string run_error(const Options& o, std::string msg, size_t given, std::opti
 }
 
 int run(const Options& o) {
-  auto meta = read_metadata(o);
+  // SIGINT or SIGTERM ends it at once, the unpacked package removed
+  StopSignals signals("interrupted");
+  std::unordered_map<std::string, std::string> meta;
+  {
+    const TempFolder unpacked("customops-run");  // (torch unpacks the package to read its metadata)
+    const TmpdirScope unpack_here(unpacked.path());
+    meta = read_metadata(o);
+  }
   if (o.info) {
     std::map<std::string, std::string> sorted(meta.begin(), meta.end());
     for (const auto& [k, v] : sorted) std::cout << k << ": " << v << "\n";
@@ -82,8 +89,6 @@ int run(const Options& o) {
   }
   c10::Device device = pick_device(o, meta["AOTI_DEVICE_KEY"]);
   check_outputs_path(o.outputs);
-  // SIGINT or SIGTERM ends it at once, the unpacked package removed, with status 130 or 143
-  StopSignals signals("interrupted", /*early_stop_fails=*/true);
   auto inputs = read_inputs(o.inputs, device);
 
   auto load_start = std::chrono::steady_clock::now();

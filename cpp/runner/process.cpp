@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -74,16 +75,24 @@ TmpdirScope::~TmpdirScope() {
   }
 }
 
-StopSignals::StopSignals(std::string early_stop, bool early_stop_fails)
-    : early_stop_(std::move(early_stop)), early_stop_fails_(early_stop_fails) {
+StopSignals::StopSignals(std::string early_stop) : early_stop_(std::move(early_stop)) {
   sigemptyset(&set_);
   sigaddset(&set_, SIGINT);
   sigaddset(&set_, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &set_, nullptr);
+  pthread_sigmask(SIG_BLOCK, &set_, &old_mask_);
   thread_ = std::thread([this] { wait(); });
 }
 
-StopSignals::~StopSignals() { finish(); }
+StopSignals::~StopSignals() {
+  finish();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+  }
+  pthread_kill(thread_.native_handle(), SIGTERM);  // (a thread that has returned ignores it)
+  thread_.join();
+  pthread_sigmask(SIG_SETMASK, &old_mask_, nullptr);
+}
 
 void StopSignals::serving(std::function<void()> stop) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -91,48 +100,63 @@ void StopSignals::serving(std::function<void()> stop) {
 }
 
 void StopSignals::finish() {
-  if (!thread_.joinable()) return;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    done_ = true;
-  }
-  pthread_kill(thread_.native_handle(), SIGTERM);  // (a thread that has returned ignores it)
-  thread_.join();
+  std::unique_lock<std::mutex> lock(mu_);
+  stop_ = nullptr;
+  idle_.wait(lock, [this] { return !stopping_; });
 }
 
 void StopSignals::wait() {
-  int signal = 0;
-  sigwait(&set_, &signal);
-  std::unique_lock<std::mutex> lock(mu_);
-  if (done_) return;
-  if (stop_) {
-    const std::function<void()> stop = stop_;
+  for (;;) {
+    int signal = 0;
+    sigwait(&set_, &signal);
+    std::unique_lock<std::mutex> lock(mu_);
+    if (done_) return;
+    if (!stop_) end(signal);
+    // the first signal while serving: a clean stop (a second one, while it or the teardown after it
+    // runs, ends the process at once)
+    const std::function<void()> stop = std::move(stop_);
+    stop_ = nullptr;
+    stopping_ = true;
     lock.unlock();
     stop();
-    return;
+    lock.lock();
+    stopping_ = false;
+    idle_.notify_all();
   }
-  {
-    // The folders are removed by a child process once this one is gone: a thread still writing
-    // into one (torch's loader unpacking a package makes the folders of a file's path as it goes)
-    // would otherwise leave files, or the folder itself, behind. Where no child can be made, they
-    // are removed here.
-    std::lock_guard<std::mutex> folders_lock(folders_mutex());
-    const std::vector<std::string> paths(folders().begin(), folders().end());
-    const pid_t self = getpid();
-    const pid_t child = paths.empty() ? 0 : fork();
-    if (child == 0 && !paths.empty()) {
-      for (int i = 0; i < 60000 && getppid() == self; ++i) usleep(1000);  // (a minute at the most)
-      for (const std::string& path : paths) remove_tree(path);
-      _exit(0);
+}
+
+void StopSignals::end(int signal) {
+  // The folders are removed by a child process once this one is gone: a thread still writing into
+  // one (torch's loader unpacking a package makes the folders of a file's path as it goes) would
+  // otherwise leave files, or the folder itself, behind. The child closes every file this process
+  // has open (a listening socket, a device, a parent's pipe) first; where no child can be made, the
+  // folders are removed here. The lock is held to the end: no folder is made after the list.
+  folders_mutex().lock();
+  const std::vector<std::string> paths(folders().begin(), folders().end());
+  const pid_t self = getpid();
+  const pid_t child = paths.empty() ? 0 : fork();
+  if (child == 0 && !paths.empty()) {
+    if (close_range(0, ~0U, 0) != 0) {
+      for (int fd = 0; fd < 65536; ++fd) close(fd);
     }
-    if (child < 0) {
-      for (const std::string& path : paths) remove_tree(path);
-    }
+    for (int i = 0; i < 60000 && getppid() == self; ++i) usleep(1000);  // (a minute at the most)
+    for (const std::string& path : paths) remove_tree(path);
+    _exit(0);
   }
-  const char* name = signal == SIGINT ? "SIGINT" : "SIGTERM";
-  std::fprintf(stderr, "customops-run %s (%s)\n", early_stop_.c_str(), name);
+  if (child < 0) {
+    for (const std::string& path : paths) remove_tree(path);
+  }
+  std::fprintf(stderr, "customops-run %s (%s)\n", early_stop_.c_str(), signal == SIGINT ? "SIGINT" : "SIGTERM");
   std::fflush(stderr);
-  std::_Exit(early_stop_fails_ ? 128 + signal : 0);
+  // ended by the signal itself, as a shell expects of a program it stops (a loop over
+  // customops-run stops at Ctrl-C)
+  std::signal(signal, SIG_DFL);
+  sigset_t one;
+  sigemptyset(&one);
+  sigaddset(&one, signal);
+  pthread_sigmask(SIG_UNBLOCK, &one, nullptr);
+  raise(signal);
+  std::_Exit(128 + signal);
 }
 
 }  // namespace customops::runner

@@ -11,6 +11,7 @@
 
 #include <signal.h>
 
+#include <condition_variable>
 #include <cstddef>
 #include <exception>
 #include <functional>
@@ -82,14 +83,15 @@ class TmpdirScope {
 
 // SIGINT and SIGTERM go to one thread of their own, blocked in every other (the mask is set here,
 // before the command starts any thread, and threads inherit it), so that none takes them with the
-// default action. Until serving() a signal ends the process at once: "customops-run EARLY_STOP
-// (SIGINT)" on stderr, exit status 128 + the signal where early_stop_fails, else 0 (a load of
-// minutes cannot be interrupted otherwise), and every TempFolder removed by a child process as
-// soon as this one is gone. After serving() it
-// calls stop, on that thread; finish() (or the destructor) returns once a stop under way has.
+// default action. Until serving(), and again after finish() or a first stop, a signal ends the
+// process at once: "customops-run EARLY_STOP (SIGINT)" on stderr, every TempFolder removed by a
+// child process as soon as this one is gone, and the process ended by the signal itself (a load
+// of minutes cannot be interrupted otherwise). After serving(stop), the first signal calls stop on
+// that thread. finish() returns once a stop under way has returned, so that what stop touches may
+// go; the destructor puts the signal mask back.
 class StopSignals {
  public:
-  StopSignals(std::string early_stop, bool early_stop_fails);
+  explicit StopSignals(std::string early_stop);
   ~StopSignals();
   StopSignals(const StopSignals&) = delete;
   StopSignals& operator=(const StopSignals&) = delete;
@@ -98,12 +100,13 @@ class StopSignals {
 
  private:
   void wait();
+  [[noreturn]] void end(int signal);
   std::string early_stop_;
-  bool early_stop_fails_;
-  sigset_t set_;
+  sigset_t set_, old_mask_;
   std::mutex mu_;
+  std::condition_variable idle_;
   std::function<void()> stop_;
-  bool done_ = false;
+  bool stopping_ = false, done_ = false;
   std::thread thread_;
 };
 

@@ -1041,8 +1041,8 @@ class Server {
 int serve_main(int argc, char** argv) {
   ServeOptions o = parse_serve_args(argc, argv);
   // Before it serves, a signal ends the process at once (a package's load can take minutes and
-  // cannot be interrupted), its folders removed, with status 0; after, it stops the server.
-  StopSignals signals("serve: stopped before serving", /*early_stop_fails=*/false);
+  // cannot be interrupted), its folders removed; after, it stops the server.
+  StopSignals signals("serve: stopped before serving");
   // without --tokenizer, the tokenizer the package embeds (in a folder of its own while this runs)
   std::optional<EmbeddedTokenizer> embedded;
   if (o.tokenizer.empty()) {
@@ -1106,6 +1106,11 @@ int serve_main(int argc, char** argv) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
   });
+  // (signals stop nothing once what the stop touches is about to go, whichever way this returns)
+  const struct Finish {
+    StopSignals& s;
+    ~Finish() { s.finish(); }
+  } finish_signals{signals};
   std::cerr << "customops-run serve: " << o.model_name << " on http://" << o.host << ":" << port << " ("
             << lm.device().str() << ", " << (o.max_batch ? std::min(o.max_batch, lm.max_batch()) : lm.max_batch())
             << " slots of " << lm.max_seq_len() << " tokens)" << std::endl;
