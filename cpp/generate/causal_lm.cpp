@@ -159,10 +159,7 @@ std::pair<at::Tensor, at::Tensor> sample(const at::Tensor& logits, const Samplin
 #ifdef CUSTOMOPS_WITH_CUDA
   // one kernel for the lines below; CUSTOMOPS_GREEDY_KERNEL=0 keeps them (an experiment switch, for
   // bench --generate --variant)
-  static const bool kernel = [] {
-    const char* env = std::getenv("CUSTOMOPS_GREEDY_KERNEL");
-    return env == nullptr || std::string(env) != "0";
-  }();
+  static const bool kernel = switch_on("CUSTOMOPS_GREEDY_KERNEL");
   if (!sampled && kernel && logits.is_cuda()) return greedy_cuda(logits);
 #endif
   auto [top, ids] = logits.max(-1, /*keepdim=*/true);
@@ -209,6 +206,11 @@ at::Generator make_generator(const c10::Device& device, uint64_t seed) {
                                        : at::make_generator<at::CPUGeneratorImpl>(seed);
   gen.set_current_seed(seed);
   return gen;
+}
+
+bool switch_on(const char* name) {
+  const char* env = std::getenv(name);
+  return env == nullptr || std::string(env) != "0";
 }
 
 void check_sampling(const Sampling& s) {

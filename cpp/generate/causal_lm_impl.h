@@ -46,6 +46,10 @@ struct Sampling {
 
 // Throws std::invalid_argument for sampling options out of their ranges, or a prompt that is
 // empty, longer than max_seq_len or holds an id outside the vocabulary (`which` names it).
+// Whether the experiment switch `name` is on: on unless the environment sets it to "0" (for bench
+// --generate and bench --serve's --variant NAME=0).
+bool switch_on(const char* name);
+
 void check_sampling(const Sampling& s);
 void check_prompt(const std::vector<int64_t>& prompt, int64_t max_seq_len, int64_t vocab, const std::string& which);
 

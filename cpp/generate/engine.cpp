@@ -183,10 +183,7 @@ struct Engine::Impl {
   // H200 that gave 32 clients 1.25x the tokens/s; a prefill run alone keeps the generic path, where
   // a long prompt is 10-17% faster (docs/benchmarks.md, 2026-11-29).
   // CUSTOMOPS_ENGINE_CHUNK_ATTENTION=0: every prefill run through the generic path (the benches).
-  bool chunk_attention = [] {
-    const char* v = std::getenv("CUSTOMOPS_ENGINE_CHUNK_ATTENTION");
-    return v == nullptr || std::string(v) != "0";
-  }();
+  bool chunk_attention = switch_on("CUSTOMOPS_ENGINE_CHUNK_ATTENTION");
 
   std::mutex mu;  // guards incoming, stats and the thread's flags
   std::condition_variable cv;
