@@ -1,7 +1,7 @@
 // The CUDA kernels of cache_attention, cache_write and rope_cache_write, which read each sequence's length and start
 // position on the device: no host sync, so a CUDA graph can capture a decode step.
 //
-// cache_attention (float16/bfloat16, head dims 64/128/256, up to kCacheAttentionMaxQueries new
+// cache_attention (float16/bfloat16, head dims 64/128/256, up to kCacheAttentionChunkQueries new
 // queries a sequence, or CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES; other inputs go through
 // cache_attention_generic) is split-KV attention
 // ("flash-decoding"): decoding reads a long cache for a handful of query rows, so the keys, not the
@@ -739,14 +739,15 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_cuda(const at::Tensor& q_in, 
   const int64_t rows = hq / hkv * t, groups = (rows + kRows - 1) / kRows;
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(q_in.get_device());
   const int smem_optin = static_cast<int>(prop->sharedMemPerBlockOptin);
-  // The kernel takes kCacheAttentionMaxQueries new queries a sequence (decoding, drafts), or up to
-  // those of the thread's CacheAttentionChunks (the serving engine's prefill chunks beside decoding
-  // rows: one launch for every row with the lengths on the device, where the generic path waits for
-  // the lengths and attends one sequence at a time), or up to CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES
-  // where set (an experiment switch: every call of the process).
-  const int64_t max_queries = env::count("customops::cache_attention", "CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES",
-                                         "new queries a sequence")
-                                  .value_or(std::max(kCacheAttentionMaxQueries, CacheAttentionChunks::current()));
+  // The kernel takes up to kCacheAttentionChunkQueries new queries a sequence (decoding, drafts and
+  // short prefill chunks, one launch for every row with the lengths on the device), or
+  // CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES where set (an experiment switch), or more within the
+  // thread's CacheAttentionChunks (the serving engine's prefill chunks beside decoding rows, where
+  // the generic path's host reads would keep the device waiting).
+  const int64_t max_queries = std::max(env::count("customops::cache_attention", "CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES",
+                                                  "new queries a sequence")
+                                           .value_or(kCacheAttentionChunkQueries),
+                                       CacheAttentionChunks::current());
   // (a GPU whose blocks cannot take two tiles, D = 256 below compute capability 9.0 but 8.0's, and a
   // cache of more than 2^30 positions, past the kernel's 32-bit positions, take the other paths)
   if (!cache_attention_on_device(q_in.scalar_type(), q_in.size(3), std::min(t, kCacheAttentionMaxQueries)) ||

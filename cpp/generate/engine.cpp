@@ -177,12 +177,13 @@ struct Engine::Impl {
   CausalLM::Impl& m;
   EngineOptions options;
   int64_t multiple;  // a prefill chunk's length is padded to a multiple of it (prefill_multiple)
-  // A prefill run launched beside a decode run attends through the CUDA split-KV kernel
-  // (CacheAttentionChunks), lengths on the device, not through the generic path, whose host reads
-  // of the lengths make the device wait between layers while the decode run waits behind it. On an
-  // H200 that gave 32 clients 1.25x the tokens/s; a prefill run alone keeps the generic path, where
-  // a long prompt is 10-17% faster (docs/benchmarks.md, 2026-11-29).
-  // CUSTOMOPS_ENGINE_CHUNK_ATTENTION=0: every prefill run through the generic path (the benches).
+  // A prefill run launched beside a decode run attends through the CUDA split-KV kernel whatever
+  // its length (CacheAttentionChunks), lengths on the device, not through the generic path, whose
+  // host reads of the lengths make the device wait between layers while the decode run waits behind
+  // it: on an H200 that gave 32 clients 1.17-1.25x the tokens/s. A prefill run alone takes the kernel
+  // up to kCacheAttentionChunkQueries queries and the generic path past them, where a long prompt is
+  // 10-17% faster (docs/benchmarks.md, 2026-11-29).
+  // CUSTOMOPS_ENGINE_CHUNK_ATTENTION=0: prefill runs beside decode runs as alone (the benches).
   bool chunk_attention = switch_on("CUSTOMOPS_ENGINE_CHUNK_ATTENTION");
 
   std::mutex mu;  // guards incoming, stats and the thread's flags

@@ -35,15 +35,21 @@ std::tuple<at::Tensor, at::Tensor> cache_attention_generic(const at::Tensor& q, 
                                                            const at::Tensor& v_cache, const at::Tensor& lengths,
                                                            std::optional<double> scale, const Slots& slots);
 
-// The most new queries a sequence the CUDA split-KV kernel takes (decoding, speculative drafts);
-// longer ones (a prefill) go through cache_attention_generic, unless
-// CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES lets the kernel take them (cuda/cache_attention.cu).
+// The new queries a sequence of decoding and speculative drafts: the CUDA split-KV kernel takes
+// them inside a CUDA graph (cache_attention_on_device).
 constexpr int64_t kCacheAttentionMaxQueries = 16;
 
+// Outside a graph the split-KV kernel also takes prefill chunks of up to this many queries a
+// sequence; longer ones go through cache_attention_generic (customops::attention, a sequence at a
+// time, the lengths read on the host). On an H200 (16 layers of Llama-3.2-1B's shapes) a prefill
+// alone of 128-512 ids was 1.35-2.1x faster in the kernel, of 2048 ids 0.83-0.90x.
+// CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES replaces it (cuda/cache_attention.cu).
+constexpr int64_t kCacheAttentionChunkQueries = 512;
+
 // While one lives, cache_attention's CUDA split-KV kernel takes up to `queries` new queries a
-// sequence in this thread (where CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES is not set): customops::Engine's
-// prefill chunks run beside decoding rows, whose lengths the generic path would read on the host,
-// one sequence at a time, while the decode run launched before them waits. Scopes nest.
+// sequence in this thread, where that is more than the limit above: customops::Engine's prefill
+// chunks run beside decoding rows, whose lengths the generic path would read on the host, one
+// sequence at a time, while the decode run launched before them waits. Scopes nest.
 class CacheAttentionChunks {
  public:
   explicit CacheAttentionChunks(int64_t queries);

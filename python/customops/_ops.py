@@ -336,7 +336,7 @@ def cache_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, lengths: Tensor
     Returns:
         ``(out, lse)`` as :func:`attention` with ``return_lse=True``. Inference only: inputs that
         require grad raise under grad mode. On CUDA (float16/bfloat16, D of 64, 128 or 256,
-        ``T <= 16``, or up to ``CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES``) a split-KV kernel reads
+        ``T <= 512``, or up to ``CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES``) a split-KV kernel reads
         ``lengths`` and ``slots`` on the device, so a CUDA graph can capture it; there a length or
         slot out of range gives NaN rows, elsewhere an error.
     """

@@ -79,16 +79,16 @@ def test_requests_that_come_and_go_get_their_ids_alone(lm, consumer, tmp_path):
 
 
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs CUDA")
-@pytest.mark.parametrize("chunk_attention", ["0", ""], ids=["generic-chunks", "split-kv-chunks"])
-def test_cuda_graph_steps_give_each_request_its_ids_alone(consumer, tmp_path, chunk_attention):
+@pytest.mark.parametrize("rule", ["default", "generic-chunks", "split-kv-chunks"])
+def test_cuda_graph_steps_give_each_request_its_ids_alone(consumer, tmp_path, rule):
     """bfloat16, head dim 64: decode steps of each batch size replay a CUDA graph, one step ahead of
-    the host, between the eager steps that admit prompts (whole: the budget takes them). The prompts
-    admitted beside decoding rows (up to 30 ids, past the 16 queries of a decode) attend through the
-    split-KV kernel, as the engine does by default, or through the generic path
-    (CUSTOMOPS_ENGINE_CHUNK_ATTENTION=0). The two kernels round differently (both match attention
-    within bfloat16's tolerance: test_generate) and this random model's greedy choices are close
-    calls, so such a prompt alone is prefilled through the kernel the engine gave it
-    (CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES sends generate's prefill there too)."""
+    the host, between the eager steps that admit prompts (whole: the budget takes them). By default
+    every chunk here (at most 40 queries) attends through the split-KV kernel. With the kernel's
+    limit at 16 queries (CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES, as for prompts past 512 ids), the
+    prompts admitted beside decoding rows (up to 30 ids) take the kernel by the engine's rule, or
+    the generic path with CUSTOMOPS_ENGINE_CHUNK_ATTENTION=0. The two round differently (both match
+    attention within bfloat16's tolerance: test_generate) and this random model's greedy choices
+    are close calls, so each prompt alone is prefilled through the path the engine gave it."""
     import causal_lms
 
     model = causal_lms.llama(hidden_size=128, num_attention_heads=2, num_key_value_heads=1).to("cuda", torch.bfloat16)
@@ -98,11 +98,13 @@ def test_cuda_graph_steps_give_each_request_its_ids_alone(consumer, tmp_path, ch
     n = [12, 6, 9, 10, 7, 5, 8]
     arrivals = [0, 0, 2, 3, 3, 9, 10]
     script = [submit(a, p, max=k, ignore_eos=True) for a, p, k in zip(arrivals, ps, n)]
+    limit = {} if rule == "default" else {"CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES": "16"}
     got, stderr = engine(consumer, path, script, "--budget", "1000", tmp_path=tmp_path,
-                         env={"CUSTOMOPS_ENGINE_CHUNK_ATTENTION": chunk_attention})
+                         env={**limit, "CUSTOMOPS_ENGINE_CHUNK_ATTENTION": "0" if rule == "generic-chunks" else "1"})
     for k, (a, p, m) in enumerate(zip(arrivals, ps, n)):
-        split_kv = chunk_attention != "0" and a > 0 and len(p) > 16  # (arrivals past 0 find rows decoding)
-        env = {"CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES": str(MAX_SEQ_LEN)} if split_kv else None
+        beside_decoding = a > 0  # (arrivals past step 0 find rows decoding)
+        env = {"CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES": str(MAX_SEQ_LEN)} if rule == "split-kv-chunks" and beside_decoding \
+            else limit
         assert got[k] == ("length", m, alone(consumer, path, p, m, env=env)), k
     assert int(stderr.split()[3]) > 0, stderr  # decode steps replayed from CUDA graphs
 

@@ -586,33 +586,33 @@ def test_cache_attention_cuda_merges_its_splits(monkeypatch, cluster, warps, d, 
 @pytest.mark.skipif(not any(d == "cuda" for d in DEVICES), reason="the CUDA kernel's paths")
 @pytest.mark.parametrize("cluster", ["", "0"], ids=["clusters", "merge-kernel"])
 @pytest.mark.parametrize("d,t,dtype", [(64, 17, torch.float16), (128, 32, torch.bfloat16), (128, 64, torch.bfloat16),
-                                       (128, 128, torch.bfloat16), (256, 32, torch.bfloat16)])
-def test_cache_attention_cuda_takes_prefill_chunks_when_asked(monkeypatch, cluster, d, t, dtype):
-    # CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES lets the split-KV kernel take chunks of a prompt (t past
-    # 16 queries, causal within the chunk) for every row in one launch, lengths on the device: rows of
-    # different lengths, through slots, in and out of a CUDA graph. Unset, such a chunk takes the
-    # generic path, which reads the lengths on the host and raises for one out of range; the kernel
-    # gives that sequence NaN rows instead. A block stops at its last query's bound: batch 1 splits
-    # its keys (merged in clusters, or by the merge kernel; 2 splits of 128 keys for t = 32 on an
-    # H100 or H200), and 32 queries at length 130 leave the first 16 queries' block no keys in the
-    # second split.
+                                       (128, 128, torch.bfloat16), (256, 32, torch.bfloat16), (64, 512, torch.bfloat16)])
+def test_cache_attention_cuda_takes_prefill_chunks(monkeypatch, cluster, d, t, dtype):
+    # The split-KV kernel takes chunks of a prompt (t past 16 queries, causal within the chunk) of up
+    # to 512 queries for every row in one launch, lengths on the device: rows of different lengths,
+    # through slots, in and out of a CUDA graph. With CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES below t
+    # such a chunk takes the generic path, which reads the lengths on the host and raises for one
+    # out of range; the kernel gives that sequence NaN rows instead. A block stops at its last
+    # query's bound: batch 1 splits its keys (merged in clusters, or by the merge kernel; 2 splits of
+    # 128 keys for t = 32 on an H100 or H200), and 32 queries at length 130 leave the first 16
+    # queries' block no keys in the second split.
     if cluster:
         monkeypatch.setenv("CUSTOMOPS_CACHE_ATTENTION_CLUSTER", cluster)
     else:
         monkeypatch.delenv("CUSTOMOPS_CACHE_ATTENTION_CLUSTER", raising=False)
     g = torch.Generator().manual_seed(d + t)
     size = 4096
-    cases = [([t, 300, 4096, 4097], [3, 0, 2, 1]), ([t + 98], [0]), ([4000], [0])]
+    cases = [([t, 300 + t, 4096, 4097], [3, 0, 2, 1]), ([t + 98], [0]), ([4000], [0])]
     for lengths, slots in cases:
         b = len(lengths)
         q = torch.randn(b, 32, t, d, generator=g).to("cuda", dtype)
         k_cache, v_cache = (torch.randn(4, 8, size, d, generator=g).to("cuda", dtype) for _ in range(2))
         lens, where = torch.tensor(lengths, device="cuda"), torch.tensor(slots, device="cuda")
-        monkeypatch.delenv("CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES", raising=False)
         if max(lengths) > size:
+            monkeypatch.setenv("CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES", str(t - 1))
             with pytest.raises(RuntimeError, match="cache_attention.*4097"):
                 customops.cache_attention(q, k_cache, v_cache, lens, slots=where)
-        monkeypatch.setenv("CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES", "128")
+        monkeypatch.delenv("CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES", raising=False)
         out, lse = customops.cache_attention(q, k_cache, v_cache, lens, slots=where)
         graph, static = torch.cuda.CUDAGraph(), q.clone()
         customops.cache_attention(static, k_cache, v_cache, lens, slots=where)  # (warm-up outside the capture)
@@ -625,6 +625,18 @@ def test_cache_attention_cuda_takes_prefill_chunks_when_asked(monkeypatch, clust
     monkeypatch.setenv("CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES", "many")
     with pytest.raises(RuntimeError, match="CUSTOMOPS_CACHE_ATTENTION_MAX_QUERIES must be a count"):
         customops.cache_attention(q, k_cache, v_cache, lens, slots=where)
+
+
+@pytest.mark.skipif(not any(d == "cuda" for d in DEVICES), reason="the CUDA kernel's paths")
+def test_cache_attention_cuda_sends_a_long_prefill_chunk_to_the_generic_path():
+    # Past 512 queries a sequence the generic path attends (the faster there: 2048 ids alone), and
+    # reads the lengths on the host: one out of range raises.
+    q = torch.randn(1, 4, 513, 64, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(1, 1, 600, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="cache_attention.*601"):
+        customops.cache_attention(q, k_cache, k_cache, torch.tensor([601], device="cuda"))
+    out, lse = customops.cache_attention(q, k_cache, k_cache, torch.tensor([600], device="cuda"))
+    _matches_attention_on_each_length(q, k_cache, k_cache, out, lse, [600], [0])
 
 
 @pytest.mark.skipif(not any(d == "cuda" for d in DEVICES), reason="the CUDA kernel's tiles")
