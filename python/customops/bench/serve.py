@@ -3,8 +3,8 @@ generate`` of the same batch and against the decode floor.
 
 The model is :mod:`.generate`'s (Llama-3.2-1B shapes on CUDA, a small config on CPU), packaged once
 with ``max_batch`` the largest concurrency. For each concurrency C the server runs with
-``--max-batch C`` and C streaming clients (threads, raw HTTP) each send ``--requests`` completions
-one after another: prompts of mixed lengths (token ids, a quarter to all of ``--prompt-len``; with
+``--max-batch C`` and C streaming clients (threads, raw HTTP, each on one connection it keeps
+alive, as OpenAI's clients do) each send ``--requests`` completions one after another: prompts of mixed lengths (token ids, a quarter to all of ``--prompt-len``; with
 ``--same-length`` all of it), each ``--new-tokens`` greedy tokens. Reported: output tokens/s over
 the wall time; time to first token (TTFT) and inter-token latency (ITL: a request's time from its
 first to its last token over its tokens after the first) at their p50 and p99 over the requests; and
@@ -192,9 +192,10 @@ def _gguf(model, tokenizer_json: Path, llama_cpp: Path, root: Path, outtype: str
     return out
 
 
-def _stream(port, prompt, new_tokens, extra=None) -> dict:
-    """One streamed completion: its TTFT, its token count and its chunks' arrival times."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+def _stream(conn: http.client.HTTPConnection, prompt, new_tokens, extra=None) -> dict:
+    """One streamed completion on a client's connection (kept alive between its requests, as
+    OpenAI's clients keep theirs; http.client connects again where the server closed it): its TTFT,
+    its token count and its chunks' arrival times."""
     body = json.dumps({"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
                        "stream_options": {"include_usage": True}, **(extra or {})})
     t0 = time.perf_counter()
@@ -217,7 +218,6 @@ def _stream(port, prompt, new_tokens, extra=None) -> dict:
             times.append(time.perf_counter())
         if event.get("usage"):
             usage = event["usage"]
-    conn.close()
     return {"start": t0, "times": times, "tokens": usage["completion_tokens"] if usage else len(times)}
 
 
@@ -260,15 +260,19 @@ def _load(port, prompts, concurrency, requests, new_tokens, extra=None) -> dict:
     lock = threading.Lock()
 
     def client(k):
-        for j in range(requests):
-            try:
-                seeded = {**extra, "seed": k * requests + j} if extra and extra.get("temperature") else extra
-                res = _stream(port, prompts[(k * requests + j) % len(prompts)], new_tokens, seeded)
-            except Exception as e:  # noqa: BLE001
-                errors.append(str(e))
-                return
-            with lock:
-                results.append(res)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        try:
+            for j in range(requests):
+                try:
+                    seeded = {**extra, "seed": k * requests + j} if extra and extra.get("temperature") else extra
+                    res = _stream(conn, prompts[(k * requests + j) % len(prompts)], new_tokens, seeded)
+                except Exception as e:  # noqa: BLE001
+                    errors.append(str(e))
+                    return
+                with lock:
+                    results.append(res)
+        finally:
+            conn.close()
 
     t = time.perf_counter()
     threads = [threading.Thread(target=client, args=(k,)) for k in range(concurrency)]
