@@ -1,5 +1,5 @@
 """customops::Tokenizer on tokenizer.json files against Hugging Face's tokenizers library: byte-level
-BPE tokenizers trained here (as Llama-3, Qwen2 and GPT-2 describe theirs: the pre-tokenizer
+BPE tokenizers trained here (as Llama-3, Qwen2, GPT-2 and Mistral-Nemo describe theirs: the pre-tokenizer
 regexes, NFC, ignore_merges, added and special tokens) encode and decode every text of a
 multilingual corpus (scripts, emoji, whitespace runs, digits, contractions, special tokens written
 in the text) exactly as tokenizers does; TextStream's pieces never split a character and add up to
@@ -29,11 +29,17 @@ LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[
           r"|\s+(?!\S)|\s+")
 QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)"
          r"|\s+")
+# Mistral-Nemo's (Tekken's): letters split by case (CamelCase into words), marks with letters, no
+# contractions, one digit a piece
+TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}"
+          r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 WORDS = ["the", "quick", "brown", "fox", "Straße", "naïve", "café", "résumé", "Ωμέγα", "Привет", "мир", "こんにちは",
          "世界", "東京都", "안녕하세요", "مرحبا", "नमस्ते", "שלום", "ภาษาไทย", "Tiếng Việt", "I'm", "DON'T", "we'VE",
          "12345678", "3.14159", "٣٤٥", "½", "x²", "🙂", "👍🏽", "👨‍👩‍👧", "🇫🇷", "∑∫√", "def f(x):", "return x**2",
-         "$100", "e\u0301", "\u00a0", "\u2003", "\u3000", "\u200b", "a_b", "--", "!!!", "...", "?!"]
+         "$100", "e\u0301", "\u00a0", "\u2003", "\u3000", "\u200b", "a_b", "--", "!!!", "...", "?!", "CamelCase",
+         "HTTPServer", "iPhone", "ǅemal", "İstanbul", "a/b/c", "ʰʲ", "ﬁ"]
 SPACES = [" ", "  ", "   ", "\t", "\n", "\n\n", "\r\n", " \n ", "\t\t", "    \n"]
 
 
@@ -53,7 +59,8 @@ def _corpus(n, seed, special=()):
 def _train(kind, vocab_size=600):
     """A tokenizers.Tokenizer of one of the families' designs, trained on the corpus."""
     special = {"llama3": ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"],
-               "qwen2": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "gpt2": ["<|endoftext|>"]}[kind]
+               "qwen2": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], "gpt2": ["<|endoftext|>"],
+               "nemo": ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]}[kind]
     tok = tokenizers.Tokenizer(models.BPE(ignore_merges=kind == "llama3"))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     if kind == "llama3":
@@ -61,6 +68,8 @@ def _train(kind, vocab_size=600):
     elif kind == "qwen2":
         tok.normalizer = normalizers.NFC()
         tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2), behavior="isolated"), byte_level])
+    elif kind == "nemo":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(TEKKEN), behavior="isolated"), byte_level])
     else:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -71,7 +80,7 @@ def _train(kind, vocab_size=600):
     return tok, special
 
 
-@pytest.fixture(scope="module", params=["llama3", "qwen2", "gpt2"])
+@pytest.fixture(scope="module", params=["llama3", "qwen2", "gpt2", "nemo"])
 def trained(request, tmp_path_factory):
     tok, special = _train(request.param)
     path = tmp_path_factory.mktemp(request.param) / "tokenizer.json"
