@@ -12,6 +12,8 @@
 #include <c10/core/GradMode.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "customops/customops.h"
 #include "ops/autocast.h"
 #include "ops/autograd.h"
@@ -182,6 +184,9 @@ namespace {
 // least kMinBytesAThread.
 constexpr int64_t kMaxSplitRows = 8;
 constexpr int64_t kMinBytesAThread = 256 * 1024;
+// A quantized weight's product reads the codes as stored up to this many rows (float32, float16 or
+// bfloat16 x); more rows (prefill) dequantize blocks of the weight to float32 for BLAS.
+constexpr int64_t kMaxQuantizedRows = 16;
 
 at::Tensor fused_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& residual, c10::string_view prologue,
@@ -190,6 +195,22 @@ at::Tensor fused_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const
   const Prologue p = check_fused_linear(x, weight, bias, residual, prologue, norm_weight, weight_scale);
   const int64_t n = weight.size(0), k = weight.size(1), row_bytes = k * weight.element_size();
   const int64_t rows = x.size(-1) == 0 ? 0 : x.numel() / x.size(-1);
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = n;
+  if (given(weight_scale) && rows > 0 && x.scalar_type() != at::kDouble && quantized_cpu_fit(weight, *weight_scale)) {
+    const at::Tensor prologue_out = apply_prologue(p, x, norm_weight, eps);
+    const at::Tensor in = prologue_out.reshape({rows, prologue_out.size(-1)});
+    at::Tensor y;
+    if (rows <= kMaxQuantizedRows) {
+      y = quantized_rows_cpu(in, weight, *weight_scale);
+    } else {
+      y = quantized_matmul_cpu(in, weight, *weight_scale);
+    }
+    if (given(bias)) y.add_(bias->to(at::kFloat));
+    y = y.to(x.scalar_type());
+    if (given(residual)) y.add_(residual->reshape({rows, n}));
+    return y.view(sizes);
+  }
   if (given(weight_scale) || rows == 0 || rows > kMaxSplitRows || k == 0 || at::get_num_threads() < 2 ||
       at::in_parallel_region() || n * row_bytes < 2 * kMinBytesAThread || !weight.is_contiguous()) {
     return fused_linear_unfused(x, weight, bias, residual, prologue, norm_weight, eps, weight_scale);
@@ -209,8 +230,6 @@ at::Tensor fused_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const
   at::Tensor y = rows == 1 ? out_t.view({1, n}) : out_t.t().contiguous();
   if (given(bias)) y.add_(*bias);
   if (given(residual)) y.add_(residual->reshape({rows, n}));
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = n;
   return y.view(sizes);
 }
 

@@ -29,4 +29,16 @@ at::Tensor fused_linear_unfused(const at::Tensor& x, const at::Tensor& weight, c
                                 const std::optional<at::Tensor>& norm_weight, double eps,
                                 const std::optional<at::Tensor>& weight_scale);
 
+// CPU kernels of a quantized weight (cpp/cpu/quantized_linear.cpp), for a contiguous weight whose
+// int4 groups are whole bytes (quantized_cpu_fit):
+// - quantized_rows_cpu: the product of a few rows, in [rows, in_features] (any float dtype), read
+//   from the codes as stored; the result [rows, out_features] in float32, the dequantized
+//   product's sums in another order;
+// - quantized_matmul_cpu: the product of many rows (prefill), the result [rows, out_features] in
+//   float32: blocks of the weight dequantized to float32 (bit for bit as the ATen decomposition
+//   does) in each thread's cache, each multiplied by BLAS.
+bool quantized_cpu_fit(const at::Tensor& weight, const at::Tensor& weight_scale);
+at::Tensor quantized_rows_cpu(const at::Tensor& in, const at::Tensor& weight, const at::Tensor& weight_scale);
+at::Tensor quantized_matmul_cpu(const at::Tensor& in, const at::Tensor& weight, const at::Tensor& weight_scale);
+
 }  // namespace customops

@@ -451,6 +451,9 @@ def _fused_linear_samples(device, dtype, requires_grad):
                       "fp8 weight, transposed x, swiglu"))
     q, s = fp8(8, 16)
     out.append(Sample((x_((0, 16)), q, None, None, "none", None, 1e-6, False, s), {}, "fp8 weight, empty x"))
+    q, s = fp8(24, 80)
+    out.append(Sample((x_((20, 80)), q, vec(24), None, "none", None, 1e-6, True, s), {},
+                      "fp8 weight, 20 rows (prefill's path) + bias"))
 
     def int4(n, k, group):  # a weight packed two int4 a byte, a scale a group (frozen)
         w = torch.randn(n, k // group, group, device=device) / k ** 0.5
@@ -466,6 +469,9 @@ def _fused_linear_samples(device, dtype, requires_grad):
                       "int4 weight (groups of 16), strided x, rms_norm"))
     q, s = int4(8, 16, 16)
     out.append(Sample((x_((3, 32)), q, None, None, "swiglu", None, 1e-6, False, s), {}, "int4 weight, swiglu"))
+    q, s = int4(24, 96, 48)
+    out.append(Sample((x_((20, 96)), q, None, x_((20, 24)), "rms_norm", vec(96, offset=0.5), 1e-6, True, s), {},
+                      "int4 weight (groups of 48), 20 rows (prefill's path), rms_norm + residual"))
     return out
 
 

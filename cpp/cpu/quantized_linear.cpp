@@ -1,0 +1,329 @@
+// CPU kernels of fused_linear with a quantized weight (cpp/ops/fused_linear.cpp calls them).
+// - A few rows (decoding): the codes are read as stored, a block of a weight row decoded at a time
+//   into L1 (fp8 as float16 patterns, int4 as floats) and multiplied there with up to 4 rows of x
+//   at once. The ATen decomposition's dequantized float32 matrix, written and read again, cost
+//   20-60x the bf16 product at one row.
+//   fp8 (E4M3, a float32 scale an output feature): y[r, j] = scale[j] * sum_k x[r, k] * f8(w[j, k]);
+//   int4 (two a byte, low nibble first, stored plus 8; a scale a group of inputs):
+//   y[r, j] = sum_g scale[j, g] * (sum_{k in g} x[r, k] * q[j, k] - 8 * sum_{k in g} x[r, k]):
+//   the dequantized product's sums in float32, in another order.
+// - Many rows (prefill): blocks of output features dequantized to float32, bit for bit as the
+//   decomposition does, into each thread's cache, and multiplied there by BLAS.
+// Output features are split over torch's threads.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "cpu/dispatch.h"
+#include "cpu/rows.h"
+
+namespace customops {
+namespace CPU_CAPABILITY {
+
+namespace {
+
+using Vec = Vectorized<float>;
+using HalfVec = Vectorized<c10::Half>;
+static_assert(HalfVec::size() == 2 * Vec::size());
+
+// The block of a weight row decoded at once (8 KiB of floats: it stays in L1 beside x's block),
+// and the rows of x that share each decoded vector (their sums in registers).
+constexpr int64_t kBlock = 2048;
+constexpr int kRowBlock = 4;
+
+// Threads split the output features in blocks of at least this many weight bytes.
+constexpr int64_t kMinBytesAThread = 256 * 1024;
+
+float hsum(const Vec& v) {
+  alignas(64) float buf[Vec::size()];
+  v.store(buf);
+  float s = 0.f;
+  for (int64_t l = 0; l < Vec::size(); ++l) s += buf[l];
+  return s;
+}
+
+// The exact value of each float8_e4m3fn code (signed zeros, subnormals, NaN; E4M3 has no
+// infinity), by integer operations the compiler vectorizes: a normal code's exponent rebiased
+// (7 to 127), a subnormal's mantissa times 2^-9, 0x7f and 0xff NaN.
+void decode_fp8(const uint8_t* __restrict w, float* __restrict out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = w[i], e = (b >> 3) & 15u, m = b & 7u;
+    const uint32_t normal = ((e + 120u) << 23) | (m << 20);
+    const uint32_t subnormal = __builtin_bit_cast(uint32_t, static_cast<float>(m) * 0x1p-9f);
+    const uint32_t is_normal = 0u - static_cast<uint32_t>(e != 0);
+    const uint32_t is_nan = 0u - static_cast<uint32_t>((b & 0x7fu) == 0x7fu);
+    const uint32_t bits = (((normal & is_normal) | (subnormal & ~is_normal)) & ~is_nan) | (0x7fc00000u & is_nan);
+    out[i] = __builtin_bit_cast(float, bits | ((b & 0x80u) << 24));
+  }
+}
+
+// float8_e4m3fn codes to the float16 bit patterns of 2^-8 times their values, exactly (E4M3's
+// exponent bias is 7, float16's 15, so a shift does it, subnormals too): half the bytes of floats
+// to hold in L1, and float16 to float32 is one instruction where the CPU has F16C. Returns whether
+// a code was NaN (0x7f or 0xff), which has no such pattern.
+bool fp8_as_half(const uint8_t* __restrict w, uint16_t* __restrict out, int64_t n) {
+  uint32_t nan = 0;
+#pragma omp simd reduction(| : nan)
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = w[i];
+    out[i] = static_cast<uint16_t>(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
+    nan |= static_cast<uint32_t>((b & 0x7fu) == 0x7fu);
+  }
+  return nan != 0;
+}
+
+// A byte's two int4 codes (0..15) to float32: the low nibbles to lo, the high ones to hi.
+void decode_int4(const uint8_t* __restrict w, float* __restrict lo, float* __restrict hi, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    lo[i] = static_cast<float>(w[i] & 15u);
+    hi[i] = static_cast<float>(w[i] >> 4);
+  }
+}
+
+// acc[r] += x[r][i] * h[i] for R rows, over n elements (a multiple of HalfVec::size()) of float16
+// patterns h, each vector of h converted once for the R rows.
+template <int R>
+void fma_halves(const float* const* x, const uint16_t* h, int64_t n, Vec* acc) {
+  Vec a0[R], a1[R];  // (in registers: two chains a row hide the FMA's latency)
+  for (int r = 0; r < R; ++r) {
+    a0[r] = acc[r];
+    a1[r] = Vec(0.f);
+  }
+  for (int64_t i = 0; i < n; i += HalfVec::size()) {
+    const auto [h0, h1] = at::vec::convert_to_float<c10::Half>(HalfVec::loadu(h + i));
+    for (int r = 0; r < R; ++r) {
+      a0[r] = at::vec::fmadd(Vec::loadu(x[r] + i), h0, a0[r]);
+      a1[r] = at::vec::fmadd(Vec::loadu(x[r] + i + Vec::size()), h1, a1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) acc[r] = a0[r] + a1[r];
+}
+
+// part[r] = sum_i e[r][i] * lo[i] + o[r][i] * hi[i] for R rows, over n floats (a multiple of
+// Vec::size()).
+template <int R>
+void fma_pairs(const float* const* e, const float* const* o, const float* lo, const float* hi, int64_t n, Vec* part) {
+  Vec pe[R], po[R];
+  for (int r = 0; r < R; ++r) pe[r] = po[r] = Vec(0.f);
+  for (int64_t i = 0; i < n; i += Vec::size()) {
+    const Vec l = Vec::loadu(lo + i), h = Vec::loadu(hi + i);
+    for (int r = 0; r < R; ++r) {
+      pe[r] = at::vec::fmadd(Vec::loadu(e[r] + i), l, pe[r]);
+      po[r] = at::vec::fmadd(Vec::loadu(o[r] + i), h, po[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) part[r] = pe[r] + po[r];
+}
+
+// f(std::integral_constant<int, R>, first row) over the rows in blocks of kRowBlock (the last one
+// shorter).
+template <typename F>
+void row_blocks(int64_t rows, const F& f) {
+  static_assert(kRowBlock == 4);
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+    switch (std::min<int64_t>(kRowBlock, rows - r0)) {
+      case 1: f(std::integral_constant<int, 1>(), r0); break;
+      case 2: f(std::integral_constant<int, 2>(), r0); break;
+      case 3: f(std::integral_constant<int, 3>(), r0); break;
+      default: f(std::integral_constant<int, 4>(), r0); break;
+    }
+  }
+}
+
+}  // namespace
+
+// x [rows, k] float32; w [n, k] float8 codes; scale [n]; y [rows, n].
+void fp8_rows(const float* x, int64_t rows, int64_t k, const uint8_t* w, const float* scale, int64_t n, float* y) {
+  at::parallel_for(0, n, std::max<int64_t>(1, kMinBytesAThread / std::max<int64_t>(k, 1)), [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> dec(std::min(k, kBlock));
+    std::vector<Vec> acc(rows);
+    std::vector<float> tail(rows);
+    for (int64_t j = begin; j < end; ++j) {
+      std::fill(acc.begin(), acc.end(), Vec(0.f));
+      std::fill(tail.begin(), tail.end(), 0.f);
+      bool nan = false;
+      for (int64_t c = 0; c < k; c += kBlock) {
+        const int64_t len = std::min(kBlock, k - c), whole = len - len % HalfVec::size();
+        nan |= fp8_as_half(w + j * k + c, dec.data(), len);
+        row_blocks(rows, [&](auto block_rows, int64_t r0) {
+          constexpr int R = decltype(block_rows)::value;
+          const float* xr[R];
+          for (int r = 0; r < R; ++r) xr[r] = x + (r0 + r) * k + c;
+          fma_halves<R>(xr, dec.data(), whole, acc.data() + r0);
+        });
+        for (int64_t i = whole; i < len; ++i) {
+          const float h = static_cast<float>(c10::Half(dec[i], c10::Half::from_bits()));
+          for (int64_t r = 0; r < rows; ++r) tail[r] += x[r * k + c + i] * h;
+        }
+      }
+      // (2^8: the float16 patterns' factor)
+      for (int64_t r = 0; r < rows; ++r) {
+        y[r * n + j] = nan ? std::numeric_limits<float>::quiet_NaN() : scale[j] * 256.f * (hsum(acc[r]) + tail[r]);
+      }
+    }
+  });
+}
+
+// x [rows, k] float32 split into its even (xe) and odd (xo) inputs, [rows, k / 2] each, and xsum
+// [rows, groups], each group's sum of x; w [n, k / 2] bytes; scale [n, groups] float32 (a group:
+// k / groups inputs, an even number); y [rows, n].
+void int4_rows(const float* xe, const float* xo, const float* xsum, int64_t rows, int64_t k, const uint8_t* w,
+               const float* scale, int64_t groups, int64_t n, float* y) {
+  const int64_t half = k / 2, group_bytes = half / groups;
+  // a block holds whole groups (one group where a group is longer than kBlock bytes: split there)
+  const int64_t block = group_bytes >= kBlock ? kBlock : kBlock / group_bytes * group_bytes;
+  at::parallel_for(0, n, std::max<int64_t>(1, kMinBytesAThread / std::max<int64_t>(half, 1)), [&](int64_t begin, int64_t end) {
+    std::vector<float> lo(block), hi(block), tail(rows);
+    std::vector<Vec> acc(rows);
+    for (int64_t j = begin; j < end; ++j) {
+      std::fill(acc.begin(), acc.end(), Vec(0.f));
+      std::fill(tail.begin(), tail.end(), 0.f);
+      const uint8_t* wj = w + j * half;
+      const float* sj = scale + j * groups;
+      for (int64_t c0 = 0; c0 < half; c0 += block) {
+        decode_int4(wj + c0, lo.data(), hi.data(), std::min(block, half - c0));
+        // the pieces of groups in the block: [c, c + len) of group g
+        for (int64_t c = c0; c < std::min(c0 + block, half);) {
+          const int64_t g = c / group_bytes, len = std::min({group_bytes - c % group_bytes, c0 + block - c, half - c});
+          const int64_t whole = len - len % Vec::size();
+          const float* l = lo.data() + (c - c0);
+          const float* h = hi.data() + (c - c0);
+          row_blocks(rows, [&](auto block_rows, int64_t r0) {
+            constexpr int R = decltype(block_rows)::value;
+            const float* e[R];
+            const float* o[R];
+            for (int r = 0; r < R; ++r) {
+              e[r] = xe + (r0 + r) * half + c;
+              o[r] = xo + (r0 + r) * half + c;
+            }
+            Vec part[R];
+            fma_pairs<R>(e, o, l, h, whole, part);
+            for (int r = 0; r < R; ++r) acc[r0 + r] = at::vec::fmadd(part[r], Vec(sj[g]), acc[r0 + r]);
+          });
+          if (whole < len) {
+            for (int64_t r = 0; r < rows; ++r) {
+              float t = 0.f;
+              for (int64_t i = whole; i < len; ++i) t += xe[r * half + c + i] * l[i] + xo[r * half + c + i] * h[i];
+              tail[r] += sj[g] * t;
+            }
+          }
+          c += len;
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float offset = 0.f;  // the codes' 8, times each group's scale and sum of x
+        for (int64_t g = 0; g < groups; ++g) offset += sj[g] * xsum[r * groups + g];
+        y[r * n + j] = hsum(acc[r]) + tail[r] - 8.f * offset;
+      }
+    }
+  });
+}
+
+// The dequantized weight [n, k] in float32, as fused_linear's ATen decomposition computes it
+// (float(code) * scale; (float(q) - 8) * scale), bit for bit: for the rows past the kernels above.
+void dequantize_fp8(const uint8_t* w, const float* scale, int64_t n, int64_t k, float* out) {
+  at::parallel_for(0, n, std::max<int64_t>(1, kMinBytesAThread / std::max<int64_t>(k, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      float* o = out + j * k;
+      decode_fp8(w + j * k, o, k);
+      const float s = scale[j];
+#pragma omp simd
+      for (int64_t i = 0; i < k; ++i) o[i] *= s;
+    }
+  });
+}
+
+void dequantize_int4(const uint8_t* w, const float* scale, int64_t groups, int64_t n, int64_t k, float* out) {
+  const int64_t half = k / 2, group_bytes = half / groups;
+  at::parallel_for(0, n, std::max<int64_t>(1, kMinBytesAThread / std::max<int64_t>(half, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      for (int64_t g = 0; g < groups; ++g) {
+        const uint8_t* b = w + j * half + g * group_bytes;
+        float* o = out + j * k + g * group_bytes * 2;
+        const float s = scale[j * groups + g];
+#pragma omp simd
+        for (int64_t i = 0; i < group_bytes; ++i) {
+          o[2 * i] = (static_cast<float>(b[i] & 15u) - 8.f) * s;
+          o[2 * i + 1] = (static_cast<float>(b[i] >> 4) - 8.f) * s;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace CPU_CAPABILITY
+
+#ifdef CPU_CAPABILITY_DEFAULT
+CUSTOMOPS_CPU_KERNEL(void, fp8_rows, const float*, int64_t, int64_t, const uint8_t*, const float*, int64_t, float*)
+CUSTOMOPS_CPU_KERNEL(void, int4_rows, const float*, const float*, const float*, int64_t, int64_t, const uint8_t*,
+                     const float*, int64_t, int64_t, float*)
+CUSTOMOPS_CPU_KERNEL(void, dequantize_fp8, const uint8_t*, const float*, int64_t, int64_t, float*)
+CUSTOMOPS_CPU_KERNEL(void, dequantize_int4, const uint8_t*, const float*, int64_t, int64_t, int64_t, float*)
+
+bool quantized_cpu_fit(const at::Tensor& weight, const at::Tensor& weight_scale) {
+  if (!weight.is_contiguous() || weight.size(0) == 0 || weight.size(1) == 0) return false;
+  if (weight.scalar_type() == at::kFloat8_e4m3fn) return true;
+  // int4: a group's inputs are whole bytes
+  return weight.scalar_type() == at::kByte && (weight.size(1) * 2 / weight_scale.size(1)) % 2 == 0;
+}
+
+at::Tensor quantized_rows_cpu(const at::Tensor& in, const at::Tensor& weight, const at::Tensor& weight_scale) {
+  const at::Tensor x = in.to(at::kFloat).contiguous();
+  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
+  at::Tensor y = at::empty({rows, n}, x.options());
+  const at::Tensor scale = weight_scale.to(at::kFloat).contiguous();
+  const auto* w = static_cast<const uint8_t*>(weight.const_data_ptr());
+  if (weight.scalar_type() == at::kFloat8_e4m3fn) {
+    CUSTOMOPS_CPU_DISPATCH(fp8_rows, x.const_data_ptr<float>(), rows, k, w, scale.const_data_ptr<float>(), n,
+                           y.mutable_data_ptr<float>());
+    return y;
+  }
+  const int64_t groups = scale.size(1);
+  const at::Tensor pairs = x.view({rows, k / 2, 2});
+  const at::Tensor xe = pairs.select(2, 0).contiguous(), xo = pairs.select(2, 1).contiguous();
+  const at::Tensor xsum = x.view({rows, groups, k / groups}).sum(2);
+  CUSTOMOPS_CPU_DISPATCH(int4_rows, xe.const_data_ptr<float>(), xo.const_data_ptr<float>(),
+                         xsum.const_data_ptr<float>(), rows, k, w, scale.const_data_ptr<float>(), groups, n,
+                         y.mutable_data_ptr<float>());
+  return y;
+}
+
+at::Tensor quantized_matmul_cpu(const at::Tensor& in, const at::Tensor& weight, const at::Tensor& weight_scale) {
+  const at::Tensor x = in.to(at::kFloat).contiguous();
+  const at::Tensor scale = weight_scale.to(at::kFloat).contiguous();
+  const auto* w = static_cast<const uint8_t*>(weight.const_data_ptr());
+  const bool fp8 = weight.scalar_type() == at::kFloat8_e4m3fn;
+  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0), groups = fp8 ? 1 : scale.size(1);
+  const int64_t row_bytes = weight.size(1);
+  // output features a block: their dequantized rows fill about 512 KiB, a thread's L2 share
+  const int64_t block = std::max<int64_t>(1, (512 * 1024) / (k * static_cast<int64_t>(sizeof(float))));
+  at::Tensor out_t = at::empty({n, rows}, x.options());  // features x rows: a block of features is a block of rows
+  // (every thread takes a share, however few the blocks; each multiplies its share a block at a time)
+  const int64_t grain = std::max<int64_t>(1, std::min(block, (n + at::get_num_threads() - 1) / at::get_num_threads()));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    at::Tensor wb = at::empty({std::min(block, end - begin), k}, x.options());
+    for (int64_t j0 = begin; j0 < end; j0 += block) {
+      const int64_t nb = std::min(block, end - j0);
+      float* dst = wb.mutable_data_ptr<float>();
+      if (fp8) {
+        CUSTOMOPS_CPU_DISPATCH(dequantize_fp8, w + j0 * row_bytes, scale.const_data_ptr<float>() + j0, nb, k, dst);
+      } else {
+        CUSTOMOPS_CPU_DISPATCH(dequantize_int4, w + j0 * row_bytes, scale.const_data_ptr<float>() + j0 * groups,
+                               groups, nb, k, dst);
+      }
+      at::Tensor o = out_t.narrow(0, j0, nb);
+      at::mm_out(o, wb.narrow(0, 0, nb), x.t());
+    }
+  });
+  return out_t.t().contiguous();
+}
+#endif  // CPU_CAPABILITY_DEFAULT
+
+}  // namespace customops
