@@ -1,8 +1,8 @@
 // CPU kernels of fused_linear with a quantized weight (cpp/ops/fused_linear.cpp calls them).
 // - A few rows (decoding): the codes are read as stored, a block of a weight row decoded at a time
-//   into L1 (fp8 as float16 patterns, int4 as floats) and multiplied there with up to 4 rows of x
-//   at once. The ATen decomposition's dequantized float32 matrix, written and read again, cost
-//   20-60x the bf16 product at one row.
+//   into L1 (as float16 bit patterns: fp8 codes shifted, int4 codes as subnormals) and multiplied
+//   there with up to 4 rows of x at once. The ATen decomposition's dequantized float32 matrix,
+//   written and read again, cost 20-60x the bf16 product at one row.
 //   fp8 (E4M3, a float32 scale an output feature): y[r, j] = scale[j] * sum_k x[r, k] * f8(w[j, k]);
 //   int4 (two a byte, low nibble first, stored plus 8; a scale a group of inputs):
 //   y[r, j] = sum_g scale[j, g] * (sum_{k in g} x[r, k] * q[j, k] - 8 * sum_{k in g} x[r, k]):
@@ -78,14 +78,18 @@ bool fp8_as_half(const uint8_t* __restrict w, uint16_t* __restrict out, int64_t 
   return nan != 0;
 }
 
-// A byte's two int4 codes (0..15) to float32: the low nibbles to lo, the high ones to hi.
-void decode_int4(const uint8_t* __restrict w, float* __restrict lo, float* __restrict hi, int64_t n) {
+// A byte's two int4 codes (0..15) as float16 bit patterns, the low nibbles to lo, the high ones to
+// hi: a code q is the subnormal q * 2^-24, exactly, which F16C widens to float32 at full speed.
+void int4_as_half(const uint8_t* __restrict w, uint16_t* __restrict lo, uint16_t* __restrict hi, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    lo[i] = static_cast<float>(w[i] & 15u);
-    hi[i] = static_cast<float>(w[i] >> 4);
+    lo[i] = static_cast<uint16_t>(w[i] & 15u);
+    hi[i] = static_cast<uint16_t>(w[i] >> 4);
   }
 }
+
+// The float value of a float16 bit pattern.
+float half_value(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
 
 // acc[r] += x[r][i] * h[i] for R rows, over n elements (a multiple of HalfVec::size()) of float16
 // patterns h, each vector of h converted once for the R rows.
@@ -106,17 +110,21 @@ void fma_halves(const float* const* x, const uint16_t* h, int64_t n, Vec* acc) {
   for (int r = 0; r < R; ++r) acc[r] = a0[r] + a1[r];
 }
 
-// part[r] = sum_i e[r][i] * lo[i] + o[r][i] * hi[i] for R rows, over n floats (a multiple of
-// Vec::size()).
+// part[r] = sum_i e[r][i] * lo[i] + o[r][i] * hi[i] for R rows, over n elements (a multiple of
+// HalfVec::size()) of float16 patterns lo and hi.
 template <int R>
-void fma_pairs(const float* const* e, const float* const* o, const float* lo, const float* hi, int64_t n, Vec* part) {
+void fma_pairs(const float* const* e, const float* const* o, const uint16_t* lo, const uint16_t* hi, int64_t n,
+               Vec* part) {
   Vec pe[R], po[R];
   for (int r = 0; r < R; ++r) pe[r] = po[r] = Vec(0.f);
-  for (int64_t i = 0; i < n; i += Vec::size()) {
-    const Vec l = Vec::loadu(lo + i), h = Vec::loadu(hi + i);
+  for (int64_t i = 0; i < n; i += HalfVec::size()) {
+    const auto [l0, l1] = at::vec::convert_to_float<c10::Half>(HalfVec::loadu(lo + i));
+    const auto [h0, h1] = at::vec::convert_to_float<c10::Half>(HalfVec::loadu(hi + i));
     for (int r = 0; r < R; ++r) {
-      pe[r] = at::vec::fmadd(Vec::loadu(e[r] + i), l, pe[r]);
-      po[r] = at::vec::fmadd(Vec::loadu(o[r] + i), h, po[r]);
+      pe[r] = at::vec::fmadd(Vec::loadu(e[r] + i), l0, pe[r]);
+      po[r] = at::vec::fmadd(Vec::loadu(o[r] + i), h0, po[r]);
+      pe[r] = at::vec::fmadd(Vec::loadu(e[r] + i + Vec::size()), l1, pe[r]);
+      po[r] = at::vec::fmadd(Vec::loadu(o[r] + i + Vec::size()), h1, po[r]);
     }
   }
   for (int r = 0; r < R; ++r) part[r] = pe[r] + po[r];
@@ -159,7 +167,7 @@ void fp8_rows(const float* x, int64_t rows, int64_t k, const uint8_t* w, const f
           fma_halves<R>(xr, dec.data(), whole, acc.data() + r0);
         });
         for (int64_t i = whole; i < len; ++i) {
-          const float h = static_cast<float>(c10::Half(dec[i], c10::Half::from_bits()));
+          const float h = half_value(dec[i]);
           for (int64_t r = 0; r < rows; ++r) tail[r] += x[r * k + c + i] * h;
         }
       }
@@ -180,7 +188,8 @@ void int4_rows(const float* xe, const float* xo, const float* xsum, int64_t rows
   // a block holds whole groups (one group where a group is longer than kBlock bytes: split there)
   const int64_t block = group_bytes >= kBlock ? kBlock : kBlock / group_bytes * group_bytes;
   at::parallel_for(0, n, std::max<int64_t>(1, kMinBytesAThread / std::max<int64_t>(half, 1)), [&](int64_t begin, int64_t end) {
-    std::vector<float> lo(block), hi(block), tail(rows);
+    std::vector<uint16_t> lo(block), hi(block);
+    std::vector<float> tail(rows);
     std::vector<Vec> acc(rows);
     for (int64_t j = begin; j < end; ++j) {
       std::fill(acc.begin(), acc.end(), Vec(0.f));
@@ -188,13 +197,13 @@ void int4_rows(const float* xe, const float* xo, const float* xsum, int64_t rows
       const uint8_t* wj = w + j * half;
       const float* sj = scale + j * groups;
       for (int64_t c0 = 0; c0 < half; c0 += block) {
-        decode_int4(wj + c0, lo.data(), hi.data(), std::min(block, half - c0));
+        int4_as_half(wj + c0, lo.data(), hi.data(), std::min(block, half - c0));
         // the pieces of groups in the block: [c, c + len) of group g
         for (int64_t c = c0; c < std::min(c0 + block, half);) {
           const int64_t g = c / group_bytes, len = std::min({group_bytes - c % group_bytes, c0 + block - c, half - c});
-          const int64_t whole = len - len % Vec::size();
-          const float* l = lo.data() + (c - c0);
-          const float* h = hi.data() + (c - c0);
+          const int64_t whole = len - len % HalfVec::size();
+          const uint16_t* l = lo.data() + (c - c0);
+          const uint16_t* h = hi.data() + (c - c0);
           row_blocks(rows, [&](auto block_rows, int64_t r0) {
             constexpr int R = decltype(block_rows)::value;
             const float* e[R];
@@ -205,12 +214,15 @@ void int4_rows(const float* xe, const float* xo, const float* xsum, int64_t rows
             }
             Vec part[R];
             fma_pairs<R>(e, o, l, h, whole, part);
-            for (int r = 0; r < R; ++r) acc[r0 + r] = at::vec::fmadd(part[r], Vec(sj[g]), acc[r0 + r]);
+            // (2^24: the float16 patterns' factor)
+            for (int r = 0; r < R; ++r) acc[r0 + r] = at::vec::fmadd(part[r], Vec(sj[g] * 0x1p24f), acc[r0 + r]);
           });
           if (whole < len) {
             for (int64_t r = 0; r < rows; ++r) {
               float t = 0.f;
-              for (int64_t i = whole; i < len; ++i) t += xe[r * half + c + i] * l[i] + xo[r * half + c + i] * h[i];
+              for (int64_t i = whole; i < len; ++i) {
+                t += xe[r * half + c + i] * static_cast<float>(l[i]) + xo[r * half + c + i] * static_cast<float>(h[i]);
+              }
               tail[r] += sj[g] * t;
             }
           }
