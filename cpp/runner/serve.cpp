@@ -741,12 +741,31 @@ class Server {
     return tokenizer_.encode(text);  // the template wrote bos where the model wants it
   }
 
+  // What the engine would refuse of a prompt, refused here first so that the error names its field
+  // (and, for a prompt longer than the cache, OpenAI's code for it).
+  void check_prompt_fits(const std::vector<int64_t>& ids, const char* param) {
+    if (static_cast<int64_t>(ids.size()) > lm_.max_seq_len()) {
+      throw ApiError(400,
+                     "the prompt has " + std::to_string(ids.size()) + " tokens, more than the package's max_seq_len (" +
+                         std::to_string(lm_.max_seq_len()) + ")",
+                     "invalid_request_error", param, "context_length_exceeded");
+    }
+    for (size_t j = 0; j < ids.size(); ++j) {
+      if (ids[j] < 0 || ids[j] >= lm_.vocab_size()) {
+        throw bad_request("the prompt holds id " + std::to_string(ids[j]) + " at position " + std::to_string(j) +
+                              ", outside the vocabulary [0, " + std::to_string(lm_.vocab_size()) + ")",
+                          param);
+      }
+    }
+  }
+
   Job parse_job(const json& body, bool chat) {
     check_model(body);
     refuse_unsupported(body);
     Job job;
     job.chat = chat;
     job.prompt = chat ? chat_prompt(body) : completion_prompt(body);
+    check_prompt_fits(job.prompt, chat ? "messages" : "prompt");
     RequestOptions& r = job.options;
     // OpenAI's defaults: temperature 1, top_p 1; completions 16 tokens, chat until the cache is full
     r.temperature = number_field(body, "temperature", 0, 2).value_or(1.0);

@@ -206,11 +206,17 @@ def test_stop_strings_cut_the_text_before_them(served):
     can bring many ids at once)."""
     server, model, hf_tok = served
     client = server.client()
-    text = TEXTS[1]
-    ids = greedy_ids(server, model, hf_tok(text).input_ids, 16)
-    full = hf_tok.decode(ids, skip_special_tokens=True)
-    stop = full[len(full) // 2:len(full) // 2 + 2]
-    assert stop.strip(), full
+    # a prompt whose greedy text has two characters mid-way to stop at (a random model's text may be
+    # lone bytes, U+FFFD: the stream holds those until 3 more ids show that no id completes them,
+    # which the count of ids up to the stop string would then include)
+    for text in TEXTS[1:] + TEXTS[:1]:
+        ids = greedy_ids(server, model, hf_tok(text).input_ids, 16)
+        full = hf_tok.decode(ids, skip_special_tokens=True)
+        stop = full[len(full) // 2:len(full) // 2 + 2]
+        if len(stop) == 2 and stop.strip() and "\ufffd" not in full[:len(full) // 2 + 2]:
+            break
+    else:
+        pytest.fail("no prompt's greedy text has a stop string of whole characters")
     want = full[:full.index(stop)]
     upto = next(m for m in range(1, len(ids) + 1) if stop in hf_tok.decode(ids[:m], skip_special_tokens=True))
     for _ in range(4):
@@ -221,9 +227,10 @@ def test_stop_strings_cut_the_text_before_them(served):
                                             stream=True, stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want
     assert chunks[-1].usage.completion_tokens == upto
-    # two stop strings, one inside the other's text: the one the text reaches first ends it
+    # two stop strings, one inside the other's text: the text ends where the first one found starts
+    # (where both complete with the same id, the one that starts first; llama-server cuts so too)
     inner = stop[1:]
-    both = full[:min(full.index(stop) + 1, full.index(inner))]
+    both = full[:min(full.index(stop), full.index(inner))]
     r = client.completions.create(model=NAME, prompt=text, max_tokens=16, temperature=0, stop=[stop, inner])
     assert r.choices[0].text == both
 
@@ -366,6 +373,17 @@ def test_a_bad_request_gets_openai_error_json(served, path, body, status, match)
     got, out = server.http("POST", path, body)
     assert got == status and isinstance(out, dict), (got, out)
     assert set(out["error"]) == {"message", "type", "param", "code"} and re.search(match, out["error"]["message"]), out
+    if path == "/v1/completions" and re.search("prompt|vocabulary|max_seq_len", match):
+        assert out["error"]["param"] == "prompt", out  # (named as OpenAI names it)
+    if "max_seq_len" in match:
+        assert out["error"]["code"] == "context_length_exceeded", out
+
+
+def test_a_chat_longer_than_the_cache_names_its_messages(served):
+    server, _, _ = served
+    got, out = server.http("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 400}]})
+    assert got == 400 and out["error"]["param"] == "messages", out
+    assert out["error"]["code"] == "context_length_exceeded" and "max_seq_len" in out["error"]["message"], out
 
 
 def test_the_api_key_and_the_body_limit(served):
