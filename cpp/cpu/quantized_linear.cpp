@@ -5,8 +5,9 @@
 //   written and read again, cost 20-60x the bf16 product at one row.
 //   fp8 (E4M3, a float32 scale an output feature): y[r, j] = scale[j] * sum_k x[r, k] * f8(w[j, k]);
 //   int4 (two a byte, low nibble first, stored plus 8; a scale a group of inputs):
-//   y[r, j] = sum_g scale[j, g] * (sum_{k in g} x[r, k] * q[j, k] - 8 * sum_{k in g} x[r, k]):
-//   the dequantized product's sums in float32, in another order.
+//   y[r, j] = sum_g scale[j, g] * sum_{k in g} x[r, k] * (q[j, k] - 8): the dequantized product's
+//   sums in float32, in another order (each code less its 8 before the product, never a sum of x
+//   taken off after: that cancels, and a zero weight under a large x would not give 0).
 // - Many rows (prefill): blocks of output features dequantized to float32, bit for bit as the
 //   decomposition does, into each thread's cache, and multiplied there by BLAS.
 // Output features are split over torch's threads.
@@ -110,16 +111,21 @@ void fma_halves(const float* const* x, const uint16_t* h, int64_t n, Vec* acc) {
   for (int r = 0; r < R; ++r) acc[r] = a0[r] + a1[r];
 }
 
-// part[r] = sum_i e[r][i] * lo[i] + o[r][i] * hi[i] for R rows, over n elements (a multiple of
-// HalfVec::size()) of float16 patterns lo and hi.
+// part[r] = sum_i e[r][i] * (lo[i] - 8) + o[r][i] * (hi[i] - 8) for R rows, over n elements (a
+// multiple of HalfVec::size()) of int4 codes as float16 patterns (so 2^-24 times that: the 8 too).
 template <int R>
 void fma_pairs(const float* const* e, const float* const* o, const uint16_t* lo, const uint16_t* hi, int64_t n,
                Vec* part) {
+  const Vec eight(8.f * 0x1p-24f);
   Vec pe[R], po[R];
   for (int r = 0; r < R; ++r) pe[r] = po[r] = Vec(0.f);
   for (int64_t i = 0; i < n; i += HalfVec::size()) {
-    const auto [l0, l1] = at::vec::convert_to_float<c10::Half>(HalfVec::loadu(lo + i));
-    const auto [h0, h1] = at::vec::convert_to_float<c10::Half>(HalfVec::loadu(hi + i));
+    auto [l0, l1] = at::vec::convert_to_float<c10::Half>(HalfVec::loadu(lo + i));
+    auto [h0, h1] = at::vec::convert_to_float<c10::Half>(HalfVec::loadu(hi + i));
+    l0 = l0 - eight;
+    l1 = l1 - eight;
+    h0 = h0 - eight;
+    h1 = h1 - eight;
     for (int r = 0; r < R; ++r) {
       pe[r] = at::vec::fmadd(Vec::loadu(e[r] + i), l0, pe[r]);
       po[r] = at::vec::fmadd(Vec::loadu(o[r] + i), h0, po[r]);
@@ -171,18 +177,17 @@ void fp8_rows(const float* x, int64_t rows, int64_t k, const uint8_t* w, const f
           for (int64_t r = 0; r < rows; ++r) tail[r] += x[r * k + c + i] * h;
         }
       }
-      // (2^8: the float16 patterns' factor)
+      // (2^8: the float16 patterns' factor, taken before the scale, which may be near float's largest)
       for (int64_t r = 0; r < rows; ++r) {
-        y[r * n + j] = nan ? std::numeric_limits<float>::quiet_NaN() : scale[j] * 256.f * (hsum(acc[r]) + tail[r]);
+        y[r * n + j] = nan ? std::numeric_limits<float>::quiet_NaN() : (hsum(acc[r]) + tail[r]) * 256.f * scale[j];
       }
     }
   });
 }
 
-// x [rows, k] float32 split into its even (xe) and odd (xo) inputs, [rows, k / 2] each, and xsum
-// [rows, groups], each group's sum of x; w [n, k / 2] bytes; scale [n, groups] float32 (a group:
+// x [rows, k] float32 split into its even (xe) and odd (xo) inputs, [rows, k / 2] each; w [n, k / 2] bytes; scale [n, groups] float32 (a group:
 // k / groups inputs, an even number); y [rows, n].
-void int4_rows(const float* xe, const float* xo, const float* xsum, int64_t rows, int64_t k, const uint8_t* w,
+void int4_rows(const float* xe, const float* xo, int64_t rows, int64_t k, const uint8_t* w,
                const float* scale, int64_t groups, int64_t n, float* y) {
   const int64_t half = k / 2, group_bytes = half / groups;
   // a block holds whole groups (one group where a group is longer than kBlock bytes: split there)
@@ -214,14 +219,15 @@ void int4_rows(const float* xe, const float* xo, const float* xsum, int64_t rows
             }
             Vec part[R];
             fma_pairs<R>(e, o, l, h, whole, part);
-            // (2^24: the float16 patterns' factor)
-            for (int r = 0; r < R; ++r) acc[r0 + r] = at::vec::fmadd(part[r], Vec(sj[g] * 0x1p24f), acc[r0 + r]);
+            // (2^24: the float16 patterns' factor, taken before the scale, which may be near float's largest)
+            for (int r = 0; r < R; ++r) acc[r0 + r] = at::vec::fmadd(part[r] * Vec(0x1p24f), Vec(sj[g]), acc[r0 + r]);
           });
           if (whole < len) {
             for (int64_t r = 0; r < rows; ++r) {
               float t = 0.f;
               for (int64_t i = whole; i < len; ++i) {
-                t += xe[r * half + c + i] * static_cast<float>(l[i]) + xo[r * half + c + i] * static_cast<float>(h[i]);
+                t += xe[r * half + c + i] * (static_cast<float>(l[i]) - 8.f) +
+                     xo[r * half + c + i] * (static_cast<float>(h[i]) - 8.f);
               }
               tail[r] += sj[g] * t;
             }
@@ -230,9 +236,7 @@ void int4_rows(const float* xe, const float* xo, const float* xsum, int64_t rows
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
-        float offset = 0.f;  // the codes' 8, times each group's scale and sum of x
-        for (int64_t g = 0; g < groups; ++g) offset += sj[g] * xsum[r * groups + g];
-        y[r * n + j] = hsum(acc[r]) + tail[r] - 8.f * offset;
+        y[r * n + j] = hsum(acc[r]) + tail[r];
       }
     }
   });
@@ -274,7 +278,7 @@ void dequantize_int4(const uint8_t* w, const float* scale, int64_t groups, int64
 
 #ifdef CPU_CAPABILITY_DEFAULT
 CUSTOMOPS_CPU_KERNEL(void, fp8_rows, const float*, int64_t, int64_t, const uint8_t*, const float*, int64_t, float*)
-CUSTOMOPS_CPU_KERNEL(void, int4_rows, const float*, const float*, const float*, int64_t, int64_t, const uint8_t*,
+CUSTOMOPS_CPU_KERNEL(void, int4_rows, const float*, const float*, int64_t, int64_t, const uint8_t*,
                      const float*, int64_t, int64_t, float*)
 CUSTOMOPS_CPU_KERNEL(void, dequantize_fp8, const uint8_t*, const float*, int64_t, int64_t, float*)
 CUSTOMOPS_CPU_KERNEL(void, dequantize_int4, const uint8_t*, const float*, int64_t, int64_t, int64_t, float*)
@@ -300,9 +304,8 @@ at::Tensor quantized_rows_cpu(const at::Tensor& in, const at::Tensor& weight, co
   const int64_t groups = scale.size(1);
   const at::Tensor pairs = x.view({rows, k / 2, 2});
   const at::Tensor xe = pairs.select(2, 0).contiguous(), xo = pairs.select(2, 1).contiguous();
-  const at::Tensor xsum = x.view({rows, groups, k / groups}).sum(2);
   CUSTOMOPS_CPU_DISPATCH(int4_rows, xe.const_data_ptr<float>(), xo.const_data_ptr<float>(),
-                         xsum.const_data_ptr<float>(), rows, k, w, scale.const_data_ptr<float>(), groups, n,
+                         rows, k, w, scale.const_data_ptr<float>(), groups, n,
                          y.mutable_data_ptr<float>());
   return y;
 }

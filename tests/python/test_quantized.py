@@ -176,6 +176,29 @@ def test_every_code_of_a_quantized_weight_reads_as_its_value(rows, dtype):
     torch.testing.assert_close(got, ((codes.float() - 8) * 0.25 * k).to(dtype).expand(rows, 16), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rows", [1, 20], ids=lambda r: f"{r}-rows")
+def test_a_quantized_product_keeps_zeros_infinities_and_large_scales(rows):
+    """The CPU kernels multiply each dequantized weight as the reference does: a zero int4 weight
+    under a large x gives 0 (not what is left of a sum of x taken off), an infinity in x reaches the
+    result as one, and a scale near float's largest does not overflow before the sum is scaled."""
+    op = torch.ops.customops.fused_linear
+    zero = torch.full((1, 32), 0x88, dtype=torch.uint8)  # int4 codes 8: every weight 0
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(0)) * 1000
+    assert op(x, zero, None, None, "none", None, 1e-6, True, torch.ones(1, 1)).eq(0).all()
+    one = zero.clone()
+    one[0, 0] = 0x98  # the weight under x[:, 1] is 1
+    x = torch.zeros(rows, 64)
+    x[:, 1] = float("inf")
+    assert op(x, one, None, None, "none", None, 1e-6, True, torch.ones(1, 1)).eq(float("inf")).all()
+    ones = torch.ones(rows, 4)
+    got = op(ones, torch.full((1, 2), 0x99, dtype=torch.uint8), None, None, "none", None, 1e-6, True,
+             torch.full((1, 1), 1e32))
+    torch.testing.assert_close(got, torch.full((rows, 1), 4e32))
+    fp8 = torch.full((1, 4), 1, dtype=torch.uint8).view(torch.float8_e4m3fn)  # 2^-9 each
+    got = op(ones, fp8, None, None, "none", None, 1e-6, True, torch.full((1,), 2e36))
+    torch.testing.assert_close(got, torch.full((rows, 1), 4 * 2**-9 * 2e36))
+
+
 @pytest.mark.parametrize("weights", ["fp8", "int4"])
 def test_a_quantized_package_generates_what_its_module_computes(weights, tmp_path):
     """package_causal_lm(..., weights=...): the decoder layers' products read quantized weights
