@@ -9,7 +9,8 @@
 //   sums in float32, in another order (each code less its 8 before the product, never a sum of x
 //   taken off after: that cancels, and a zero weight under a large x would not give 0).
 // - Many rows (prefill): blocks of output features dequantized to float32, bit for bit as the
-//   decomposition does, into each thread's cache, and multiplied there by BLAS.
+//   decomposition does, into each thread's cache (then rounded to bfloat16 or float16 x's dtype),
+//   and multiplied there by BLAS.
 // Output features are split over torch's threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -311,7 +312,12 @@ at::Tensor quantized_rows_cpu(const at::Tensor& in, const at::Tensor& weight, co
 }
 
 at::Tensor quantized_matmul_cpu(const at::Tensor& in, const at::Tensor& weight, const at::Tensor& weight_scale) {
-  const at::Tensor x = in.to(at::kFloat).contiguous();
+  // bfloat16 or float16 x multiplies in its dtype (the dequantized weight rounded to it once, as the
+  // CUDA path's int4 prefill does): BLAS's bfloat16 products are several times its float32 ones
+  // where the CPU has bfloat16 matrix units
+  const at::ScalarType dtype =
+      in.scalar_type() == at::kBFloat16 || in.scalar_type() == at::kHalf ? in.scalar_type() : at::kFloat;
+  const at::Tensor x = in.to(dtype).contiguous();
   const at::Tensor scale = weight_scale.to(at::kFloat).contiguous();
   const auto* w = static_cast<const uint8_t*>(weight.const_data_ptr());
   const bool fp8 = weight.scalar_type() == at::kFloat8_e4m3fn;
@@ -323,21 +329,24 @@ at::Tensor quantized_matmul_cpu(const at::Tensor& in, const at::Tensor& weight, 
   // (every thread takes a share, however few the blocks; each multiplies its share a block at a time)
   const int64_t grain = std::max<int64_t>(1, std::min(block, (n + at::get_num_threads() - 1) / at::get_num_threads()));
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-    at::Tensor wb = at::empty({std::min(block, end - begin), k}, x.options());
+    const int64_t most = std::min(block, end - begin);
+    at::Tensor wf = at::empty({most, k}, x.options().dtype(at::kFloat));
+    at::Tensor wx = dtype == at::kFloat ? wf : at::empty({most, k}, x.options());
     for (int64_t j0 = begin; j0 < end; j0 += block) {
       const int64_t nb = std::min(block, end - j0);
-      float* dst = wb.mutable_data_ptr<float>();
+      float* dst = wf.mutable_data_ptr<float>();
       if (fp8) {
         CUSTOMOPS_CPU_DISPATCH(dequantize_fp8, w + j0 * row_bytes, scale.const_data_ptr<float>() + j0, nb, k, dst);
       } else {
         CUSTOMOPS_CPU_DISPATCH(dequantize_int4, w + j0 * row_bytes, scale.const_data_ptr<float>() + j0 * groups,
                                groups, nb, k, dst);
       }
+      if (dtype != at::kFloat) wx.narrow(0, 0, nb).copy_(wf.narrow(0, 0, nb));
       at::Tensor o = out_t.narrow(0, j0, nb);
-      at::mm_out(o, wb.narrow(0, 0, nb), x.t());
+      at::mm_out(o, wx.narrow(0, 0, nb), x.t());
     }
   });
-  return out_t.t().contiguous();
+  return out_t.t().to(at::kFloat).contiguous();
 }
 #endif  // CPU_CAPABILITY_DEFAULT
 
