@@ -185,7 +185,7 @@ namespace {
 constexpr int64_t kMaxSplitRows = 8;
 constexpr int64_t kMinBytesAThread = 256 * 1024;
 // A quantized weight's product reads the codes as stored up to this many rows (float32, float16 or
-// bfloat16 x); more rows (prefill) dequantize blocks of the weight to float32 for BLAS.
+// bfloat16 x); more rows (prefill) dequantize blocks of the weight for BLAS in x's dtype.
 constexpr int64_t kMaxQuantizedRows = 16;
 
 at::Tensor fused_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,

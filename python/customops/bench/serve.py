@@ -4,8 +4,9 @@ generate`` of the same batch and against the decode floor.
 The model is :mod:`.generate`'s (Llama-3.2-1B shapes on CUDA, a small config on CPU), packaged once
 with ``max_batch`` the largest concurrency. For each concurrency C the server runs with
 ``--max-batch C`` and C streaming clients (threads, raw HTTP, each on one connection it keeps
-alive, as OpenAI's clients do) each send ``--requests`` completions one after another: prompts of mixed lengths (token ids, a quarter to all of ``--prompt-len``; with
-``--same-length`` all of it), each ``--new-tokens`` greedy tokens. Reported: output tokens/s over
+alive, as OpenAI's clients do) each send ``--requests`` completions one after another: prompts of
+mixed lengths (token ids, a quarter to all of ``--prompt-len``; with ``--same-length`` all of it),
+each ``--new-tokens`` greedy tokens. Reported: output tokens/s over
 the wall time; time to first token (TTFT) and inter-token latency (ITL: a request's time from its
 first to its last token over its tokens after the first) at their p50 and p99 over the requests; and
 the largest gap between two chunks of a stream (a stall, such as a prefill chunk beside decoding
