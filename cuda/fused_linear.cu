@@ -162,9 +162,13 @@ __device__ __forceinline__ void decode(const uint4& v, int j, float* f) {
 }
 
 template <typename T>
-__device__ __forceinline__ float scale_at(const GemvArgs<T>& a, int64_t n, int64_t g) {
-  const int64_t i = n * a.scale_s0 + g * a.scale_s1;
+__device__ __forceinline__ float scale_value(const GemvArgs<T>& a, int64_t i) {
   return a.scale_float ? static_cast<const float*>(a.scale)[i] : static_cast<float>(static_cast<const T*>(a.scale)[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ float scale_at(const GemvArgs<T>& a, int64_t n, int64_t g) {
+  return scale_value(a, n * a.scale_s0 + g * a.scale_s1);
 }
 
 template <typename T>
@@ -174,19 +178,41 @@ __device__ __forceinline__ float norm_weight_at(const GemvArgs<T>& a, int64_t k)
   return static_cast<float>(static_cast<const T*>(a.norm_weight)[k * a.norm_stride]);
 }
 
+// The norm weights of pack c (weights c V ... c V + V - 1) as floats: one vector load where they are
+// T and contiguous.
+template <typename T, int V>
+__device__ __forceinline__ void norm_weights_at(const GemvArgs<T>& a, int c, float* w) {
+  if (a.norm_weight == nullptr) {
+#pragma unroll
+    for (int j = 0; j < V; ++j) w[j] = 1.f;
+  } else if (!a.norm_weight_float && a.norm_stride == 1) {
+    const Pack<T, V> p = reinterpret_cast<const Pack<T, V>*>(a.norm_weight)[c];
+#pragma unroll
+    for (int j = 0; j < V; ++j) w[j] = static_cast<float>(p.v[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < V; ++j) w[j] = norm_weight_at(a, int64_t{c} * V + j);
+  }
+}
+
 // prologue(x) for every row, each pack of V rounded to T and handed to store(m, c, pack) (row m,
-// pack c of the row), by the block's first kN threads; sync() is a barrier over them.
+// pack c of the row), by the block's first kN threads; sync() is a barrier over them. rms_norm's sums
+// of squares are shared by all kN threads (each row's packs strided over them, the warps' sums added
+// in warp order by thread m), so that the block waits for one round of x's loads, not a warp's walk
+// over a row.
 template <typename T, int V, Prologue P, int kN, typename Store, typename Sync>
 __device__ void prologue_packs(const GemvArgs<T>& a, Store store, Sync sync) {
   using PackT = Pack<T, V>;
+  constexpr int kWarpsN = kN / 32;
   const int kv = a.K / V;
   __shared__ float rstd[kQuantRowsALaunch];  // (a.M: up to kMaxRows, or a quantized launch's rows)
   if constexpr (P == Prologue::kRmsNorm) {
+    __shared__ float part[kWarpsN][kQuantRowsALaunch];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int m = warp; m < a.M; m += kN / 32) {
+    for (int m = 0; m < a.M; ++m) {
       const PackT* row = reinterpret_cast<const PackT*>(a.x + m * a.x_stride);
       float ss = 0.f;
-      for (int c = lane; c < kv; c += 32) {
+      for (int c = threadIdx.x; c < kv; c += kN) {
         const PackT p = row[c];
 #pragma unroll
         for (int j = 0; j < V; ++j) {
@@ -196,31 +222,39 @@ __device__ void prologue_packs(const GemvArgs<T>& a, Store store, Sync sync) {
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      if (lane == 0) rstd[m] = rsqrtf(ss / static_cast<float>(a.K) + a.eps);
+      if (lane == 0) part[warp][m] = ss;
+    }
+    sync();
+    if (threadIdx.x < a.M) {
+      float ss = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarpsN; ++w) ss += part[w][threadIdx.x];
+      rstd[threadIdx.x] = rsqrtf(ss / static_cast<float>(a.K) + a.eps);
     }
     sync();
   }
-  for (int i = threadIdx.x; i < a.M * kv; i += kN) {
-    const int m = i / kv, c = i % kv;
+  for (int m = 0; m < a.M; ++m) {
     const T* row = a.x + m * a.x_stride;
-    const PackT p = reinterpret_cast<const PackT*>(row)[c];
-    PackT y;
-    if constexpr (P == Prologue::kNone) {
-      y = p;
-    } else if constexpr (P == Prologue::kRmsNorm) {
+    for (int c = threadIdx.x; c < kv; c += kN) {
+      const PackT p = reinterpret_cast<const PackT*>(row)[c];
+      PackT y;
+      if constexpr (P == Prologue::kNone) {
+        y = p;
+      } else if constexpr (P == Prologue::kRmsNorm) {
+        float w[V];
+        norm_weights_at<T, V>(a, c, w);
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        y.v[j] = static_cast<T>(static_cast<float>(p.v[j]) * rstd[m] * norm_weight_at(a, int64_t{c} * V + j));
-      }
-    } else {
-      const PackT u = reinterpret_cast<const PackT*>(row + a.K)[c];
+        for (int j = 0; j < V; ++j) y.v[j] = static_cast<T>(static_cast<float>(p.v[j]) * rstd[m] * w[j]);
+      } else {
+        const PackT u = reinterpret_cast<const PackT*>(row + a.K)[c];
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        const float g = static_cast<float>(p.v[j]);
-        y.v[j] = static_cast<T>(g / (1.f + __expf(-g)) * static_cast<float>(u.v[j]));
+        for (int j = 0; j < V; ++j) {
+          const float g = static_cast<float>(p.v[j]);
+          y.v[j] = static_cast<T>(g / (1.f + __expf(-g)) * static_cast<float>(u.v[j]));
+        }
       }
+      store(m, c, y);
     }
-    store(m, c, y);
   }
   sync();
 }
@@ -717,15 +751,15 @@ __device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b
 // vector's pair order (a pack lies within a vector's slice): the tensor-core kernels' B operand.
 template <typename T, Format W, Prologue P, int kN, typename Sync>
 __device__ void prologue_pairs(const GemvArgs<T>& a, T* xs, int row_elems, Sync sync) {
-  constexpr int V = 16 / sizeof(T), E = kElems<T, W>;
+  constexpr int V = 16 / sizeof(T);
+  static_assert(V % 8 == 0 && kElems<T, W> % V == 0, "a pack of x is whole periods of its vector's pair order");
   using PackT = Pack<T, V>;
   prologue_packs<T, V, P, kN>(
       a,
       [&](int m, int pc, const PackT& y) {
-        PackT o;
-        const int e0 = pc * V % E;  // the pack's first weight in its vector
+        PackT o;  // (a pack starts a period of the pair order: its permutation is pack 0's)
 #pragma unroll
-        for (int j = 0; j < V; ++j) o.v[pair_position<T, W>(e0 + j) - e0] = y.v[j];
+        for (int j = 0; j < V; ++j) o.v[pair_position<T, W>(j)] = y.v[j];
         *reinterpret_cast<PackT*>(xs + int64_t{m} * row_elems + pc * V) = o;
       },
       sync);
@@ -799,43 +833,80 @@ __device__ __forceinline__ void mma_tile_end(const GemvArgs<T>& a, float* red, i
 }
 
 // A task: a warp's next U chunks of a tile (tasks_a_tile a tile for every warp, so that all reach
-// the tile's end together; a warp's chunks are a contiguous range of the tile's).
+// the tile's end together; a warp's chunks are a contiguous range of the tile's): its weights, its
+// chunks' int4 scales, and where it lies.
 template <Format W, int U = kMmaChunks>
 struct MmaTask {
   uint4 w[U][2];  // rows g and g + 8
   float scale[W == Format::kInt4 ? U : 1][2];
+  int tile, j0, chunks;  // its tile, its first chunk, and its chunks (0 ... U)
+  bool last;             // the tile's last task: the tile's sums are written after it
 };
 
+// A warp's tasks: tasks_a_tile of each of tiles tile, tile + gridDim.x, ..., count in all, loaded
+// in order by next() from a cursor (tile, sub) that moves by one a task, and each load's addresses
+// formed once a task, so that loading a task takes no division and little index arithmetic. (ncu
+// on an H200, 2026-11-29: gate_up's int4 product at 1 row spent 44% of its 1,250 instructions a
+// task on loading it (divisions by tasks_a_tile and group_vectors, 64-bit addresses a vector),
+// against 33% on decoding, at 0.52 instructions a cycle a scheduler.)
 template <typename T, Format W, int U = kMmaChunks>
 struct MmaTasks {
   const GemvArgs<T>& a;
-  int tile0, tile_stride, tasks_a_tile, chunks, chunks_a_warp, count;
+  int tasks_a_tile, count;
+  int chunk_lo, chunk_hi;  // this warp's chunks of a tile: [chunk_lo, chunk_hi)
+  int group_shift;         // int4: log2 of the chunks a group (a power of two), else -1: divide by
+  int chunks_a_group;      // chunks_a_group
+  int tile, sub, issued;   // the next task's tile and place in it, and the tasks loaded
 
-  __device__ int tile(int t) const { return tile0 + t / tasks_a_tile * tile_stride; }
-  // chunk u of task t, or -1
-  __device__ int chunk(int t, int u) const {
-    const int warp = threadIdx.x / 32, c = warp * chunks_a_warp + t % tasks_a_tile * U + u;
-    return c < min(chunks, (warp + 1) * chunks_a_warp) ? c : -1;
+  __device__ MmaTasks(const GemvArgs<T>& args, int chunks, int tiles) : a(args) {
+    const int warp = threadIdx.x / 32;
+    const int chunks_a_warp = (chunks + kMmaWarps - 1) / kMmaWarps;
+    tasks_a_tile = max(1, (chunks_a_warp + U - 1) / U);
+    count = static_cast<int>(blockIdx.x) < tiles
+                ? (tiles - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x) *
+                      tasks_a_tile
+                : 0;
+    chunk_lo = warp * chunks_a_warp;
+    chunk_hi = min(chunks, chunk_lo + chunks_a_warp);
+    chunks_a_group = W == Format::kInt4 ? a.group_vectors / 4 : 1;
+    group_shift = (chunks_a_group & (chunks_a_group - 1)) == 0 ? __ffs(chunks_a_group) - 1 : -1;
+    tile = static_cast<int>(blockIdx.x);
+    sub = 0;
+    issued = 0;
   }
 
-  __device__ __forceinline__ void load(int t, MmaTask<W, U>& task) const {
-    if (t >= count) return;
+  // The next task into task (its weights loaded unless it is past the last).
+  __device__ __forceinline__ void next(MmaTask<W, U>& task) {
+    task.tile = tile;
+    task.j0 = chunk_lo + sub * U;
+    task.chunks = max(0, min(U, chunk_hi - task.j0));
+    task.last = sub == tasks_a_tile - 1;
+    if (++sub == tasks_a_tile) {
+      sub = 0;
+      tile += gridDim.x;
+    }
+    if (issued++ >= count) return;
     const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-    const int kv = a.K / kElems<T, W>;
-    const int64_t n0 = int64_t{tile(t)} * 16 + g;
+    const int64_t row_vectors = a.K / kElems<T, W>;
+    const int64_t n0 = int64_t{task.tile} * 16 + g;
+    const bool has0 = n0 < a.N, has1 = n0 + 8 < a.N;
+    const uint4* p0 = static_cast<const uint4*>(a.weight) + n0 * row_vectors + task.j0 * 4 + c;
+    const uint4* p1 = p0 + 8 * row_vectors;
+    [[maybe_unused]] int64_t s0 = 0, s1 = 0;  // int4: the rows' first scales
+    if constexpr (W == Format::kInt4) {
+      s0 = n0 * a.scale_s0;
+      s1 = s0 + 8 * a.scale_s0;
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int j = chunk(t, u);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int64_t n = n0 + 8 * h;
-        if (j >= 0 && n < a.N) {
-          task.w[u][h] = load_streaming(static_cast<const uint4*>(a.weight) + n * kv + j * 4 + c);
-          if constexpr (W == Format::kInt4) task.scale[u][h] = scale_at(a, n, j * 4 / a.group_vectors);
-        } else {
-          task.w[u][h] = make_uint4(0, 0, 0, 0);
-          if constexpr (W == Format::kInt4) task.scale[u][h] = 0.f;
-        }
+      const bool in = u < task.chunks;
+      task.w[u][0] = in && has0 ? load_streaming(p0 + 4 * u) : make_uint4(0, 0, 0, 0);
+      task.w[u][1] = in && has1 ? load_streaming(p1 + 4 * u) : make_uint4(0, 0, 0, 0);
+      if constexpr (W == Format::kInt4) {
+        const int j = task.j0 + u;
+        const int64_t at = (group_shift >= 0 ? j >> group_shift : j / chunks_a_group) * a.scale_s1;
+        task.scale[u][0] = in && has0 ? scale_value(a, s0 + at) : 0.f;
+        task.scale[u][1] = in && has1 ? scale_value(a, s1 + at) : 0.f;
       }
     }
   }
@@ -853,43 +924,36 @@ __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a)
   float* red = reinterpret_cast<float*>(smem + int64_t{a.M} * row_elems * sizeof(T));  // [warps, 16, 8]
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
 
-  MmaTasks<T, W, U> k{a, static_cast<int>(blockIdx.x), static_cast<int>(gridDim.x), 0, a.K / (4 * E), 0, 0};
-  k.chunks_a_warp = (k.chunks + kMmaWarps - 1) / kMmaWarps;
-  k.tasks_a_tile = max(1, (k.chunks_a_warp + U - 1) / U);
-  const int tiles = static_cast<int>((a.N + 15) / 16);
-  k.count = blockIdx.x < tiles ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x * k.tasks_a_tile : 0;
-
+  MmaTasks<T, W, U> k(a, a.K / (4 * E), static_cast<int>((a.N + 15) / 16));
   MmaTask<W, U> ta, tb;
   if (!a.constant_weight) wait_prerequisites();
-  k.load(0, ta);
-  k.load(1, tb);
+  k.next(ta);
+  k.next(tb);
   launch_dependents();
   wait_prerequisites();
   prologue_pairs<T, W, P, kMmaThreads>(a, xs, row_elems, [] { __syncthreads(); });
 
   float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows g, g (tokens 2c, 2c + 1), g + 8, g + 8
-  auto consume = [&](int t, const MmaTask<W, U>& task) {
+  const T* xg = xs + int64_t{g} * row_elems + c * E;  // this thread's x: token g's, vector c of each chunk
+  auto consume = [&](const MmaTask<W, U>& task) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int j = k.chunk(t, u);
-      if (j < 0) continue;
+      if (u >= task.chunks) break;
       float s0 = 1.f, s1 = 1.f;
       if constexpr (W == Format::kInt4) {
         s0 = task.scale[u][0];
         s1 = task.scale[u][1];
       }
-      mma_chunk<T, W>(task.w[u][0], task.w[u][1], xs + int64_t{g} * row_elems + (j * 4 + c) * E, g < a.M, s0, s1, acc);
+      mma_chunk<T, W>(task.w[u][0], task.w[u][1], xg + (task.j0 + u) * 4 * E, g < a.M, s0, s1, acc);
     }
-    if (t % k.tasks_a_tile == k.tasks_a_tile - 1) {
-      mma_tile_end<T, W, kMmaWarps>(a, red, k.tile(t), acc, [] { __syncthreads(); });
-    }
+    if (task.last) mma_tile_end<T, W, kMmaWarps>(a, red, task.tile, acc, [] { __syncthreads(); });
   };
   for (int t = 0; t < k.count; t += 2) {
-    consume(t, ta);
-    k.load(t + 2, ta);
+    consume(ta);
+    k.next(ta);
     if (t + 1 < k.count) {
-      consume(t + 1, tb);
-      k.load(t + 3, tb);
+      consume(tb);
+      k.next(tb);
     }
   }
 }
@@ -1080,7 +1144,10 @@ __global__ void __launch_bounds__((C + 1) * 32, 1) gemv_tma_mma_kernel(GemvArgs<
 // tile's warps by shared-memory atomics instead of a barrier a tile, with int4's scales loaded 4
 // stages ahead, measured the same (float8) or 3% faster (int4): not kept. Nor was feeding int4's
 // raw nibbles (136 + q) to the tensor cores with bfloat16 x, a third fewer decoding instructions,
-// less 136 times each chunk's sum of x after: no faster in either kernel (2026-11-29).
+// less 136 times each chunk's sum of x after: no faster in either kernel (2026-11-29). After
+// gemv_mma_kernel's tasks and the prologue lost their divisions and per-element branches (the same
+// day, H200): float8 here 10.0 / 7.0 / 35.5 / 20.5, int4 through gemv_mma_kernel 8.1 / 5.3 / 29.1 /
+// 18.4 (bf16 16.9 / 12.5 / 64.2 / 35.7). (This kernel with int4 was not measured again.)
 template <typename T, Format W, Prologue P>
 bool launch_tma_mma(const GemvArgs<T>& a, cudaStream_t stream) {
   const auto* prop = at::cuda::getCurrentDeviceProperties();
