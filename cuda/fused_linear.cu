@@ -3,8 +3,8 @@
 // the weight (a 2048 x 8192 bfloat16 weight is 32 MiB against a few 16 KiB rows of input). Two
 // kernels, chosen by launch_r (the measurements are there):
 // - The register kernel (gemv_kernel): every block writes prologue(x) for all rows into shared
-//   memory, rounded to x's dtype as customops' rms_norm and swiglu round it (rms_norm: one warp
-//   per row reduces the squares first); blocks are at most one wave, so it runs once per block.
+//   memory, rounded to x's dtype as customops' rms_norm and swiglu round it (rms_norm: the block
+//   reduces each row's squares first); blocks are at most one wave, so it runs once per block.
 //   Each warp walks rows n0, n0 + stride, ... in segments of kUnroll 16-byte vectors per lane
 //   (not cached in L1: read once), with two register buffers: the next segment's loads are issued
 //   before this one's math, and the first two before the prologue. A row's last segment ends in a
@@ -179,13 +179,13 @@ __device__ __forceinline__ float norm_weight_at(const GemvArgs<T>& a, int64_t k)
 }
 
 // The norm weights of pack c (weights c V ... c V + V - 1) as floats: one vector load where they are
-// T and contiguous.
+// T, contiguous and 16-byte aligned (a slice of a larger buffer may not be).
 template <typename T, int V>
 __device__ __forceinline__ void norm_weights_at(const GemvArgs<T>& a, int c, float* w) {
   if (a.norm_weight == nullptr) {
 #pragma unroll
     for (int j = 0; j < V; ++j) w[j] = 1.f;
-  } else if (!a.norm_weight_float && a.norm_stride == 1) {
+  } else if (!a.norm_weight_float && a.norm_stride == 1 && reinterpret_cast<uintptr_t>(a.norm_weight) % 16 == 0) {
     const Pack<T, V> p = reinterpret_cast<const Pack<T, V>*>(a.norm_weight)[c];
 #pragma unroll
     for (int j = 0; j < V; ++j) w[j] = static_cast<float>(p.v[j]);

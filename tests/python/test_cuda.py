@@ -264,6 +264,29 @@ def test_fused_linear_dense_weight_through_the_tensor_cores(monkeypatch, dtype, 
         torch.testing.assert_close(y.double(), ref, atol=3e-2, rtol=2e-2, msg=f"switch {switch!r}")
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4"])
+@pytest.mark.parametrize("m", [1, 4])
+def test_fused_linear_norm_weight_in_x_dtype_aligned_or_not(fmt, m):
+    """A norm weight of x's dtype is read as 16-byte vectors by every decoding kernel's prologue
+    where it is contiguous and aligned; a slice one element into a buffer (as a flat parameter
+    buffer gives) is read element by element: the same output, not a misaligned load."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, k = 4096, 4096
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
+    q, s = (w, None) if fmt == "bf16" else customops.quantize_fp8(w) if fmt == "fp8" else customops.quantize_int4(w)
+    buf = 1 + 0.1 * torch.randn(k + 1, device="cuda", dtype=torch.bfloat16, generator=g)
+    offset, aligned = buf[1:], buf[1:].clone()
+    assert offset.data_ptr() % 16 != 0 and aligned.data_ptr() % 16 == 0
+    ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q.double() if s is None else q, None, None,
+                                            prologue="rms_norm", norm_weight=aligned.double(), weight_scale=s)
+    ys = [customops.fused_linear(x, q, None, None, prologue="rms_norm", norm_weight=nw, constant_weight=True,
+                                 weight_scale=s) for nw in (aligned, offset)]
+    torch.cuda.synchronize()
+    torch.testing.assert_close(ys[0].double(), ref, atol=3e-2, rtol=2e-2)
+    assert torch.equal(ys[0], ys[1])
+
+
 def test_fused_linear_under_deterministic_algorithms_sums_in_one_order():
     """The Hopper kernel adds its warps' partial sums in shared memory by atomics (order varies run to
     run); under torch.use_deterministic_algorithms the register kernel runs instead, same values, the
