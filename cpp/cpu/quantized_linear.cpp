@@ -42,14 +42,6 @@ constexpr int kRowBlock = 4;
 // Threads split the output features in blocks of at least this many weight bytes.
 constexpr int64_t kMinBytesAThread = 256 * 1024;
 
-float hsum(const Vec& v) {
-  alignas(64) float buf[Vec::size()];
-  v.store(buf);
-  float s = 0.f;
-  for (int64_t l = 0; l < Vec::size(); ++l) s += buf[l];
-  return s;
-}
-
 // The exact value of each float8_e4m3fn code (signed zeros, subnormals, NaN; E4M3 has no
 // infinity), by integer operations the compiler vectorizes: a normal code's exponent rebiased
 // (7 to 127), a subnormal's mantissa times 2^-9, 0x7f and 0xff NaN.
@@ -279,7 +271,7 @@ void dequantize_fp8(const uint8_t* w, const float* scale, int64_t n, int64_t k, 
         (h0 * f).store(o + i);
         (h1 * f).store(o + i + Vec::size());
       }
-      for (; i < k; ++i) o[i] = static_cast<float>(c10::Half(halves[i], c10::Half::from_bits())) * s256;
+      for (; i < k; ++i) o[i] = half_value(halves[i]) * s256;
       return;
     }
     decode_fp8(w + j * k, o, k);

@@ -22,15 +22,6 @@ namespace CPU_CAPABILITY {
 
 namespace {
 
-template <typename A>
-A hsum(const Vectorized<A>& v) {
-  alignas(64) A buf[Vectorized<A>::size()];
-  v.store(buf);
-  A s = 0;
-  for (int i = 0; i < Vectorized<A>::size(); ++i) s += buf[i];
-  return s;
-}
-
 // sum(a[i] * b[i]) over n elements of T, in acc_t<T>; b == nullptr means b = a.
 template <typename T>
 acc_t<T> dot(const T* a, const T* b, int64_t n) {

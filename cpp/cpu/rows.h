@@ -1,6 +1,7 @@
 // CPU building blocks for the rowwise and elementwise kernels, compiled once per instruction set
 // (include only from cpp/cpu/*.cpp; everything lands in namespace customops::CPU_CAPABILITY):
 // - load2/store2 move 2*Vectorized<acc>::size() elements of T and widen half types to float;
+//   hsum adds a vector's lanes;
 // - rows_loop runs an elementwise functor over tensors seen as rows x cols with a contiguous last
 //   dim and a row stride each (so the halves of a gate-up tensor are read in place).
 #pragma once
@@ -25,6 +26,16 @@ template <typename T>
 using acc_t = at::opmath_type<T>;
 template <typename T>
 using AccVec = Vectorized<acc_t<T>>;
+
+// The sum of a vector's lanes, in lane order.
+template <typename A>
+A hsum(const Vectorized<A>& v) {
+  alignas(64) A buf[Vectorized<A>::size()];
+  v.store(buf);
+  A s = 0;
+  for (int i = 0; i < Vectorized<A>::size(); ++i) s += buf[i];
+  return s;
+}
 
 // Elements handled per vector step for T.
 template <typename T>

@@ -35,9 +35,9 @@ at::Tensor fused_linear_unfused(const at::Tensor& x, const at::Tensor& weight, c
 //   from the codes as stored; the result [rows, out_features] in float32, the dequantized
 //   product's sums in another order;
 // - quantized_matmul_cpu: the product of many rows (prefill), the result [rows, out_features] in
-//   float32: blocks of the weight dequantized to float32 (bit for bit as the ATen decomposition
-//   does; then rounded to bfloat16 or float16 x's dtype) in each thread's cache, each multiplied by
-//   BLAS in x's dtype.
+//   float32: the weight dequantized a row at a time to float32 (bit for bit as the ATen
+//   decomposition does; then rounded to bfloat16 or float16 x's dtype) into blocks of up to 512
+//   output features, each multiplied by BLAS in x's dtype.
 bool quantized_cpu_fit(const at::Tensor& weight, const at::Tensor& weight_scale);
 at::Tensor quantized_rows_cpu(const at::Tensor& in, const at::Tensor& weight, const at::Tensor& weight_scale);
 at::Tensor quantized_matmul_cpu(const at::Tensor& in, const at::Tensor& weight, const at::Tensor& weight_scale);
