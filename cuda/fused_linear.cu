@@ -171,6 +171,28 @@ __device__ __forceinline__ float scale_at(const GemvArgs<T>& a, int64_t n, int64
   return scale_value(a, n * a.scale_s0 + g * a.scale_s1);
 }
 
+// An int4 group scale as loaded (T's bits, or float32's), made a float where it is used
+// (scale_of): a load issued a task ahead then has no instruction waiting for it until that task.
+// (ncu on an H200, 2026-11-30: converting the scales as they were loaded stalled each warp of
+// gemv_mma_kernel for its next task's scales, and so its weights, before it used the current one:
+// a quarter of the stall samples of gate_up's int4 product at 1 row.)
+template <typename T>
+__device__ __forceinline__ uint32_t scale_bits(const GemvArgs<T>& a, int64_t i) {
+  if constexpr (sizeof(T) == 2) {
+    return a.scale_float ? static_cast<const uint32_t*>(a.scale)[i] : uint32_t{static_cast<const uint16_t*>(a.scale)[i]};
+  } else {
+    return __float_as_uint(scale_value(a, i));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float scale_of(const GemvArgs<T>& a, uint32_t bits) {
+  if constexpr (sizeof(T) == 2) {
+    if (!a.scale_float) return static_cast<float>(T(static_cast<uint16_t>(bits), T::from_bits()));
+  }
+  return __uint_as_float(bits);
+}
+
 template <typename T>
 __device__ __forceinline__ float norm_weight_at(const GemvArgs<T>& a, int64_t k) {
   if (a.norm_weight == nullptr) return 1.f;
@@ -281,7 +303,7 @@ __device__ void prologue(const GemvArgs<T>& a, T* xs, Sync sync) {
 template <Format W>
 struct Segment {
   uint4 w[kUnroll];
-  float scale[W == Format::kInt4 ? kUnroll : 1];  // int4: each vector's group's
+  uint32_t scale[W == Format::kInt4 ? kUnroll : 1];  // int4: each vector's group's (scale_bits)
 };
 
 template <typename T, Format W>
@@ -302,7 +324,7 @@ struct Tasks {
       const int c = (s * kUnroll + u) * 32 + lane;
       if (c < kv) {
         seg.w[u] = load_streaming(r + c);
-        if constexpr (W == Format::kInt4) seg.scale[u] = scale_at(a, n, c / a.group_vectors);
+        if constexpr (W == Format::kInt4) seg.scale[u] = scale_bits(a, n * a.scale_s0 + c / a.group_vectors * a.scale_s1);
       }
     }
   }
@@ -336,7 +358,7 @@ __device__ __forceinline__ void consume(const Tasks<T, W>& k, int t, const Segme
         }
       }
 #pragma unroll
-      for (int m = 0; m < R; ++m) acc[m] += W == Format::kInt4 ? part[m] * seg.scale[u] : part[m];
+      for (int m = 0; m < R; ++m) acc[m] += W == Format::kInt4 ? part[m] * scale_of(a, seg.scale[u]) : part[m];
     }
   }
   if (s != k.segments - 1) return;
@@ -838,7 +860,7 @@ __device__ __forceinline__ void mma_tile_end(const GemvArgs<T>& a, float* red, i
 template <Format W, int U = kMmaChunks>
 struct MmaTask {
   uint4 w[U][2];  // rows g and g + 8
-  float scale[W == Format::kInt4 ? U : 1][2];
+  uint32_t scale[W == Format::kInt4 ? U : 1][2];  // (scale_bits)
   int tile, j0, chunks;  // its tile, its first chunk, and its chunks (0 ... U)
   bool last;             // the tile's last task: the tile's sums are written after it
 };
@@ -905,8 +927,8 @@ struct MmaTasks {
       if constexpr (W == Format::kInt4) {
         const int j = task.j0 + u;
         const int64_t at = (group_shift >= 0 ? j >> group_shift : j / chunks_a_group) * a.scale_s1;
-        task.scale[u][0] = in && has0 ? scale_value(a, s0 + at) : 0.f;
-        task.scale[u][1] = in && has1 ? scale_value(a, s1 + at) : 0.f;
+        task.scale[u][0] = in && has0 ? scale_bits(a, s0 + at) : 0u;
+        task.scale[u][1] = in && has1 ? scale_bits(a, s1 + at) : 0u;
       }
     }
   }
@@ -941,8 +963,8 @@ __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a)
       if (u >= task.chunks) break;
       float s0 = 1.f, s1 = 1.f;
       if constexpr (W == Format::kInt4) {
-        s0 = task.scale[u][0];
-        s1 = task.scale[u][1];
+        s0 = scale_of(a, task.scale[u][0]);
+        s1 = scale_of(a, task.scale[u][1]);
       }
       mma_chunk<T, W>(task.w[u][0], task.w[u][1], xg + (task.j0 + u) * 4 * E, g < a.M, s0, s1, acc);
     }
@@ -1021,7 +1043,7 @@ constexpr int64_t quant_ring_bytes() {
 // The int4 scales of this thread's U chunks of a stage (rows g and g + 8 of its tile), or ones.
 template <Format W, int U>
 struct SlabScales {
-  float v[W == Format::kInt4 ? U : 1][2];
+  uint32_t v[W == Format::kInt4 ? U : 1][2];  // (scale_bits)
 };
 
 template <typename T, Format W, Prologue P, int S, int C>
@@ -1078,7 +1100,9 @@ __global__ void __launch_bounds__((C + 1) * 32, 1) gemv_tma_mma_kernel(GemvArgs<
         const int j = warp + u * C;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          sc.v[u][h] = j < chunks && n + 8 * h < a.N ? scale_at(a, n + 8 * h, (j0 + j) * 4 / a.group_vectors) : 0.f;
+          sc.v[u][h] = j < chunks && n + 8 * h < a.N
+                          ? scale_bits(a, (n + 8 * h) * a.scale_s0 + (j0 + j) * 4 / a.group_vectors * a.scale_s1)
+                          : 0u;
         }
       }
     }
@@ -1115,8 +1139,8 @@ __global__ void __launch_bounds__((C + 1) * 32, 1) gemv_tma_mma_kernel(GemvArgs<
       if (j < chunks) {
         float s0 = 1.f, s1 = 1.f;
         if constexpr (W == Format::kInt4) {
-          s0 = sc.v[u][0];
-          s1 = sc.v[u][1];
+          s0 = scale_of(a, sc.v[u][0]);
+          s1 = scale_of(a, sc.v[u][1]);
         }
         mma_chunk<T, W>(w[u][0], w[u][1], xs + int64_t{g} * row_elems + ((j0 + j) * 4 + c) * E, g < a.M, s0, s1, acc);
       }
