@@ -789,17 +789,18 @@ __device__ void prologue_pairs(const GemvArgs<T>& a, T* xs, int row_elems, Sync 
 
 // acc (rows g, g, g + 8, g + 8 of a tile of 16 output features; tokens 2c, 2c + 1) += one chunk of
 // this thread's: w0 and w1, its 16-byte vectors of rows g and g + 8, times x, token g's E values of
-// the same vector in pair order (zeros where has_x is false: a token past M). An int4 chunk lies in
-// one group: its sums take the rows' scales s0 and s1 before they are added.
+// the same vector in pair order. (A thread past the last token reads the last token's x: the
+// tensor cores' column g of the sums depends on column g of x alone, and the tile's end writes only
+// the first M columns.) An int4 chunk lies in one group: its sums take the rows' scales s0 and s1
+// before they are added.
 template <typename T, Format W>
-__device__ __forceinline__ void mma_chunk(const uint4& w0, const uint4& w1, const T* x, bool has_x, float s0, float s1,
-                                          float* acc) {
+__device__ __forceinline__ void mma_chunk(const uint4& w0, const uint4& w1, const T* x, float s0, float s1, float* acc) {
   constexpr int E = kElems<T, W>;
   uint32_t xw[E / 2];
   const uint4* xv = reinterpret_cast<const uint4*>(x);
 #pragma unroll
   for (int i = 0; i < E / 8; ++i) {
-    const uint4 v = has_x ? xv[i] : make_uint4(0, 0, 0, 0);
+    const uint4 v = xv[i];
     xw[4 * i] = v.x;
     xw[4 * i + 1] = v.y;
     xw[4 * i + 2] = v.z;
@@ -878,6 +879,7 @@ struct MmaTasks {
   int chunk_lo, chunk_hi;  // this warp's chunks of a tile: [chunk_lo, chunk_hi)
   int group_shift;         // int4: log2 of the chunks a group (a power of two), else -1: divide by
   int chunks_a_group;      // chunks_a_group
+  bool chunk_scales;       // int4: a group a chunk, the scales of T adjacent along a row
   int tile, sub, issued;   // the next task's tile and place in it, and the tasks loaded
 
   __device__ MmaTasks(const GemvArgs<T>& args, int chunks, int tiles) : a(args) {
@@ -892,12 +894,16 @@ struct MmaTasks {
     chunk_hi = min(chunks, chunk_lo + chunks_a_warp);
     chunks_a_group = W == Format::kInt4 ? a.group_vectors / 4 : 1;
     group_shift = (chunks_a_group & (chunks_a_group - 1)) == 0 ? __ffs(chunks_a_group) - 1 : -1;
+    chunk_scales = sizeof(T) == 2 && !a.scale_float && chunks_a_group == 1 && a.scale_s1 == 1;
     tile = static_cast<int>(blockIdx.x);
     sub = 0;
     issued = 0;
   }
 
-  // The next task into task (its weights loaded unless it is past the last).
+  // The next task into task (its weights loaded unless it is past the last). A whole task (U chunks
+  // of 16 rows, every task but at a row's or the weight's end) loads without bounds, and int4's
+  // scales, where chunk_scales, from one address a row. (ncu on an H200, 2026-11-30: with a bound
+  // and a scale address a load, loading took 39% of gemv_mma_kernel's instructions, int4 gate_up.)
   __device__ __forceinline__ void next(MmaTask<W, U>& task) {
     task.tile = tile;
     task.j0 = chunk_lo + sub * U;
@@ -919,12 +925,35 @@ struct MmaTasks {
       s0 = n0 * a.scale_s0;
       s1 = s0 + 8 * a.scale_s0;
     }
+    const bool whole = task.chunks == U && int64_t{task.tile} * 16 + 16 <= a.N;  // (the same for the warp)
+    if (whole) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const bool in = u < task.chunks;
-      task.w[u][0] = in && has0 ? load_streaming(p0 + 4 * u) : make_uint4(0, 0, 0, 0);
-      task.w[u][1] = in && has1 ? load_streaming(p1 + 4 * u) : make_uint4(0, 0, 0, 0);
-      if constexpr (W == Format::kInt4) {
+      for (int u = 0; u < U; ++u) {
+        task.w[u][0] = load_streaming(p0 + 4 * u);
+        task.w[u][1] = load_streaming(p1 + 4 * u);
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const bool in = u < task.chunks;
+        task.w[u][0] = in && has0 ? load_streaming(p0 + 4 * u) : make_uint4(0, 0, 0, 0);
+        task.w[u][1] = in && has1 ? load_streaming(p1 + 4 * u) : make_uint4(0, 0, 0, 0);
+      }
+    }
+    if constexpr (W == Format::kInt4) {
+      if (whole && chunk_scales) {
+        const uint16_t* q0 = static_cast<const uint16_t*>(a.scale) + s0 + task.j0;
+        const uint16_t* q1 = static_cast<const uint16_t*>(a.scale) + s1 + task.j0;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          task.scale[u][0] = q0[u];
+          task.scale[u][1] = q1[u];
+        }
+        return;
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const bool in = u < task.chunks;
         const int j = task.j0 + u;
         const int64_t at = (group_shift >= 0 ? j >> group_shift : j / chunks_a_group) * a.scale_s1;
         task.scale[u][0] = in && has0 ? scale_bits(a, s0 + at) : 0u;
@@ -956,7 +985,8 @@ __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a)
   prologue_pairs<T, W, P, kMmaThreads>(a, xs, row_elems, [] { __syncthreads(); });
 
   float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows g, g (tokens 2c, 2c + 1), g + 8, g + 8
-  const T* xg = xs + int64_t{g} * row_elems + c * E;  // this thread's x: token g's, vector c of each chunk
+  // this thread's x: token g's (the last token's past M: mma_chunk), vector c of each chunk
+  const T* xg = xs + int64_t{min(g, a.M - 1)} * row_elems + c * E;
   auto consume = [&](const MmaTask<W, U>& task) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -966,7 +996,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a)
         s0 = scale_of(a, task.scale[u][0]);
         s1 = scale_of(a, task.scale[u][1]);
       }
-      mma_chunk<T, W>(task.w[u][0], task.w[u][1], xg + (task.j0 + u) * 4 * E, g < a.M, s0, s1, acc);
+      mma_chunk<T, W>(task.w[u][0], task.w[u][1], xg + (task.j0 + u) * 4 * E, s0, s1, acc);
     }
     if (task.last) mma_tile_end<T, W, kMmaWarps>(a, red, task.tile, acc, [] { __syncthreads(); });
   };
@@ -1142,7 +1172,8 @@ __global__ void __launch_bounds__((C + 1) * 32, 1) gemv_tma_mma_kernel(GemvArgs<
           s0 = scale_of(a, sc.v[u][0]);
           s1 = scale_of(a, sc.v[u][1]);
         }
-        mma_chunk<T, W>(w[u][0], w[u][1], xs + int64_t{g} * row_elems + ((j0 + j) * 4 + c) * E, g < a.M, s0, s1, acc);
+        mma_chunk<T, W>(w[u][0], w[u][1], xs + int64_t{min(g, a.M - 1)} * row_elems + ((j0 + j) * 4 + c) * E, s0, s1,
+                        acc);
       }
     }
     if (slab == slabs - 1) {
