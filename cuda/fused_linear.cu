@@ -965,7 +965,8 @@ struct MmaTasks {
 
 // U: chunks a task; two tasks' loads a thread in flight take 16 U registers, and 4 leave room for
 // two blocks an SM (128 registers a thread). (Tasks of 2 chunks, three blocks an SM, took up to
-// 1.37x the time at 1-8 rows of Llama-3-8B's products with int4 weights on an H200, 2026-11-29.)
+// 1.37x the time at 1-8 rows of Llama-3-8B's products with int4 weights on an H200, 2026-11-29,
+// and 1.00-1.25x at 1 row after scale_bits, 2026-11-30.)
 template <typename T, Format W, Prologue P, int U = kMmaChunks>
 __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a) {
   constexpr int E = kElems<T, W>;
@@ -1202,7 +1203,8 @@ __global__ void __launch_bounds__((C + 1) * 32, 1) gemv_tma_mma_kernel(GemvArgs<
 // less 136 times each chunk's sum of x after: no faster in either kernel (2026-11-29). After
 // gemv_mma_kernel's tasks and the prologue lost their divisions and per-element branches (the same
 // day, H200): float8 here 10.0 / 7.0 / 35.5 / 20.5, int4 through gemv_mma_kernel 8.1 / 5.3 / 29.1 /
-// 18.4 (bf16 16.9 / 12.5 / 64.2 / 35.7). (This kernel with int4 was not measured again.)
+// 18.4 (bf16 16.9 / 12.5 / 64.2 / 35.7). With int4's scales kept as loaded (scale_bits), int4 here
+// 9.9 / 6.7 / 37.4 / 21.0, through gemv_mma_kernel 7.6 / 5.2 / 25.9 / 17.3 (2026-11-30).
 template <typename T, Format W, Prologue P>
 bool launch_tma_mma(const GemvArgs<T>& a, cudaStream_t stream) {
   const auto* prop = at::cuda::getCurrentDeviceProperties();

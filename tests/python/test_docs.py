@@ -170,6 +170,33 @@ def test_the_readme_is_a_front_page():
         assert (ROOT / guide).is_file(), guide
 
 
+def _anchors(text):
+    """GitHub's anchors of a Markdown file's headings (lowercased, punctuation but '-' and '_'
+    dropped, spaces to '-', repeats numbered)."""
+    anchors, seen, fenced = set(), {}, False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        heading = None if fenced else re.match(r"#{1,6}\s+(.*?)\s*$", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).lower()).replace(" ", "-")
+            anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_every_link_into_the_docs_finds_its_file_and_heading():
+    """A link such as [x](benchmarks.md#a-section) breaks silently when the section is renamed."""
+    anchors = {doc.resolve(): _anchors(doc.read_text()) for doc in DOCS}
+    broken = []
+    for doc in DOCS:
+        for target, anchor in re.findall(r"\]\(([^)\s#]*\.md|)#([^)\s]+)\)", doc.read_text()):
+            path = (doc.parent / target).resolve() if target else doc.resolve()
+            if anchor not in anchors.get(path, set()):
+                broken.append(f"{doc.relative_to(ROOT)}: {target}#{anchor}")
+    assert not broken, broken
+
+
 PACKAGE = ROOT / "python" / "customops"
 
 
