@@ -1465,7 +1465,12 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
     }
   }
   at::Tensor x2 = x.reshape({m, k_in});
-  if (x2.stride(1) != 1 || x2.stride(0) % v != 0 || !aligned16(x2.data_ptr())) x2 = x2.contiguous();
+  if (x2.stride(1) != 1 || x2.stride(0) % v != 0 || !aligned16(x2.data_ptr())) {
+    x2 = x2.contiguous();
+    // (contiguous() returns x itself where it is contiguous already, as a view one element into a
+    // buffer is: the kernels' 16-byte loads need a copy of their own)
+    if (!aligned16(x2.data_ptr())) x2 = x2.clone();
+  }
 
   std::vector<int64_t> out_sizes = x.sizes().vec();
   out_sizes.back() = n;

@@ -287,6 +287,27 @@ def test_fused_linear_norm_weight_in_x_dtype_aligned_or_not(fmt, m):
     assert torch.equal(ys[0], ys[1])
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4"])
+@pytest.mark.parametrize("m", [1, 4])
+def test_fused_linear_reads_x_one_element_into_a_buffer(fmt, m):
+    """x contiguous but one element into its buffer (a view, as a flat buffer gives): the decoding
+    kernels read x in 16-byte packs, so it is copied first; the same output as x's copy, not a
+    misaligned load (a review found contiguous() returning such an x as it was)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, k = 1024, 4096
+    buf = torch.randn(m * k + 1, device="cuda", dtype=torch.bfloat16, generator=g)
+    x = buf[1:].view(m, k)
+    assert x.is_contiguous() and x.data_ptr() % 16 != 0
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
+    q, s = (w, None) if fmt == "bf16" else customops.quantize_fp8(w) if fmt == "fp8" else customops.quantize_int4(w)
+    nw = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16, generator=g)
+    y = customops.fused_linear(x, q, None, None, prologue="rms_norm", norm_weight=nw, constant_weight=True,
+                               weight_scale=s)
+    torch.cuda.synchronize()
+    assert torch.equal(y, customops.fused_linear(x.clone(), q, None, None, prologue="rms_norm", norm_weight=nw,
+                                                 constant_weight=True, weight_scale=s))
+
+
 def test_fused_linear_under_deterministic_algorithms_sums_in_one_order():
     """The Hopper kernel adds its warps' partial sums in shared memory by atomics (order varies run to
     run); under torch.use_deterministic_algorithms the register kernel runs instead, same values, the
