@@ -173,7 +173,7 @@ __device__ __forceinline__ float scale_at(const GemvArgs<T>& a, int64_t n, int64
 
 // An int4 group scale as loaded (T's bits, or float32's), made a float where it is used
 // (scale_of): a load issued a task ahead then has no instruction waiting for it until that task.
-// (ncu on an H200, 2026-11-30: converting the scales as they were loaded stalled each warp of
+// (ncu on an H200, 2026-11-29: converting the scales as they were loaded stalled each warp of
 // gemv_mma_kernel for its next task's scales, and so its weights, before it used the current one:
 // a quarter of the stall samples of gate_up's int4 product at 1 row.)
 template <typename T>
@@ -902,7 +902,7 @@ struct MmaTasks {
 
   // The next task into task (its weights loaded unless it is past the last). A whole task (U chunks
   // of 16 rows, every task but at a row's or the weight's end) loads without bounds, and int4's
-  // scales, where chunk_scales, from one address a row. (ncu on an H200, 2026-11-30: with a bound
+  // scales, where chunk_scales, from one address a row. (ncu on an H200, 2026-11-29: with a bound
   // and a scale address a load, loading took 39% of gemv_mma_kernel's instructions, int4 gate_up.)
   __device__ __forceinline__ void next(MmaTask<W, U>& task) {
     task.tile = tile;
@@ -966,7 +966,7 @@ struct MmaTasks {
 // U: chunks a task; two tasks' loads a thread in flight take 16 U registers, and 4 leave room for
 // two blocks an SM (128 registers a thread). (Tasks of 2 chunks, three blocks an SM, took up to
 // 1.37x the time at 1-8 rows of Llama-3-8B's products with int4 weights on an H200, 2026-11-29,
-// and 1.00-1.25x at 1 row after scale_bits, 2026-11-30.)
+// and 1.00-1.25x at 1 row after scale_bits, 2026-11-29.)
 template <typename T, Format W, Prologue P, int U = kMmaChunks>
 __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a) {
   constexpr int E = kElems<T, W>;
@@ -1204,7 +1204,7 @@ __global__ void __launch_bounds__((C + 1) * 32, 1) gemv_tma_mma_kernel(GemvArgs<
 // gemv_mma_kernel's tasks and the prologue lost their divisions and per-element branches (the same
 // day, H200): float8 here 10.0 / 7.0 / 35.5 / 20.5, int4 through gemv_mma_kernel 8.1 / 5.3 / 29.1 /
 // 18.4 (bf16 16.9 / 12.5 / 64.2 / 35.7). With int4's scales kept as loaded (scale_bits), int4 here
-// 9.9 / 6.7 / 37.4 / 21.0, through gemv_mma_kernel 7.6 / 5.2 / 25.9 / 17.3 (2026-11-30).
+// 9.9 / 6.7 / 37.4 / 21.0, through gemv_mma_kernel 7.6 / 5.2 / 25.9 / 17.3 (2026-11-29).
 template <typename T, Format W, Prologue P>
 bool launch_tma_mma(const GemvArgs<T>& a, cudaStream_t stream) {
   const auto* prop = at::cuda::getCurrentDeviceProperties();
