@@ -264,48 +264,37 @@ def test_fused_linear_dense_weight_through_the_tensor_cores(monkeypatch, dtype, 
         torch.testing.assert_close(y.double(), ref, atol=3e-2, rtol=2e-2, msg=f"switch {switch!r}")
 
 
+def _one_element_in(t):
+    """t's values in a buffer one element past a 16-byte boundary (as a flat buffer's views are)."""
+    buf = torch.empty(t.numel() + 1, device=t.device, dtype=t.dtype)
+    moved = buf[1:].view(t.shape).copy_(t)
+    assert moved.is_contiguous() and moved.data_ptr() % 16 != 0
+    return moved
+
+
+@pytest.mark.parametrize("operand", ["norm_weight", "x"])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4"])
 @pytest.mark.parametrize("m", [1, 4])
-def test_fused_linear_norm_weight_in_x_dtype_aligned_or_not(fmt, m):
+def test_fused_linear_reads_an_operand_one_element_into_its_buffer(operand, fmt, m):
     """A norm weight of x's dtype is read as 16-byte vectors by every decoding kernel's prologue
-    where it is contiguous and aligned; a slice one element into a buffer (as a flat parameter
-    buffer gives) is read element by element: the same output, not a misaligned load."""
+    where it is aligned, element by element where it is one element into a buffer; x, which they
+    read in 16-byte packs, is copied first where it is (contiguous() returns such an x as it is, a
+    review found). Either way the same output as aligned operands', not a misaligned load."""
     g = torch.Generator(device="cuda").manual_seed(0)
     n, k = 4096, 4096
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
     q, s = (w, None) if fmt == "bf16" else customops.quantize_fp8(w) if fmt == "fp8" else customops.quantize_int4(w)
-    buf = 1 + 0.1 * torch.randn(k + 1, device="cuda", dtype=torch.bfloat16, generator=g)
-    offset, aligned = buf[1:], buf[1:].clone()
-    assert offset.data_ptr() % 16 != 0 and aligned.data_ptr() % 16 == 0
+    nw = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16, generator=g)
+    assert x.data_ptr() % 16 == 0 and nw.data_ptr() % 16 == 0
     ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q.double() if s is None else q, None, None,
-                                            prologue="rms_norm", norm_weight=aligned.double(), weight_scale=s)
-    ys = [customops.fused_linear(x, q, None, None, prologue="rms_norm", norm_weight=nw, constant_weight=True,
-                                 weight_scale=s) for nw in (aligned, offset)]
+                                            prologue="rms_norm", norm_weight=nw.double(), weight_scale=s)
+    moved = {"x": x, "norm_weight": nw, operand: _one_element_in(x if operand == "x" else nw)}
+    ys = [customops.fused_linear(a["x"], q, None, None, prologue="rms_norm", norm_weight=a["norm_weight"],
+                                 constant_weight=True, weight_scale=s) for a in ({"x": x, "norm_weight": nw}, moved)]
     torch.cuda.synchronize()
     torch.testing.assert_close(ys[0].double(), ref, atol=3e-2, rtol=2e-2)
     assert torch.equal(ys[0], ys[1])
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "fp8", "int4"])
-@pytest.mark.parametrize("m", [1, 4])
-def test_fused_linear_reads_x_one_element_into_a_buffer(fmt, m):
-    """x contiguous but one element into its buffer (a view, as a flat buffer gives): the decoding
-    kernels read x in 16-byte packs, so it is copied first; the same output as x's copy, not a
-    misaligned load (a review found contiguous() returning such an x as it was)."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    n, k = 1024, 4096
-    buf = torch.randn(m * k + 1, device="cuda", dtype=torch.bfloat16, generator=g)
-    x = buf[1:].view(m, k)
-    assert x.is_contiguous() and x.data_ptr() % 16 != 0
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
-    q, s = (w, None) if fmt == "bf16" else customops.quantize_fp8(w) if fmt == "fp8" else customops.quantize_int4(w)
-    nw = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16, generator=g)
-    y = customops.fused_linear(x, q, None, None, prologue="rms_norm", norm_weight=nw, constant_weight=True,
-                               weight_scale=s)
-    torch.cuda.synchronize()
-    assert torch.equal(y, customops.fused_linear(x.clone(), q, None, None, prologue="rms_norm", norm_weight=nw,
-                                                 constant_weight=True, weight_scale=s))
 
 
 def test_fused_linear_under_deterministic_algorithms_sums_in_one_order():
