@@ -118,6 +118,10 @@ struct GemvArgs {
   int K;
   float eps;
   bool constant_weight;  // no kernel still running writes weight: it may be read before they end
+  // gemv_mma_kernel over k_splits ranges of the inputs (blockIdx.y, k_splits > 1): each range's sums
+  // into partial ([k_splits, M, N] float32), which split_k_epilogue adds and finishes
+  int k_splits;
+  float* partial;
 };
 
 __device__ __forceinline__ uint4 load_streaming(const void* p) {
@@ -218,12 +222,12 @@ __device__ __forceinline__ void norm_weights_at(const GemvArgs<T>& a, int c, flo
 }
 
 // prologue(x) for every row, each pack of V rounded to T and handed to store(m, c, pack) (row m,
-// pack c of the row), by the block's first kN threads; sync() is a barrier over them. rms_norm's sums
-// of squares are shared by all kN threads (each row's packs strided over them, the warps' sums added
-// in warp order by thread m), so that the block waits for one round of x's loads, not a warp's walk
-// over a row.
+// pack c of the row; packs [lo, hi) of each row, hi < 0: to the row's end), by the block's first kN
+// threads; sync() is a barrier over them. rms_norm's sums of squares (over the whole row) are shared
+// by all kN threads (each row's packs strided over them, the warps' sums added in warp order by
+// thread m), so that the block waits for one round of x's loads, not a warp's walk over a row.
 template <typename T, int V, Prologue P, int kN, typename Store, typename Sync>
-__device__ void prologue_packs(const GemvArgs<T>& a, Store store, Sync sync) {
+__device__ void prologue_packs(const GemvArgs<T>& a, Store store, Sync sync, int lo = 0, int hi = -1) {
   using PackT = Pack<T, V>;
   constexpr int kWarpsN = kN / 32;
   const int kv = a.K / V;
@@ -255,9 +259,10 @@ __device__ void prologue_packs(const GemvArgs<T>& a, Store store, Sync sync) {
     }
     sync();
   }
+  if (hi < 0) hi = kv;
   for (int m = 0; m < a.M; ++m) {
     const T* row = a.x + m * a.x_stride;
-    for (int c = threadIdx.x; c < kv; c += kN) {
+    for (int c = lo + static_cast<int>(threadIdx.x); c < hi; c += kN) {
       const PackT p = reinterpret_cast<const PackT*>(row)[c];
       PackT y;
       if constexpr (P == Prologue::kNone) {
@@ -771,8 +776,9 @@ __device__ __forceinline__ void mma16816(float* d, const uint32_t* a, uint32_t b
 
 // prologue(x) for every row into xs ([M, row_elems] of T), each pack of V permuted into its
 // vector's pair order (a pack lies within a vector's slice): the tensor-core kernels' B operand.
+// Packs [lo, hi) of each row (hi < 0: to its end), pack lo at the row's start.
 template <typename T, Format W, Prologue P, int kN, typename Sync>
-__device__ void prologue_pairs(const GemvArgs<T>& a, T* xs, int row_elems, Sync sync) {
+__device__ void prologue_pairs(const GemvArgs<T>& a, T* xs, int row_elems, Sync sync, int lo = 0, int hi = -1) {
   constexpr int V = 16 / sizeof(T);
   static_assert(V % 8 == 0 && kElems<T, W> % V == 0, "a pack of x is whole periods of its vector's pair order");
   using PackT = Pack<T, V>;
@@ -782,9 +788,9 @@ __device__ void prologue_pairs(const GemvArgs<T>& a, T* xs, int row_elems, Sync 
         PackT o;  // (a pack starts a period of the pair order: its permutation is pack 0's)
 #pragma unroll
         for (int j = 0; j < V; ++j) o.v[pair_position<T, W>(j)] = y.v[j];
-        *reinterpret_cast<PackT*>(xs + int64_t{m} * row_elems + pc * V) = o;
+        *reinterpret_cast<PackT*>(xs + int64_t{m} * row_elems + (pc - lo) * V) = o;
       },
-      sync);
+      sync, lo, hi);
 }
 
 // acc (rows g, g, g + 8, g + 8 of a tile of 16 output features; tokens 2c, 2c + 1) += one chunk of
@@ -825,10 +831,21 @@ __device__ __forceinline__ void mma_chunk(const uint4& w0, const uint4& w1, cons
   }
 }
 
+// out[m, n] from the float32 sum y of row m and output feature n: times the float8 row scale, plus
+// bias and residual, rounded to T.
+template <typename T, Format W>
+__device__ __forceinline__ void finish_output(const GemvArgs<T>& a, int m, int64_t n, float y) {
+  if constexpr (W == Format::kFp8) y *= static_cast<const float*>(a.scale)[n * a.scale_s0];
+  if (a.bias != nullptr) y += static_cast<float>(a.bias[n * a.bias_stride]);
+  if (a.residual != nullptr) y += static_cast<float>(a.residual[m * a.r_stride0 + n * a.r_stride1]);
+  a.out[m * a.N + n] = static_cast<T>(y);
+}
+
 // A tile's end: the kWarpsN warps' sums (acc, reset here) meet in red ([kWarpsN, 16, 8] floats),
-// and the block's first 128 threads write the tile's outputs with the float8 row scale, bias and
-// residual. sync() is a barrier over the kWarpsN warps (the only threads calling this).
-template <typename T, Format W, int kWarpsN, typename Sync>
+// and the block's first 128 threads write the tile's outputs (finish_output), or where the inputs
+// are split (kSplit: a.k_splits ranges) the sums alone, into range blockIdx.y's of a.partial. sync()
+// is a barrier over the kWarpsN warps (the only threads calling this).
+template <typename T, Format W, int kWarpsN, bool kSplit = false, typename Sync>
 __device__ __forceinline__ void mma_tile_end(const GemvArgs<T>& a, float* red, int64_t tile, float* acc, Sync sync) {
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
   float* r = red + threadIdx.x / 32 * 128;
@@ -846,10 +863,11 @@ __device__ __forceinline__ void mma_tile_end(const GemvArgs<T>& a, float* red, i
       float y = 0.f;
 #pragma unroll
       for (int w = 0; w < kWarpsN; ++w) y += red[w * 128 + row * 8 + m];
-      if constexpr (W == Format::kFp8) y *= static_cast<const float*>(a.scale)[n * a.scale_s0];
-      if (a.bias != nullptr) y += static_cast<float>(a.bias[n * a.bias_stride]);
-      if (a.residual != nullptr) y += static_cast<float>(a.residual[m * a.r_stride0 + n * a.r_stride1]);
-      a.out[m * a.N + n] = static_cast<T>(y);
+      if constexpr (kSplit) {
+        a.partial[(static_cast<int64_t>(blockIdx.y) * a.M + m) * a.N + n] = y;
+      } else {
+        finish_output<T, W>(a, m, n, y);
+      }
     }
   }
   sync();
@@ -882,7 +900,8 @@ struct MmaTasks {
   bool chunk_scales;       // int4: a group a chunk, the scales of T adjacent along a row
   int tile, sub, issued;   // the next task's tile and place in it, and the tasks loaded
 
-  __device__ MmaTasks(const GemvArgs<T>& args, int chunks, int tiles) : a(args) {
+  // chunks: a tile's row's, from chunk base on (a range of the inputs: gemv_mma_kernel's k_splits)
+  __device__ MmaTasks(const GemvArgs<T>& args, int base, int chunks, int tiles) : a(args) {
     const int warp = threadIdx.x / 32;
     const int chunks_a_warp = (chunks + kMmaWarps - 1) / kMmaWarps;
     tasks_a_tile = max(1, (chunks_a_warp + U - 1) / U);
@@ -890,8 +909,8 @@ struct MmaTasks {
                 ? (tiles - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x) *
                       tasks_a_tile
                 : 0;
-    chunk_lo = warp * chunks_a_warp;
-    chunk_hi = min(chunks, chunk_lo + chunks_a_warp);
+    chunk_lo = base + warp * chunks_a_warp;
+    chunk_hi = min(base + chunks, chunk_lo + chunks_a_warp);
     chunks_a_group = W == Format::kInt4 ? a.group_vectors / 4 : 1;
     group_shift = (chunks_a_group & (chunks_a_group - 1)) == 0 ? __ffs(chunks_a_group) - 1 : -1;
     chunk_scales = sizeof(T) == 2 && !a.scale_float && chunks_a_group == 1 && a.scale_s1 == 1;
@@ -966,27 +985,40 @@ struct MmaTasks {
 // U: chunks a task; two tasks' loads a thread in flight take 16 U registers, and 4 leave room for
 // two blocks an SM (128 registers a thread). (Tasks of 2 chunks, three blocks an SM, took up to
 // 1.37x the time at 1-8 rows of Llama-3-8B's products with int4 weights on an H200, 2026-11-29,
-// and 1.00-1.25x at 1 row after scale_bits, 2026-11-29.)
-template <typename T, Format W, Prologue P, int U = kMmaChunks>
+// and 1.00-1.25x at 1 row after scale_bits, 2026-11-29.) kSplit: the inputs in a.k_splits ranges
+// (blockIdx.y's here), a code of its own (at 128 registers a thread the ranges' arithmetic spilled
+// the dense kernel's registers).
+template <typename T, Format W, Prologue P, bool kSplit = false, int U = kMmaChunks>
 __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a) {
-  constexpr int E = kElems<T, W>;
+  constexpr int E = kElems<T, W>, V = 16 / static_cast<int>(sizeof(T));
   extern __shared__ __align__(16) unsigned char smem[];
-  const int row_elems = a.K + kMmaRowPad / static_cast<int>(sizeof(T));
-  T* xs = reinterpret_cast<T*>(smem);  // [M, row_elems], each vector's slice in pair order
+  // this block's range of the inputs: chunks [base, base + chunks) of each row (all, or k_splits')
+  const int all_chunks = a.K / (4 * E), splits = kSplit ? a.k_splits : 1;
+  const int split_chunks = kSplit ? (all_chunks + splits - 1) / splits : all_chunks;
+  const int base = kSplit ? min(all_chunks, static_cast<int>(blockIdx.y) * split_chunks) : 0;
+  const int chunks = kSplit ? min(all_chunks - base, split_chunks) : all_chunks;
+  const int row_elems = (kSplit ? chunks * 4 * E : a.K) + kMmaRowPad / static_cast<int>(sizeof(T));
+  T* xs = reinterpret_cast<T*>(smem);  // [M, row_elems]: the range of each row, each vector's slice in pair order
   float* red = reinterpret_cast<float*>(smem + int64_t{a.M} * row_elems * sizeof(T));  // [warps, 16, 8]
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
 
-  MmaTasks<T, W, U> k(a, a.K / (4 * E), static_cast<int>((a.N + 15) / 16));
+  MmaTasks<T, W, U> k(a, base, chunks, static_cast<int>((a.N + 15) / 16));
   MmaTask<W, U> ta, tb;
   if (!a.constant_weight) wait_prerequisites();
   k.next(ta);
   k.next(tb);
   launch_dependents();
   wait_prerequisites();
-  prologue_pairs<T, W, P, kMmaThreads>(a, xs, row_elems, [] { __syncthreads(); });
+  if constexpr (kSplit) {
+    prologue_pairs<T, W, P, kMmaThreads>(a, xs, row_elems, [] { __syncthreads(); }, base * 4 * E / V,
+                                         (base + chunks) * 4 * E / V);
+  } else {
+    prologue_pairs<T, W, P, kMmaThreads>(a, xs, row_elems, [] { __syncthreads(); });
+  }
 
   float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows g, g (tokens 2c, 2c + 1), g + 8, g + 8
-  // this thread's x: token g's (the last token's past M: mma_chunk), vector c of each chunk
+  // this thread's x: token g's (the last token's past M: mma_chunk), vector c of each chunk (from
+  // chunk base on)
   const T* xg = xs + int64_t{min(g, a.M - 1)} * row_elems + c * E;
   auto consume = [&](const MmaTask<W, U>& task) {
 #pragma unroll
@@ -997,9 +1029,9 @@ __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a)
         s0 = scale_of(a, task.scale[u][0]);
         s1 = scale_of(a, task.scale[u][1]);
       }
-      mma_chunk<T, W>(task.w[u][0], task.w[u][1], xg + (task.j0 + u) * 4 * E, s0, s1, acc);
+      mma_chunk<T, W>(task.w[u][0], task.w[u][1], xg + (task.j0 - base + u) * 4 * E, s0, s1, acc);
     }
-    if (task.last) mma_tile_end<T, W, kMmaWarps>(a, red, task.tile, acc, [] { __syncthreads(); });
+    if (task.last) mma_tile_end<T, W, kMmaWarps, kSplit>(a, red, task.tile, acc, [] { __syncthreads(); });
   };
   for (int t = 0; t < k.count; t += 2) {
     consume(ta);
@@ -1026,20 +1058,98 @@ bool mma_applies(int64_t m, int64_t k) {
          mma_smem(m, k, sizeof(T)) + 1024 <= static_cast<int64_t>(prop->sharedMemPerBlockOptin);
 }
 
-// Launches gemv_mma_kernel for a.M <= 8 rows; false where it does not apply (mma_applies, and
-// int4 groups that are whole chunks).
-template <typename T, Format W, Prologue P>
-bool launch_mma(const GemvArgs<T>& a, cudaStream_t stream) {
-  if (!mma_applies<T, W>(a.M, a.K) || (W == Format::kInt4 && a.group_vectors % 4 != 0)) return false;
-  const int64_t smem = mma_smem(a.M, a.K, sizeof(T));
-  auto* kernel = &gemv_mma_kernel<T, W, P>;
-  if (smem > 48 * 1024) {
-    cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
+// gemv_mma_kernel's k_splits: x of many rows of a wide product leaves room for one block an SM (down's
+// 14,336 inputs at 4 rows of bfloat16 take 115 KiB; int4's down product there took 34 us against 17
+// at 1 row on an H200, and 8 rows, two launches, 75), so a quantized weight's inputs may be split
+// into 2 or 4 ranges over the blocks (gridDim.y), each block holding its range of x, each range's
+// sums added by split_k_epilogue. At most kMaxKSplits ranges, each of at least a chunk a warp.
+constexpr int kMaxKSplits = 4;
+
+// The inputs of a block's range where gemv_mma_kernel splits k inputs of a quantized weight (e
+// weights a 16-byte vector) into the most ranges it may, or k where it may not split
+// (CUSTOMOPS_LINEAR_K_SPLITS=1): the x a launch's rows must fit.
+int64_t narrowest_range(int64_t k, int64_t e) {
+  const int64_t chunks = k / (4 * e);
+  if (k % (4 * e) != 0 || env::is("CUSTOMOPS_LINEAR_K_SPLITS", "1")) return k;
+  for (int s = kMaxKSplits; s > 1; s /= 2) {
+    if (chunks >= s * kMmaWarps) return (chunks + s - 1) / s * 4 * e;
   }
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kMmaThreads, smem));
-  const int64_t blocks = wave_blocks((a.N + 15) / 16, per_sm);
-  launch_dependent(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kMmaThreads), static_cast<size_t>(smem), stream, a);
+  return k;
+}
+
+// Adds gemv_mma_kernel's k_splits ranges' sums (a.partial) and finishes each output, a thread an
+// output.
+template <typename T, Format W>
+__global__ void __launch_bounds__(256) split_k_epilogue(GemvArgs<T> a) {
+  launch_dependents();
+  wait_prerequisites();
+  const int64_t outs = int64_t{a.M} * a.N, i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (i >= outs) return;
+  float y = 0.f;
+  for (int s = 0; s < a.k_splits; ++s) y += a.partial[s * outs + i];
+  finish_output<T, W>(a, static_cast<int>(i / a.N), i % a.N, y);
+}
+
+// Launches gemv_mma_kernel for a.M <= 8 rows (and split_k_epilogue after it where it splits the
+// inputs); false where it does not apply (sm_80 on, K a whole number of chunks, int4 groups that are
+// whole chunks, x's range beside the tile ends' sums in shared memory). k_splits: the fewest ranges
+// (1, 2 or 4; a dense weight's 1) that leave room for two blocks an SM, else the fewest that give
+// the most; CUSTOMOPS_LINEAR_K_SPLITS=N (1, 2 or 4) takes N where x's range fits.
+template <typename T, Format W, Prologue P>
+bool launch_mma(const GemvArgs<T>& args, cudaStream_t stream) {
+  constexpr int E = kElems<T, W>;
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  if (prop->major < 8 || args.K % (4 * E) != 0 || (W == Format::kInt4 && args.group_vectors % 4 != 0)) {
+    return false;
+  }
+  auto* const whole = &gemv_mma_kernel<T, W, P>;
+  auto* const split = [] {  // (a dense weight's inputs are never split)
+    if constexpr (W == Format::kDense) {
+      return &gemv_mma_kernel<T, W, P>;
+    } else {
+      return &gemv_mma_kernel<T, W, P, true>;
+    }
+  }();
+  const int chunks = args.K / (4 * E);
+  int splits = 0, per_sm = 0;
+  int64_t smem = 0;
+  auto consider = [&](int s) {
+    if (s > 1 && (W == Format::kDense || chunks < s * kMmaWarps)) return;
+    const int64_t bytes = mma_smem(args.M, int64_t{(chunks + s - 1) / s} * 4 * E, sizeof(T));
+    if (bytes + 1024 > static_cast<int64_t>(prop->sharedMemPerBlockOptin)) return;
+    auto* kernel = s > 1 ? split : whole;
+    if (bytes > 48 * 1024) cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));
+    int n = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kMmaThreads, bytes));
+    if (n > per_sm) {
+      splits = s;
+      per_sm = n;
+      smem = bytes;
+    }
+  };
+  const int64_t forced = env_count("CUSTOMOPS_LINEAR_K_SPLITS");
+  TORCH_CHECK(forced == 0 || forced == 1 || forced == 2 || forced == 4,
+              "customops.fused_linear: CUSTOMOPS_LINEAR_K_SPLITS must be 1, 2 or 4, not ", forced);
+  if (forced > 0) consider(static_cast<int>(forced));
+  if (per_sm == 0 && forced != 1) {
+    for (int s = 1; s <= kMaxKSplits && per_sm < 2; s *= 2) consider(s);
+  }
+  if (per_sm == 0) return false;
+  GemvArgs<T> a = args;
+  a.k_splits = splits;
+  at::Tensor partial;  // (freed here, its memory reused only by later work on this stream)
+  if (splits > 1) {
+    partial = at::empty({splits, a.M, a.N}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
+    a.partial = partial.mutable_data_ptr<float>();
+  }
+  const int64_t blocks = std::max<int64_t>(1, wave_blocks((a.N + 15) / 16 * splits, per_sm) / splits);
+  launch_dependent(splits > 1 ? split : whole, dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(splits)),
+                   dim3(kMmaThreads),
+                   static_cast<size_t>(smem), stream, a);
+  if (splits > 1) {
+    const int64_t outs = int64_t{a.M} * a.N;
+    launch_dependent(&split_k_epilogue<T, W>, dim3(static_cast<unsigned>((outs + 255) / 256)), dim3(256), 0, stream, a);
+  }
   return true;
 }
 
@@ -1453,13 +1563,21 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
     }
   } else if (w != Format::kDense) {
     const auto* prop = at::cuda::getCurrentDeviceProperties();
-    // (as many rows a launch as fit the tensor-core kernel's shared memory)
+    // (as many rows a launch as fit the tensor-core kernel's shared memory, its narrowest range of
+    // the inputs where it may split them: narrowest_range)
+    const int64_t range = prop->major >= 8 && (w != Format::kInt4 || group % 128 == 0)
+                              ? narrowest_range(k, w == Format::kFp8 ? 16 : 32)
+                              : k;
     chunk = static_cast<int>(std::min<int64_t>(
-        kQuantRowsALaunch, (static_cast<int64_t>(prop->sharedMemPerBlockOptin) - 1024 - mma_smem(0, k, x.element_size())) /
-                               (row_bytes + kMmaRowPad)));
-    // (float8 keeps the matrix-vector kernel up to 8 rows where the FP8 tensor cores do not apply)
-    const int max_rows = w == Format::kFp8 && !fp8_tensor_cores_apply(t, k, n) ? kQuantRowsALaunch
-                                                                               : kMaxQuantRows[static_cast<int>(w)];
+        kQuantRowsALaunch, (static_cast<int64_t>(prop->sharedMemPerBlockOptin) - 1024 - mma_smem(0, range, x.element_size())) /
+                               (range * x.element_size() + kMmaRowPad)));
+    // (float8 keeps the matrix-vector kernel up to 8 rows where the FP8 tensor cores do not apply;
+    // CUSTOMOPS_LINEAR_QUANT_MAX_ROWS=N, 1-16, sets the rows it takes, a switch for bench --linear)
+    int max_rows = w == Format::kFp8 && !fp8_tensor_cores_apply(t, k, n) ? kQuantRowsALaunch
+                                                                         : kMaxQuantRows[static_cast<int>(w)];
+    if (const int64_t cap = env_count("CUSTOMOPS_LINEAR_QUANT_MAX_ROWS"); cap > 0) {
+      max_rows = static_cast<int>(std::min<int64_t>(cap, 16));
+    }
     if (t == at::kFloat || m > max_rows || chunk < 1) {
       return quantized_rows(x, weight, bias, residual, p, norm_weight, eps, *weight_scale, w, k, group);
     }

@@ -297,6 +297,53 @@ def test_fused_linear_reads_an_operand_one_element_into_its_buffer(operand, fmt,
     assert torch.equal(ys[0], ys[1])
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+@pytest.mark.parametrize("m, n, k, prologue, auto_splits", [
+    (1, 1000, 4096, "rms_norm", 1),    # split only when asked (x in 8 KiB)
+    (3, 2064, 14336, "swiglu", 1),     # down's inputs, x in 84 KiB: two blocks an SM unsplit
+    (4, 1000, 14336, "swiglu", 2),     # x in 112 KiB: one block an SM unless split
+    (8, 1000, 14336, "swiglu", 4),     # 8 rows in one launch only as four ranges
+])
+def test_fused_linear_inputs_split_over_blocks(monkeypatch, fmt, m, n, k, prologue, auto_splits):
+    """gemv_mma_kernel's k_splits: a quantized weight's inputs in 2 or 4 ranges over the blocks where
+    x would leave room for one block an SM, each range's sums added (bias and residual once) by
+    split_k_epilogue; chosen as expected, one launch for up to 8 rows, and within the unsplit kernel's
+    error of float64 whatever the split."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
+    r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    nw = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16, generator=g) if prologue == "rms_norm" else None
+    q, s = customops.quantize_fp8(w) if fmt == "fp8" else customops.quantize_int4(w)
+    ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, b.double(), r.double(), prologue=prologue,
+                                            norm_weight=None if nw is None else nw.double(), weight_scale=s)
+    monkeypatch.setenv("CUSTOMOPS_LINEAR_QUANT_TMA", "0")  # (fp8 through gemv_mma_kernel too)
+    monkeypatch.setenv("CUSTOMOPS_LINEAR_QUANT_MAX_ROWS", "8")  # (fp8's 5-8 rows too, not the FP8 tensor cores)
+
+    def run(splits):
+        monkeypatch.setenv("CUSTOMOPS_LINEAR_K_SPLITS", str(splits))
+        if splits == 0:
+            monkeypatch.delenv("CUSTOMOPS_LINEAR_K_SPLITS")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=True,
+                                       weight_scale=s)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events()]
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        return err, sum("gemv_mma_kernel" in e for e in names), sum("split_k_epilogue" in e for e in names)
+
+    unsplit = run(1)
+    assert unsplit[0] < 0.01 and unsplit[2] == 0, unsplit
+    err, launches, epilogues = run(0)
+    assert (launches, epilogues) == (1, 0 if auto_splits == 1 else 1), (launches, epilogues)
+    assert err < max(1.5 * unsplit[0], 0.005), (err, unsplit)
+    for splits in (2, 4):
+        err, launches, epilogues = run(splits)
+        assert (launches, epilogues) == (1, 1), (splits, launches, epilogues)
+        assert err < max(1.5 * unsplit[0], 0.005), (splits, err, unsplit)
+
+
 def test_fused_linear_under_deterministic_algorithms_sums_in_one_order():
     """The Hopper kernel adds its warps' partial sums in shared memory by atomics (order varies run to
     run); under torch.use_deterministic_algorithms the register kernel runs instead, same values, the
