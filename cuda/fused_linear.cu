@@ -1422,27 +1422,32 @@ at::Tensor dequantize(const at::Tensor& weight, const at::Tensor& scale, Format 
   return out;
 }
 
-// The float8 product on Hopper's FP8 tensor cores (cuBLASLt, by at::_scaled_mm): each row of `in`
-// ([M, K], contiguous) quantized to float8 e4m3 with a float32 scale of its own (its largest
-// magnitude over 448, e4m3's largest), the products scaled by the row's and the output feature's
-// scales in float32; bfloat16 out. (The activations' rounding to float8 is this path's own error:
+// The float8 product on Hopper's FP8 tensor cores (cuBLASLt, by at::_scaled_mm): each row of
+// prologue(x) quantized to float8 e4m3 with a float32 scale of its own (its largest magnitude over
+// 448, e4m3's largest), the products scaled by the row's and the output feature's scales in
+// float32; bfloat16 out. (The activations' rounding to float8 is this path's own error:
 // docs/quantization.md.)
-// Rows of x to float8 e4m3, each with its scale (a block a row: its largest magnitude, then the
-// row over it; the second read comes from L2). An infinity makes its row's scale NaN; a NaN (which
-// fmaxf passes over) stays a NaN in float8: either way the row's products are NaN.
-template <typename T>
-__global__ void __launch_bounds__(256) quantize_rows_kernel(const T* x, int64_t k, __nv_fp8_storage_t* xq,
-                                                            float* row_scale) {
+// Rows of prologue(x) to float8 e4m3, each with its scale, a block a row: prologue_packs gives the
+// row's values (rounded to T as the prologue ops round them) twice, for the row's largest magnitude
+// and then for the codes (the second read of x comes from L2), so that the prologue's output never
+// goes through memory nor takes a launch of its own. An infinity makes its row's scale NaN; a NaN
+// (which fmaxf passes over) stays a NaN in float8: either way the row's products are NaN.
+template <typename T, Prologue P>
+__global__ void __launch_bounds__(256) quantize_rows_kernel(GemvArgs<T> a, __nv_fp8_storage_t* xq, float* row_scale) {
   constexpr int V = 16 / sizeof(T);
   using PackT = Pack<T, V>;
-  const PackT* row = reinterpret_cast<const PackT*>(x + blockIdx.x * k);
-  const int64_t kv = k / V;
+  using Codes = Pack<__nv_fp8_storage_t, V>;
+  GemvArgs<T> row = a;  // this block's row alone
+  row.x = a.x + static_cast<int64_t>(blockIdx.x) * a.x_stride;
+  row.M = 1;
   float amax = 0.f;
-  for (int64_t i = threadIdx.x; i < kv; i += 256) {
-    const PackT p = row[i];
+  prologue_packs<T, V, P, 256>(
+      row,
+      [&](int, int, const PackT& y) {
 #pragma unroll
-    for (int j = 0; j < V; ++j) amax = fmaxf(amax, fabsf(static_cast<float>(p.v[j])));
-  }
+        for (int j = 0; j < V; ++j) amax = fmaxf(amax, fabsf(static_cast<float>(y.v[j])));
+      },
+      [] { __syncthreads(); });
   __shared__ float warp_max[8];
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -1454,29 +1459,52 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(const T* x, int64_t 
   const float scale = isfinite(amax) ? fmaxf(amax / 448.f, 1e-30f) : __int_as_float(0x7fc00000);
   if (threadIdx.x == 0) row_scale[blockIdx.x] = scale;
   const float inv = 1.f / scale;
-  for (int64_t i = threadIdx.x; i < kv; i += 256) {
-    const PackT p = row[i];
-    Pack<__nv_fp8_storage_t, V> q;
+  Codes* out = reinterpret_cast<Codes*>(xq + static_cast<int64_t>(blockIdx.x) * a.K);
+  prologue_packs<T, V, P, 256>(
+      row,
+      [&](int, int c, const PackT& y) {
+        Codes q;
 #pragma unroll
-    for (int j = 0; j < V; ++j) {
-      q.v[j] = __nv_cvt_float_to_fp8(static_cast<float>(p.v[j]) * inv, __NV_SATFINITE, __NV_E4M3);
-    }
-    reinterpret_cast<Pack<__nv_fp8_storage_t, V>*>(xq + blockIdx.x * k)[i] = q;
-  }
+        for (int j = 0; j < V; ++j) q.v[j] = __nv_cvt_float_to_fp8(static_cast<float>(y.v[j]) * inv, __NV_SATFINITE, __NV_E4M3);
+        out[c] = q;
+      },
+      [] { __syncthreads(); });
 }
 
-at::Tensor fp8_tensor_cores(const at::Tensor& in, const at::Tensor& weight, const at::Tensor& scale) {
-  const int64_t m = in.size(0), k = in.size(1);
-  at::Tensor xq = at::empty({m, k}, in.options().dtype(at::kFloat8_e4m3fn));
-  at::Tensor row_scale = at::empty({m, 1}, in.options().dtype(at::kFloat));
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(in.scalar_type(), "customops::fused_linear", [&] {
-    quantize_rows_kernel<scalar_t><<<static_cast<unsigned>(m), 256, 0, at::cuda::getCurrentCUDAStream()>>>(
-        in.const_data_ptr<scalar_t>(), k, static_cast<__nv_fp8_storage_t*>(xq.data_ptr()),
-        row_scale.mutable_data_ptr<float>());
+// prologue(x) @ float8 weight.T on the FP8 tensor cores, x [M, K] (or [M, 2K] for SwiGLU), its rows
+// whole 16-byte packs from a 16-byte boundary (x2 in fused_linear_cuda). CUSTOMOPS_LINEAR_FP8_FAST_ACCUM=1
+// lets cuBLASLt accumulate without promoting to float32 along the way (a switch for bench --linear).
+at::Tensor fp8_tensor_cores(const at::Tensor& x, Prologue p, const std::optional<at::Tensor>& norm_weight, double eps,
+                            const at::Tensor& weight, const at::Tensor& scale, int64_t k) {
+  const int64_t m = x.size(0);
+  at::Tensor xq = at::empty({m, k}, x.options().dtype(at::kFloat8_e4m3fn));
+  at::Tensor row_scale = at::empty({m, 1}, x.options().dtype(at::kFloat));
+  AT_DISPATCH_REDUCED_FLOATING_TYPES(x.scalar_type(), "customops::fused_linear", [&] {
+    GemvArgs<scalar_t> a{};
+    a.x = x.const_data_ptr<scalar_t>();
+    a.x_stride = x.stride(0);
+    a.K = static_cast<int>(k);
+    a.M = static_cast<int>(m);
+    a.eps = static_cast<float>(eps);
+    if (norm_weight.has_value() && norm_weight->defined()) {
+      a.norm_weight = norm_weight->const_data_ptr();
+      a.norm_stride = norm_weight->stride(0);
+      a.norm_weight_float = norm_weight->scalar_type() == at::kFloat;
+    }
+    auto* codes = static_cast<__nv_fp8_storage_t*>(xq.data_ptr());
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    const auto grid = static_cast<unsigned>(m);
+    if (p == Prologue::kRmsNorm) {
+      quantize_rows_kernel<scalar_t, Prologue::kRmsNorm><<<grid, 256, 0, stream>>>(a, codes, row_scale.mutable_data_ptr<float>());
+    } else if (p == Prologue::kSwiglu) {
+      quantize_rows_kernel<scalar_t, Prologue::kSwiglu><<<grid, 256, 0, stream>>>(a, codes, row_scale.mutable_data_ptr<float>());
+    } else {
+      quantize_rows_kernel<scalar_t, Prologue::kNone><<<grid, 256, 0, stream>>>(a, codes, row_scale.mutable_data_ptr<float>());
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return at::_scaled_mm(xq, weight.t(), row_scale, scale.to(at::kFloat).reshape({1, -1}).contiguous(), std::nullopt,
-                        std::nullopt, at::kBFloat16, false);
+                        std::nullopt, at::kBFloat16, env::is("CUSTOMOPS_LINEAR_FP8_FAST_ACCUM", "1"));
 }
 
 // Whether a float8 product takes the FP8 tensor cores: sm_90 on, half types, features that are
@@ -1492,16 +1520,21 @@ at::Tensor quantized_rows(const at::Tensor& x, const at::Tensor& weight, const s
                           const std::optional<at::Tensor>& residual, Prologue p,
                           const std::optional<at::Tensor>& norm_weight, double eps, const at::Tensor& scale, Format w,
                           int64_t k, int64_t group) {
-  at::Tensor in = apply_prologue(p, x, norm_weight, eps).reshape({-1, k}).contiguous();
-  if (!aligned16(in.data_ptr())) in = in.clone();  // (16-byte loads: x itself may start anywhere)
   const at::ScalarType t = x.scalar_type();
   const int64_t n = weight.size(0);
   const bool has_bias = bias.has_value() && bias->defined();
   at::Tensor y;
   if (w == Format::kFp8 && fp8_tensor_cores_apply(t, k, n)) {
-    y = fp8_tensor_cores(in, weight, scale).to(t);
+    at::Tensor x2 = x.reshape({-1, x.size(-1)});  // (16-byte loads from a 16-byte boundary)
+    if (x2.stride(1) != 1 || x2.stride(0) % (16 / x.element_size()) != 0 || !aligned16(x2.data_ptr())) {
+      x2 = x2.contiguous();
+      if (!aligned16(x2.data_ptr())) x2 = x2.clone();
+    }
+    y = fp8_tensor_cores(x2, p, norm_weight, eps, weight, scale, k).to(t);
     if (has_bias) y.add_(*bias);
   } else {
+    at::Tensor in = apply_prologue(p, x, norm_weight, eps).reshape({-1, k}).contiguous();
+    if (!aligned16(in.data_ptr())) in = in.clone();  // (16-byte loads: x itself may start anywhere)
     const at::Tensor wt = dequantize(weight, scale, w, k, group, t).t();
     y = has_bias ? at::addmm(*bias, in, wt) : at::mm(in, wt);
   }

@@ -344,6 +344,36 @@ def test_fused_linear_inputs_split_over_blocks(monkeypatch, fmt, m, n, k, prolog
         assert err < max(1.5 * unsplit[0], 0.005), (splits, err, unsplit)
 
 
+@pytest.mark.parametrize("prologue", ["none", "rms_norm", "swiglu"])
+def test_fused_linear_fp8_prefill_quantizes_the_prologue_s_rows_from_any_x(prologue):
+    """Past the decoding kernels' rows a float8 product runs on the FP8 tensor cores after one kernel
+    that computes prologue(x)'s rows and quantizes them (quantize_rows_kernel, reading x by 16-byte
+    packs): x one element into a buffer, or rows a stride of their own apart, gives what contiguous x
+    gives, within the float8 rows' error of float64."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the FP8 tensor cores: compute capability 9.0+")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    m, n, k = 24, 256, 512
+    k_in = 2 * k if prologue == "swiglu" else k
+    w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+    q, s = customops.quantize_fp8(w)
+    nw = 1 + 0.1 * torch.randn(k, device="cuda", dtype=torch.bfloat16, generator=g) if prologue == "rms_norm" else None
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
+    r = torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=g)
+    buf = torch.randn(m * k_in + 1, device="cuda", dtype=torch.bfloat16, generator=g)
+    offset = buf[1:].view(m, k_in)
+    strided = torch.randn(m, k_in + 8, device="cuda", dtype=torch.bfloat16, generator=g)[:, :k_in]
+    assert offset.data_ptr() % 16 != 0 and not strided.is_contiguous()
+    for x in (offset, strided):
+        y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, weight_scale=s)
+        assert torch.equal(y, customops.fused_linear(x.contiguous(), q, b, r, prologue=prologue, norm_weight=nw,
+                                                     weight_scale=s))
+        ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, b.double(), r.double(), prologue=prologue,
+                                                norm_weight=None if nw is None else nw.double(), weight_scale=s)
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        assert err < 0.05, err
+
+
 def test_fused_linear_under_deterministic_algorithms_sums_in_one_order():
     """The Hopper kernel adds its warps' partial sums in shared memory by atomics (order varies run to
     run); under torch.use_deterministic_algorithms the register kernel runs instead, same values, the
