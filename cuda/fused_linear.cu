@@ -1080,12 +1080,20 @@ bool mma_applies(int64_t m, int64_t k) {
 // sums added by split_k_epilogue. At most kMaxKSplits ranges, each of at least a chunk a warp.
 constexpr int kMaxKSplits = 4;
 
+// CUSTOMOPS_LINEAR_K_SPLITS (a switch for bench --linear): 1, 2 or 4 ranges first, 0 where unset.
+int forced_k_splits() {
+  const int64_t forced = env_count("CUSTOMOPS_LINEAR_K_SPLITS");
+  TORCH_CHECK(forced == 0 || forced == 1 || forced == 2 || forced == 4,
+              "customops.fused_linear: CUSTOMOPS_LINEAR_K_SPLITS must be 1, 2 or 4, not ", forced);
+  return static_cast<int>(forced);
+}
+
 // The inputs of a block's range where gemv_mma_kernel splits k inputs of a quantized weight (e
 // weights a 16-byte vector) into the most ranges it may, or k where it may not split
 // (CUSTOMOPS_LINEAR_K_SPLITS=1): the x a launch's rows must fit.
 int64_t narrowest_range(int64_t k, int64_t e) {
   const int64_t chunks = k / (4 * e);
-  if (k % (4 * e) != 0 || env::is("CUSTOMOPS_LINEAR_K_SPLITS", "1")) return k;
+  if (k % (4 * e) != 0 || forced_k_splits() == 1) return k;
   for (int s = kMaxKSplits; s > 1; s /= 2) {
     if (chunks >= s * kMmaWarps) return (chunks + s - 1) / s * 4 * e;
   }
@@ -1142,10 +1150,8 @@ bool launch_mma(const GemvArgs<T>& args, cudaStream_t stream) {
       smem = bytes;
     }
   };
-  const int64_t forced = env_count("CUSTOMOPS_LINEAR_K_SPLITS");
-  TORCH_CHECK(forced == 0 || forced == 1 || forced == 2 || forced == 4,
-              "customops.fused_linear: CUSTOMOPS_LINEAR_K_SPLITS must be 1, 2 or 4, not ", forced);
-  if (forced > 0) consider(static_cast<int>(forced));
+  const int forced = W == Format::kDense ? 0 : forced_k_splits();  // (checked before the first launch)
+  if (forced > 0) consider(forced);
   if (per_sm == 0 && forced != 1) {
     for (int s = 1; s <= kMaxKSplits && per_sm < 2; s *= 2) consider(s);
   }
@@ -1155,7 +1161,8 @@ bool launch_mma(const GemvArgs<T>& args, cudaStream_t stream) {
   a.prefetch_tiles = static_cast<int>(env_count("CUSTOMOPS_LINEAR_L2_PREFETCH"));
   at::Tensor partial;  // (freed here, its memory reused only by later work on this stream)
   if (splits > 1) {
-    partial = at::empty({splits, a.M, a.N}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
+    partial = at::empty({splits, a.M, a.N},
+                        at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, c10::cuda::current_device()));
     a.partial = partial.mutable_data_ptr<float>();
   }
   const int64_t blocks = std::max<int64_t>(1, wave_blocks((a.N + 15) / 16 * splits, per_sm) / splits);
