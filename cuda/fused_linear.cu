@@ -1628,11 +1628,13 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
         kQuantRowsALaunch, (static_cast<int64_t>(prop->sharedMemPerBlockOptin) - 1024 - mma_smem(0, range, x.element_size())) /
                                (range * x.element_size() + kMmaRowPad)));
     // (float8 keeps the matrix-vector kernel up to 8 rows where the FP8 tensor cores do not apply;
-    // CUSTOMOPS_LINEAR_QUANT_MAX_ROWS=N, 1-16, sets the rows it takes, a switch for bench --linear)
+    // CUSTOMOPS_LINEAR_QUANT_MAX_ROWS=N, 1-64, sets the rows it takes in launches of up to 8, a switch
+    // for bench --linear: int4's alternative past 16 rows, a dequantized copy of the weight, moves
+    // its bytes 9 times over, 8 rows a launch streams them once a launch)
     int max_rows = w == Format::kFp8 && !fp8_tensor_cores_apply(t, k, n) ? kQuantRowsALaunch
                                                                          : kMaxQuantRows[static_cast<int>(w)];
     if (const int64_t cap = env_count("CUSTOMOPS_LINEAR_QUANT_MAX_ROWS"); cap > 0) {
-      max_rows = static_cast<int>(std::min<int64_t>(cap, 16));
+      max_rows = static_cast<int>(std::min<int64_t>(cap, 64));
     }
     if (t == at::kFloat || m > max_rows || chunk < 1) {
       return quantized_rows(x, weight, bias, residual, p, norm_weight, eps, *weight_scale, w, k, group);
