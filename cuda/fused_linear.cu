@@ -79,7 +79,10 @@ constexpr int64_t kMaxSmemManyRows = 64 * 1024;
 // 0.74-1.34x (qkv the slowest): from 5 rows float8 takes the FP8 tensor cores.
 constexpr int kMaxQuantRows[] = {0, 4, 16};  // by Format: (dense: kMaxRows), float8, int4
 constexpr int kQuantRowsALaunch = 8;
-static_assert(kQuantRowsALaunch >= kMaxRows, "prologue's rstd holds every kernel's rows");
+// 9-16 rows of a quantized weight's product: one launch of the wide tensor-core kernel (gemv_mma_kernel
+// with kWide) where it applies
+constexpr int kWideRows = 16;
+static_assert(kWideRows >= kQuantRowsALaunch && kQuantRowsALaunch >= kMaxRows, "prologue's rstd holds every kernel's rows");
 // The Hopper kernel (gemv_tma_kernel): consumer warps, one producer warp, chunks of weight rows.
 constexpr int kConsumers = 8;
 constexpr int kTmaThreads = (kConsumers + 1) * 32;
@@ -234,9 +237,9 @@ __device__ void prologue_packs(const GemvArgs<T>& a, Store store, Sync sync, int
   using PackT = Pack<T, V>;
   constexpr int kWarpsN = kN / 32;
   const int kv = a.K / V;
-  __shared__ float rstd[kQuantRowsALaunch];  // (a.M: up to kMaxRows, or a quantized launch's rows)
+  __shared__ float rstd[kWideRows];  // (a.M: up to kMaxRows, or a quantized launch's rows)
   if constexpr (P == Prologue::kRmsNorm) {
-    __shared__ float part[kWarpsN][kQuantRowsALaunch];
+    __shared__ float part[kWarpsN][kWideRows];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     for (int m = 0; m < a.M; ++m) {
       const PackT* row = reinterpret_cast<const PackT*>(a.x + m * a.x_stride);
@@ -834,6 +837,42 @@ __device__ __forceinline__ void mma_chunk(const uint4& w0, const uint4& w1, cons
   }
 }
 
+// mma_chunk for 9-16 rows of x (the wide kernel): x is the A operand (tokens g and g + 8, x0 and x1,
+// each E values of vector c in pair order), the weights the B operand (rows g, then rows g + 8: a
+// tile's features 0-7, then 8-15), the same pairs decoded in the same order, two instructions a step.
+// acc[0..3]: tokens g, g, g + 8, g + 8 of features 2c, 2c + 1, 2c, 2c + 1; acc[4..7] the same of
+// features 8 + 2c and 9 + 2c. An int4 chunk's sums take their features' scales, from the threads
+// that loaded them (feature r's, r < 8: s0 of group r; 8 + r: s1 of group r).
+template <typename T, Format W>
+__device__ __forceinline__ void mma_chunk_wide(const uint4& w0, const uint4& w1, const T* x0, const T* x1, float s0,
+                                               float s1, float* acc) {
+  constexpr int E = kElems<T, W>;
+  const uint2* xa = reinterpret_cast<const uint2*>(x0);  // pairs 2s and 2s + 1 of token g
+  const uint2* xb = reinterpret_cast<const uint2*>(x1);  // of token g + 8
+  float d[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float* sums = W == Format::kInt4 ? d : acc;
+#pragma unroll
+  for (int s = 0; s < E / 4; ++s) {  // steps: pairs 2s and 2s + 1
+    const uint2 p = xa[s], q = xb[s];
+    const uint32_t fx[4] = {p.x, q.x, p.y, q.y};
+    mma16816<T>(sums, fx, decode_pair<T, W>(w0, 2 * s), decode_pair<T, W>(w0, 2 * s + 1));
+    mma16816<T>(sums + 4, fx, decode_pair<T, W>(w1, 2 * s), decode_pair<T, W>(w1, 2 * s + 1));
+  }
+  if constexpr (W == Format::kInt4) {
+    const int c = threadIdx.x % 4;
+    const float f0 = __shfl_sync(0xffffffffu, s0, 8 * c), f1 = __shfl_sync(0xffffffffu, s0, 8 * c + 4);
+    const float f8 = __shfl_sync(0xffffffffu, s1, 8 * c), f9 = __shfl_sync(0xffffffffu, s1, 8 * c + 4);
+    acc[0] += d[0] * f0;
+    acc[1] += d[1] * f1;
+    acc[2] += d[2] * f0;
+    acc[3] += d[3] * f1;
+    acc[4] += d[4] * f8;
+    acc[5] += d[5] * f9;
+    acc[6] += d[6] * f8;
+    acc[7] += d[7] * f9;
+  }
+}
+
 // out[m, n] from the float32 sum y of row m and output feature n: times the float8 row scale, plus
 // bias and residual, rounded to T.
 template <typename T, Format W>
@@ -871,6 +910,38 @@ __device__ __forceinline__ void mma_tile_end(const GemvArgs<T>& a, float* red, i
       } else {
         finish_output<T, W>(a, m, n, y);
       }
+    }
+  }
+  sync();
+}
+
+// mma_tile_end for the wide kernel: red holds [kWarpsN, 16 features, 16 tokens] floats, and each of
+// the block's 256 threads sums one (feature, token).
+template <typename T, Format W, int kWarpsN, bool kSplit, typename Sync>
+__device__ __forceinline__ void mma_tile_end_wide(const GemvArgs<T>& a, float* red, int64_t tile, float* acc, Sync sync) {
+  static_assert(kWarpsN * 32 == 256, "a thread a (feature, token)");
+  const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+  float* r = red + threadIdx.x / 32 * 256;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    r[(8 * h + 2 * c) * 16 + g] = acc[4 * h];
+    r[(8 * h + 2 * c + 1) * 16 + g] = acc[4 * h + 1];
+    r[(8 * h + 2 * c) * 16 + g + 8] = acc[4 * h + 2];
+    r[(8 * h + 2 * c + 1) * 16 + g + 8] = acc[4 * h + 3];
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+  sync();
+  const int row = threadIdx.x / 16, m = threadIdx.x % 16;
+  const int64_t n = tile * 16 + row;
+  if (m < a.M && n < a.N) {
+    float y = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarpsN; ++w) y += red[w * 256 + row * 16 + m];
+    if constexpr (kSplit) {
+      a.partial[(static_cast<int64_t>(blockIdx.y) * a.M + m) * a.N + n] = y;
+    } else {
+      finish_output<T, W>(a, m, n, y);
     }
   }
   sync();
@@ -1003,7 +1074,7 @@ struct MmaTasks {
 // and 1.00-1.25x at 1 row after scale_bits, 2026-11-29.) kSplit: the inputs in a.k_splits ranges
 // (blockIdx.y's here), a code of its own (at 128 registers a thread the ranges' arithmetic spilled
 // the dense kernel's registers).
-template <typename T, Format W, Prologue P, bool kSplit = false, int U = kMmaChunks>
+template <typename T, Format W, Prologue P, bool kSplit = false, bool kWide = false, int U = kMmaChunks>
 __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a) {
   constexpr int E = kElems<T, W>, V = 16 / static_cast<int>(sizeof(T));
   extern __shared__ __align__(16) unsigned char smem[];
@@ -1014,10 +1085,11 @@ __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a)
   const int chunks = kSplit ? min(all_chunks - base, split_chunks) : all_chunks;
   const int row_elems = (kSplit ? chunks * 4 * E : a.K) + kMmaRowPad / static_cast<int>(sizeof(T));
   T* xs = reinterpret_cast<T*>(smem);  // [M, row_elems]: the range of each row, each vector's slice in pair order
-  float* red = reinterpret_cast<float*>(smem + int64_t{a.M} * row_elems * sizeof(T));  // [warps, 16, 8]
+  // [warps, 16, 8] floats (the wide kernel: [warps, 16, 16])
+  float* red = reinterpret_cast<float*>(smem + int64_t{a.M} * row_elems * sizeof(T));
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
 
-  MmaTasks<T, W, U, !kSplit> k(a, base, chunks, static_cast<int>((a.N + 15) / 16));
+  MmaTasks<T, W, U, !kSplit && !kWide> k(a, base, chunks, static_cast<int>((a.N + 15) / 16));
   MmaTask<W, U> ta, tb;
   if (!a.constant_weight) wait_prerequisites();
   k.next(ta);
@@ -1031,10 +1103,12 @@ __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a)
     prologue_pairs<T, W, P, kMmaThreads>(a, xs, row_elems, [] { __syncthreads(); });
   }
 
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};  // rows g, g (tokens 2c, 2c + 1), g + 8, g + 8
+  // rows g, g (tokens 2c, 2c + 1), g + 8, g + 8 (the wide kernel's: mma_chunk_wide)
+  float acc[kWide ? 8 : 4] = {};
   // this thread's x: token g's (the last token's past M: mma_chunk), vector c of each chunk (from
-  // chunk base on)
+  // chunk base on); the wide kernel's token g + 8 too
   const T* xg = xs + int64_t{min(g, a.M - 1)} * row_elems + c * E;
+  [[maybe_unused]] const T* xg8 = xs + int64_t{min(g + 8, a.M - 1)} * row_elems + c * E;
   auto consume = [&](const MmaTask<W, U>& task) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -1044,9 +1118,20 @@ __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a)
         s0 = scale_of(a, task.scale[u][0]);
         s1 = scale_of(a, task.scale[u][1]);
       }
-      mma_chunk<T, W>(task.w[u][0], task.w[u][1], xg + (task.j0 - base + u) * 4 * E, s0, s1, acc);
+      const int at = (task.j0 - base + u) * 4 * E;
+      if constexpr (kWide) {
+        mma_chunk_wide<T, W>(task.w[u][0], task.w[u][1], xg + at, xg8 + at, s0, s1, acc);
+      } else {
+        mma_chunk<T, W>(task.w[u][0], task.w[u][1], xg + at, s0, s1, acc);
+      }
     }
-    if (task.last) mma_tile_end<T, W, kMmaWarps, kSplit>(a, red, task.tile, acc, [] { __syncthreads(); });
+    if (task.last) {
+      if constexpr (kWide) {
+        mma_tile_end_wide<T, W, kMmaWarps, kSplit>(a, red, task.tile, acc, [] { __syncthreads(); });
+      } else {
+        mma_tile_end<T, W, kMmaWarps, kSplit>(a, red, task.tile, acc, [] { __syncthreads(); });
+      }
+    }
   };
   for (int t = 0; t < k.count; t += 2) {
     consume(ta);
@@ -1058,9 +1143,10 @@ __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a)
   }
 }
 
-// x's rows and the tile ends' sums ([warps, 16, 8] floats) of the tensor-core kernels
+// x's rows and the tile ends' sums ([warps, 16, 8] floats, or [warps, 16, 16] for more than 8 rows:
+// the wide kernel) of the tensor-core kernels
 int64_t mma_smem(int64_t m, int64_t k, int64_t element_size, int warps = kMmaWarps) {
-  return m * (k * element_size + kMmaRowPad) + warps * 16 * 8 * sizeof(float);
+  return m * (k * element_size + kMmaRowPad) + warps * 16 * (m > kQuantRowsALaunch ? 16 : 8) * sizeof(float);
 }
 
 // Whether gemv_mma_kernel takes m rows of k inputs of T with weights of format W: sm_80 on, k a
@@ -1078,7 +1164,7 @@ bool mma_applies(int64_t m, int64_t k) {
 // at 1 row on an H200, and 8 rows, two launches, 75), so a quantized weight's inputs may be split
 // into 2 or 4 ranges over the blocks (gridDim.y), each block holding its range of x, each range's
 // sums added by split_k_epilogue. At most kMaxKSplits ranges, each of at least a chunk a warp.
-constexpr int kMaxKSplits = 4;
+constexpr int kMaxKSplits = 8;
 
 // CUSTOMOPS_LINEAR_K_SPLITS (a switch for bench --linear): 1, 2 or 4 ranges first, 0 where unset.
 int forced_k_splits() {
@@ -1125,14 +1211,18 @@ bool launch_mma(const GemvArgs<T>& args, cudaStream_t stream) {
   if (prop->major < 8 || args.K % (4 * E) != 0 || (W == Format::kInt4 && args.group_vectors % 4 != 0)) {
     return false;
   }
-  auto* const whole = &gemv_mma_kernel<T, W, P>;
-  auto* const split = [] {  // (a dense weight's inputs are never split)
-    if constexpr (W == Format::kDense) {
-      return &gemv_mma_kernel<T, W, P>;
-    } else {
-      return &gemv_mma_kernel<T, W, P, true>;
-    }
-  }();
+  // the kernels whole and split (its inputs in ranges), for up to 8 rows or (wide) 16; a dense
+  // weight's inputs are never split nor its rows more than 8
+  const bool wide = args.M > kQuantRowsALaunch;
+  if (args.M > (W == Format::kDense ? kQuantRowsALaunch : kWideRows)) return false;
+  using Kernel = void (*)(GemvArgs<T>);
+  Kernel whole = &gemv_mma_kernel<T, W, P>, split = whole;
+  if constexpr (W != Format::kDense) {
+    // (int4's wide kernel takes tasks of 2 chunks: with 4 its registers spilled)
+    constexpr int kWideU = W == Format::kInt4 ? 2 : kMmaChunks;
+    whole = wide ? &gemv_mma_kernel<T, W, P, false, true, kWideU> : whole;
+    split = wide ? &gemv_mma_kernel<T, W, P, true, true, kWideU> : &gemv_mma_kernel<T, W, P, true>;
+  }
   const int chunks = args.K / (4 * E);
   int splits = 0, per_sm = 0;
   int64_t smem = 0;
@@ -1362,15 +1452,20 @@ bool launch_tma_mma(const GemvArgs<T>& a, cudaStream_t stream) {
 }
 
 // A quantized weight's rows through the matrix-vector kernels, up to `chunk` rows a launch: the
-// TMA one, the tensor-core one, else the register kernel (each where the one before does not apply).
+// TMA one, the tensor-core one, else the register kernel (each where the one before does not apply);
+// but more than 8 rows go 16 at a time to the wide tensor-core kernel, each weight decoded once for
+// all of them, where it applies (CUSTOMOPS_LINEAR_WIDE=0: never, a switch for bench --linear).
 template <typename T, Format W, Prologue P>
 void launch_quantized(const GemvArgs<T>& a, int chunk, cudaStream_t stream) {
-  for (int m0 = 0; m0 < a.M; m0 += chunk) {
+  const bool wide = !env::is("CUSTOMOPS_LINEAR_WIDE", "0");
+  for (int m0 = 0, rows = 0; m0 < a.M; m0 += rows) {
     GemvArgs<T> c = a;
-    c.M = std::min(chunk, a.M - m0);
     c.x = a.x + m0 * a.x_stride;
     if (a.residual != nullptr) c.residual = a.residual + m0 * a.r_stride0;
     c.out = a.out + m0 * a.N;
+    c.M = rows = std::min(kWideRows, a.M - m0);
+    if (wide && rows > kQuantRowsALaunch && launch_mma<T, W, P>(c, stream)) continue;
+    c.M = rows = std::min(chunk, a.M - m0);
     const int64_t smem = int64_t{c.M} * a.K * sizeof(T);
     if (launch_tma_mma<T, W, P>(c, stream) || launch_mma<T, W, P>(c, stream)) continue;  // (else the register kernel)
     if (c.M == 1) {

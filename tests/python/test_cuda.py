@@ -357,6 +357,48 @@ def test_fused_linear_inputs_split_over_blocks(monkeypatch, fmt, m, n, k, prolog
         assert err < max(1.5 * unsplit[0], 0.005), (splits, err, unsplit[0])
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+@pytest.mark.parametrize("m, n, k, prologue, dtype, group", [
+    (9, 1000, 4096, "rms_norm", torch.bfloat16, 128),
+    (16, 2064, 14336, "swiglu", torch.bfloat16, 128),  # x of 16 rows in ranges of the inputs
+    # float32 int4 scales in groups of two chunks, half x, 3 tiles (the last of 8 features)
+    (12, 40, 14336 + 256, "none", torch.float16, 256),
+])
+def test_fused_linear_9_to_16_rows_in_one_wide_launch(monkeypatch, fmt, m, n, k, prologue, dtype, group):
+    """9-16 rows of a quantized weight's product in one launch of the wide tensor-core kernel (x the
+    A operand, each weight decoded once for all rows; int4's scales passed between the lanes), within
+    the 8-row launches' error of float64, bias and residual added once; CUSTOMOPS_LINEAR_WIDE=0 takes
+    launches of up to 8 rows."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k**0.5
+    b = torch.randn(n, device="cuda", dtype=dtype, generator=g)
+    r = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
+    nw = 1 + 0.1 * torch.randn(k, device="cuda", dtype=dtype, generator=g) if prologue == "rms_norm" else None
+    q, s = customops.quantize_fp8(w) if fmt == "fp8" else customops.quantize_int4(w, group)
+    if fmt == "int4" and group == 256:
+        s = s.float()
+    ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, b.double(), r.double(), prologue=prologue,
+                                            norm_weight=None if nw is None else nw.double(), weight_scale=s)
+    monkeypatch.setenv("CUSTOMOPS_LINEAR_QUANT_MAX_ROWS", "16")  # (fp8's 9-16 rows too, not the FP8 tensor cores)
+
+    def run(wide):
+        monkeypatch.setenv("CUSTOMOPS_LINEAR_WIDE", "1" if wide else "0")
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=True,
+                                       weight_scale=s)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events()]
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        return err, sum("gemv_mma_kernel" in e or "gemv_tma_mma_kernel" in e for e in names)
+
+    narrow_err, narrow_launches = run(False)
+    assert narrow_err < 0.01 and narrow_launches == 2, (narrow_err, narrow_launches)
+    wide_err, wide_launches = run(True)
+    assert wide_launches == 1, wide_launches
+    assert wide_err < max(1.5 * narrow_err, 0.005), (wide_err, narrow_err)
+
+
 @pytest.mark.parametrize("prologue", ["none", "rms_norm", "swiglu"])
 def test_fused_linear_fp8_prefill_quantizes_the_prologue_s_rows_from_any_x(prologue):
     """Past the decoding kernels' rows a float8 product runs on the FP8 tensor cores after one kernel
