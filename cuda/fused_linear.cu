@@ -847,16 +847,20 @@ template <typename T, Format W>
 __device__ __forceinline__ void mma_chunk_wide(const uint4& w0, const uint4& w1, const T* x0, const T* x1, float s0,
                                                float s1, float* acc) {
   constexpr int E = kElems<T, W>;
-  const uint2* xa = reinterpret_cast<const uint2*>(x0);  // pairs 2s and 2s + 1 of token g
-  const uint2* xb = reinterpret_cast<const uint2*>(x1);  // of token g + 8
+  const uint4* xa = reinterpret_cast<const uint4*>(x0);  // pairs 4i ... 4i + 3 of token g
+  const uint4* xb = reinterpret_cast<const uint4*>(x1);  // of token g + 8
   float d[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   float* sums = W == Format::kInt4 ? d : acc;
 #pragma unroll
-  for (int s = 0; s < E / 4; ++s) {  // steps: pairs 2s and 2s + 1
-    const uint2 p = xa[s], q = xb[s];
-    const uint32_t fx[4] = {p.x, q.x, p.y, q.y};
-    mma16816<T>(sums, fx, decode_pair<T, W>(w0, 2 * s), decode_pair<T, W>(w0, 2 * s + 1));
-    mma16816<T>(sums + 4, fx, decode_pair<T, W>(w1, 2 * s), decode_pair<T, W>(w1, 2 * s + 1));
+  for (int i = 0; i < E / 8; ++i) {  // two steps (pairs 2s and 2s + 1 each) a 16-byte load of x
+    const uint4 p = xa[i], q = xb[i];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int s = 2 * i + h;
+      const uint32_t fx[4] = {h ? p.z : p.x, h ? q.z : q.x, h ? p.w : p.y, h ? q.w : q.y};
+      mma16816<T>(sums, fx, decode_pair<T, W>(w0, 2 * s), decode_pair<T, W>(w0, 2 * s + 1));
+      mma16816<T>(sums + 4, fx, decode_pair<T, W>(w1, 2 * s), decode_pair<T, W>(w1, 2 * s + 1));
+    }
   }
   if constexpr (W == Format::kInt4) {
     const int c = threadIdx.x % 4;
@@ -915,19 +919,22 @@ __device__ __forceinline__ void mma_tile_end(const GemvArgs<T>& a, float* red, i
   sync();
 }
 
-// mma_tile_end for the wide kernel: red holds [kWarpsN, 16 features, 16 tokens] floats, and each of
-// the block's 256 threads sums one (feature, token).
+// mma_tile_end for the wide kernel: red holds [kWarpsN, 16 features, 16 tokens] floats (a feature's
+// 16 tokens kWideRedPitch apart: the four lanes of a group store to four banks), and each of the
+// block's 256 threads sums one (feature, token).
+constexpr int kWideRedPitch = 17;
 template <typename T, Format W, int kWarpsN, bool kSplit, typename Sync>
 __device__ __forceinline__ void mma_tile_end_wide(const GemvArgs<T>& a, float* red, int64_t tile, float* acc, Sync sync) {
   static_assert(kWarpsN * 32 == 256, "a thread a (feature, token)");
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-  float* r = red + threadIdx.x / 32 * 256;
+  constexpr int kP = kWideRedPitch;
+  float* r = red + threadIdx.x / 32 * 16 * kP;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    r[(8 * h + 2 * c) * 16 + g] = acc[4 * h];
-    r[(8 * h + 2 * c + 1) * 16 + g] = acc[4 * h + 1];
-    r[(8 * h + 2 * c) * 16 + g + 8] = acc[4 * h + 2];
-    r[(8 * h + 2 * c + 1) * 16 + g + 8] = acc[4 * h + 3];
+    r[(8 * h + 2 * c) * kP + g] = acc[4 * h];
+    r[(8 * h + 2 * c + 1) * kP + g] = acc[4 * h + 1];
+    r[(8 * h + 2 * c) * kP + g + 8] = acc[4 * h + 2];
+    r[(8 * h + 2 * c + 1) * kP + g + 8] = acc[4 * h + 3];
   }
 #pragma unroll
   for (int i = 0; i < 8; ++i) acc[i] = 0.f;
@@ -937,7 +944,7 @@ __device__ __forceinline__ void mma_tile_end_wide(const GemvArgs<T>& a, float* r
   if (m < a.M && n < a.N) {
     float y = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarpsN; ++w) y += red[w * 256 + row * 16 + m];
+    for (int w = 0; w < kWarpsN; ++w) y += red[(w * 16 + row) * kP + m];
     if constexpr (kSplit) {
       a.partial[(static_cast<int64_t>(blockIdx.y) * a.M + m) * a.N + n] = y;
     } else {
@@ -1143,10 +1150,10 @@ __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a)
   }
 }
 
-// x's rows and the tile ends' sums ([warps, 16, 8] floats, or [warps, 16, 16] for more than 8 rows:
-// the wide kernel) of the tensor-core kernels
+// x's rows and the tile ends' sums ([warps, 16, 8] floats, or [warps, 16, kWideRedPitch] for more
+// than 8 rows: the wide kernel) of the tensor-core kernels
 int64_t mma_smem(int64_t m, int64_t k, int64_t element_size, int warps = kMmaWarps) {
-  return m * (k * element_size + kMmaRowPad) + warps * 16 * (m > kQuantRowsALaunch ? 16 : 8) * sizeof(float);
+  return m * (k * element_size + kMmaRowPad) + warps * 16 * (m > kQuantRowsALaunch ? kWideRedPitch : 8) * sizeof(float);
 }
 
 // Whether gemv_mma_kernel takes m rows of k inputs of T with weights of format W: sm_80 on, k a
@@ -1162,15 +1169,16 @@ bool mma_applies(int64_t m, int64_t k) {
 // gemv_mma_kernel's k_splits: x of many rows of a wide product leaves room for one block an SM (down's
 // 14,336 inputs at 4 rows of bfloat16 take 115 KiB; int4's down product there took 34 us against 17
 // at 1 row on an H200, and 8 rows, two launches, 75), so a quantized weight's inputs may be split
-// into 2 or 4 ranges over the blocks (gridDim.y), each block holding its range of x, each range's
-// sums added by split_k_epilogue. At most kMaxKSplits ranges, each of at least a chunk a warp.
+// into 2, 4 or 8 ranges over the blocks (gridDim.y; 8 for 16 rows: the wide kernel), each block
+// holding its range of x, each range's sums added by split_k_epilogue. At most kMaxKSplits ranges,
+// each of at least a chunk a warp.
 constexpr int kMaxKSplits = 8;
 
-// CUSTOMOPS_LINEAR_K_SPLITS (a switch for bench --linear): 1, 2 or 4 ranges first, 0 where unset.
+// CUSTOMOPS_LINEAR_K_SPLITS (a switch for bench --linear): 1, 2, 4 or 8 ranges first, 0 where unset.
 int forced_k_splits() {
   const int64_t forced = env_count("CUSTOMOPS_LINEAR_K_SPLITS");
-  TORCH_CHECK(forced == 0 || forced == 1 || forced == 2 || forced == 4,
-              "customops.fused_linear: CUSTOMOPS_LINEAR_K_SPLITS must be 1, 2 or 4, not ", forced);
+  TORCH_CHECK(forced == 0 || forced == 1 || forced == 2 || forced == 4 || forced == 8,
+              "customops.fused_linear: CUSTOMOPS_LINEAR_K_SPLITS must be 1, 2, 4 or 8, not ", forced);
   return static_cast<int>(forced);
 }
 
@@ -1199,11 +1207,12 @@ __global__ void __launch_bounds__(256) split_k_epilogue(GemvArgs<T> a) {
   finish_output<T, W>(a, static_cast<int>(i / a.N), i % a.N, y);
 }
 
-// Launches gemv_mma_kernel for a.M <= 8 rows (and split_k_epilogue after it where it splits the
-// inputs); false where it does not apply (sm_80 on, K a whole number of chunks, int4 groups that are
-// whole chunks, x's range beside the tile ends' sums in shared memory). k_splits: the fewest ranges
-// (1, 2 or 4; a dense weight's 1) that leave room for two blocks an SM, else the fewest that give
-// the most; CUSTOMOPS_LINEAR_K_SPLITS=N (1, 2 or 4) takes N where x's range fits.
+// Launches gemv_mma_kernel for a.M <= 8 rows, or a quantized weight's 9-16 (the wide kernel), and
+// split_k_epilogue after it where it splits the inputs; false where it does not apply (sm_80 on, K a
+// whole number of chunks, int4 groups that are whole chunks, x's range beside the tile ends' sums in
+// shared memory). k_splits: the fewest ranges (1, 2, 4 or 8; a dense weight's 1) that leave room for
+// two blocks an SM, else the fewest that give the most; CUSTOMOPS_LINEAR_K_SPLITS=N takes N where x's
+// range fits.
 template <typename T, Format W, Prologue P>
 bool launch_mma(const GemvArgs<T>& args, cudaStream_t stream) {
   constexpr int E = kElems<T, W>;
@@ -1430,6 +1439,7 @@ __global__ void __launch_bounds__((C + 1) * 32, 1) gemv_tma_mma_kernel(GemvArgs<
 // 9.9 / 6.7 / 37.4 / 21.0, through gemv_mma_kernel 7.6 / 5.2 / 25.9 / 17.3 (2026-11-29).
 template <typename T, Format W, Prologue P>
 bool launch_tma_mma(const GemvArgs<T>& a, cudaStream_t stream) {
+  if (a.M > kQuantRowsALaunch) return false;  // (its tile ends' sums hold 8 rows)
   const auto* prop = at::cuda::getCurrentDeviceProperties();
   constexpr int E = kElems<T, W>;
   const bool on = W == Format::kInt4 ? env::is("CUSTOMOPS_LINEAR_QUANT_TMA", "1")
@@ -1722,11 +1732,11 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
     chunk = static_cast<int>(std::min<int64_t>(
         kQuantRowsALaunch, (static_cast<int64_t>(prop->sharedMemPerBlockOptin) - 1024 - mma_smem(0, range, x.element_size())) /
                                (range * x.element_size() + kMmaRowPad)));
-    // (float8 keeps the matrix-vector kernel up to 8 rows where the FP8 tensor cores do not apply;
-    // CUSTOMOPS_LINEAR_QUANT_MAX_ROWS=N, 1-64, sets the rows it takes in launches of up to 8, a switch
-    // for bench --linear: int4's alternative past 16 rows, a dequantized copy of the weight, moves
-    // its bytes 9 times over, 8 rows a launch streams them once a launch)
-    int max_rows = w == Format::kFp8 && !fp8_tensor_cores_apply(t, k, n) ? kQuantRowsALaunch
+    // (float8 keeps the matrix-vector kernels up to 16 rows where the FP8 tensor cores do not apply;
+    // CUSTOMOPS_LINEAR_QUANT_MAX_ROWS=N, 1-64, sets the rows they take, 16 a launch, a switch for
+    // bench --linear: int4's alternative past 16 rows, a dequantized copy of the weight, moves its
+    // bytes 9 times over, a launch of 16 rows streams them once)
+    int max_rows = w == Format::kFp8 && !fp8_tensor_cores_apply(t, k, n) ? kWideRows
                                                                          : kMaxQuantRows[static_cast<int>(w)];
     if (const int64_t cap = env_count("CUSTOMOPS_LINEAR_QUANT_MAX_ROWS"); cap > 0) {
       max_rows = static_cast<int>(std::min<int64_t>(cap, 64));

@@ -150,7 +150,8 @@ def test_fused_linear_kernel_paths(monkeypatch, m, n, k, dtype, prologue, bias, 
 ])
 def test_fused_linear_quantized_kernel_paths(fmt, m, n, k, dtype, prologue, bias, residual, group):
     """A float8 or int4 weight through the tensor-core kernel (up to 4 float8 rows, 16 int4 rows, in
-    launches of up to 8 rows; the register kernel where it does not apply), and more rows: float8 on
+    launches of up to 8 rows or one of 9-16, the wide kernel; the register kernel where it does not
+    apply), and more rows: float8 on
     the FP8 tensor cores (the rows rounded to float8: their own, larger, error), int4 dequantized
     for cuBLAS."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -403,7 +404,7 @@ def test_fused_linear_9_to_16_rows_in_one_wide_launch(monkeypatch, fmt, m, n, k,
 def test_fused_linear_fp8_prefill_quantizes_the_prologue_s_rows_from_any_x(prologue):
     """Past the decoding kernels' rows a float8 product runs on the FP8 tensor cores after one kernel
     that computes prologue(x)'s rows and quantizes them (quantize_rows_kernel, reading x by 16-byte
-    packs): x one element into a buffer, or rows a stride of their own apart, gives what contiguous x
+    packs): x one element into a buffer, or rows a stride of their own apart, gives what a copy of x
     gives, within the float8 rows' error of float64."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the FP8 tensor cores: compute capability 9.0+")
@@ -421,7 +422,7 @@ def test_fused_linear_fp8_prefill_quantizes_the_prologue_s_rows_from_any_x(prolo
     assert offset.data_ptr() % 16 != 0 and not strided.is_contiguous()
     for x in (offset, strided):
         y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, weight_scale=s)
-        assert torch.equal(y, customops.fused_linear(x.contiguous(), q, b, r, prologue=prologue, norm_weight=nw,
+        assert torch.equal(y, customops.fused_linear(x.clone(), q, b, r, prologue=prologue, norm_weight=nw,
                                                      weight_scale=s))
         ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, b.double(), r.double(), prologue=prologue,
                                                 norm_weight=None if nw is None else nw.double(), weight_scale=s)
