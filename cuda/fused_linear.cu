@@ -125,9 +125,6 @@ struct GemvArgs {
   // into partial ([k_splits, M, N] float32), which split_k_epilogue adds and finishes
   int k_splits;
   float* partial;
-  // gemv_mma_kernel: with each task, an L2 prefetch of the same task prefetch_tiles tiles on (0: none;
-  // CUSTOMOPS_LINEAR_L2_PREFETCH, an experiment: weight bytes on their way without registers)
-  int prefetch_tiles;
 };
 
 __device__ __forceinline__ uint4 load_streaming(const void* p) {
@@ -971,9 +968,7 @@ struct MmaTask {
 // on an H200, 2026-11-29: gate_up's int4 product at 1 row spent 44% of its 1,250 instructions a
 // task on loading it (divisions by tasks_a_tile and group_vectors, 64-bit addresses a vector),
 // against 33% on decoding, at 0.52 instructions a cycle a scheduler.)
-// kPrefetch: a.prefetch_tiles is read (not in the kernel that splits the inputs, whose registers it
-// spilled).
-template <typename T, Format W, int U = kMmaChunks, bool kPrefetch = true>
+template <typename T, Format W, int U = kMmaChunks>
 struct MmaTasks {
   const GemvArgs<T>& a;
   int tasks_a_tile, count;
@@ -1022,16 +1017,6 @@ struct MmaTasks {
     const bool has0 = n0 < a.N, has1 = n0 + 8 < a.N;
     const uint4* p0 = static_cast<const uint4*>(a.weight) + n0 * row_vectors + task.j0 * 4 + c;
     const uint4* p1 = p0 + 8 * row_vectors;
-    if constexpr (kPrefetch && W != Format::kDense && U == 4) {
-      // (a whole task's 256 bytes a row lie in the row: two 128-byte lines, lanes 2r and 2r + 1's)
-      if (a.prefetch_tiles > 0 && task.chunks == U) {
-        const int64_t row = (task.tile + int64_t{a.prefetch_tiles} * gridDim.x) * 16 + lane / 2;
-        if (row < a.N) {
-          const uint4* line = static_cast<const uint4*>(a.weight) + row * row_vectors + task.j0 * 4 + lane % 2 * 8;
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
-        }
-      }
-    }
     [[maybe_unused]] int64_t s0 = 0, s1 = 0;  // int4: the rows' first scales
     if constexpr (W == Format::kInt4) {
       s0 = n0 * a.scale_s0;
@@ -1096,7 +1081,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) gemv_mma_kernel(GemvArgs<T> a)
   float* red = reinterpret_cast<float*>(smem + int64_t{a.M} * row_elems * sizeof(T));
   const int lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
 
-  MmaTasks<T, W, U, !kSplit && !kWide> k(a, base, chunks, static_cast<int>((a.N + 15) / 16));
+  MmaTasks<T, W, U> k(a, base, chunks, static_cast<int>((a.N + 15) / 16));
   MmaTask<W, U> ta, tb;
   if (!a.constant_weight) wait_prerequisites();
   k.next(ta);
@@ -1257,7 +1242,6 @@ bool launch_mma(const GemvArgs<T>& args, cudaStream_t stream) {
   if (per_sm == 0) return false;
   GemvArgs<T> a = args;
   a.k_splits = splits;
-  a.prefetch_tiles = static_cast<int>(env_count("CUSTOMOPS_LINEAR_L2_PREFETCH"));
   at::Tensor partial;  // (freed here, its memory reused only by later work on this stream)
   if (splits > 1) {
     partial = at::empty({splits, a.M, a.N},
