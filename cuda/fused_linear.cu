@@ -29,8 +29,8 @@
 // that the 32 lanes' loads of one pack are contiguous. Where it applies, the tensor-core kernel
 // (gemv_mma_kernel, below) takes a quantized weight's rows instead, and on Hopper a float8 weight's
 // go through the same math on weights streamed into shared memory by the tensor memory accelerator
-// (gemv_tma_mma_kernel). Up to kMaxQuantRows rows, in launches of up to 8 rows (each launch streams
-// the weight once); more rows (prefill) take quantized_rows.
+// (gemv_tma_mma_kernel). Up to kMaxQuantRows rows, in launches of up to 8 rows or one of 9-16 (the wide
+// kernel; each launch streams the weight once); more rows (prefill) take quantized_rows.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -74,10 +74,12 @@ constexpr int64_t kMaxSmemManyRows = 64 * 1024;
 // Rows of a quantized weight's product through the register kernel: int4's alternative is a
 // dequantized copy of the weight (its bytes 4x over, written and read), float8's the FP8 tensor
 // cores, which read the weight once for any number of rows.
-// Measured on an H100 (bench --linear, Llama-3-8B layer shapes): float8 through the FP8 tensor
-// cores at 16 rows was 0.9-1.5x bfloat16's time a product, the tensor-core kernel here at 8 rows
-// 0.74-1.34x (qkv the slowest): from 5 rows float8 takes the FP8 tensor cores.
-constexpr int kMaxQuantRows[] = {0, 4, 16};  // by Format: (dense: kMaxRows), float8, int4
+// Measured on an H200 (bench --linear, Llama-3-8B layer shapes, in a graph, 2026-11-29): a layer's
+// four float8 products at 8 rows took 96 us here against 146 us on the FP8 tensor cores, at 16
+// rows (the wide kernel) 138 us against 144 (qkv and gate_up slower here, o_proj and down faster);
+// int4 at 24 and 32 rows, launches of 16, 0.39-0.92x the time of the dequantized copy, at 64 rows
+// 0.98-1.85x.
+constexpr int kMaxQuantRows[] = {0, 16, 32};  // by Format: (dense: kMaxRows), float8, int4
 constexpr int kQuantRowsALaunch = 8;
 // 9-16 rows of a quantized weight's product: one launch of the wide tensor-core kernel (gemv_mma_kernel
 // with kWide) where it applies
@@ -1483,10 +1485,12 @@ __global__ void __launch_bounds__(256) dequantize_kernel(GemvArgs<T> a, int64_t 
   const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   if (i >= vectors) return;
   const int kv = a.K / E;
-  const int64_t n = i / kv;
+  // (32-bit division where the vectors allow: a 64-bit one is a long software loop)
+  const int64_t n = vectors <= INT32_MAX ? static_cast<int64_t>(static_cast<uint32_t>(i) / static_cast<uint32_t>(kv)) : i / kv;
+  const int col = static_cast<int>(i - n * kv);
   const uint4 v = static_cast<const uint4*>(a.weight)[i];
   const float s = W == Format::kFp8 ? static_cast<const float*>(a.scale)[n * a.scale_s0]
-                                    : scale_at(a, n, (i % kv) / a.group_vectors);
+                                    : scale_at(a, n, col / a.group_vectors);
 #pragma unroll
   for (int j = 0; j < E / V; ++j) {
     float f[V];
@@ -1716,12 +1720,9 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
     chunk = static_cast<int>(std::min<int64_t>(
         kQuantRowsALaunch, (static_cast<int64_t>(prop->sharedMemPerBlockOptin) - 1024 - mma_smem(0, range, x.element_size())) /
                                (range * x.element_size() + kMmaRowPad)));
-    // (float8 keeps the matrix-vector kernels up to 16 rows where the FP8 tensor cores do not apply;
-    // CUSTOMOPS_LINEAR_QUANT_MAX_ROWS=N, 1-64, sets the rows they take, 16 a launch, a switch for
-    // bench --linear: int4's alternative past 16 rows, a dequantized copy of the weight, moves its
-    // bytes 9 times over, a launch of 16 rows streams them once)
-    int max_rows = w == Format::kFp8 && !fp8_tensor_cores_apply(t, k, n) ? kWideRows
-                                                                         : kMaxQuantRows[static_cast<int>(w)];
+    // (CUSTOMOPS_LINEAR_QUANT_MAX_ROWS=N, 1-64, sets the rows the decoding kernels take, 16 a
+    // launch, a switch for bench --linear)
+    int max_rows = kMaxQuantRows[static_cast<int>(w)];
     if (const int64_t cap = env_count("CUSTOMOPS_LINEAR_QUANT_MAX_ROWS"); cap > 0) {
       max_rows = static_cast<int>(std::min<int64_t>(cap, 64));
     }

@@ -138,7 +138,7 @@ def test_fused_linear_kernel_paths(monkeypatch, m, n, k, dtype, prologue, bias, 
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
-@pytest.mark.parametrize("m", [1, 2, 3, 8, 12, 16, 40])
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 12, 16, 24, 40])
 @pytest.mark.parametrize("n, k, dtype, prologue, bias, residual, group", [
     (1000, 4096, torch.bfloat16, "rms_norm", True, False, 128),  # vectors of 16 / 32 weights, 2 / 1 segments a row
     (2064, 14336, torch.bfloat16, "swiglu", False, True, 128),  # a down product of Llama-3-8B: 8 rows of x fill shared memory
@@ -149,7 +149,7 @@ def test_fused_linear_kernel_paths(monkeypatch, m, n, k, dtype, prologue, bias, 
     (40, 512, torch.float16, "rms_norm", False, True, 128),  # a last tile of 8 features
 ])
 def test_fused_linear_quantized_kernel_paths(fmt, m, n, k, dtype, prologue, bias, residual, group):
-    """A float8 or int4 weight through the tensor-core kernel (up to 4 float8 rows, 16 int4 rows, in
+    """A float8 or int4 weight through the tensor-core kernel (up to 16 float8 rows, 32 int4 rows, in
     launches of up to 8 rows or one of 9-16, the wide kernel; the register kernel where it does not
     apply), and more rows: float8 on
     the FP8 tensor cores (the rows rounded to float8: their own, larger, error), int4 dequantized
@@ -166,7 +166,7 @@ def test_fused_linear_quantized_kernel_paths(fmt, m, n, k, dtype, prologue, bias
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=True, weight_scale=s)
     ops = {e.name for e in prof.events()}
-    tensor_cores = fmt == "fp8" and m > 4 and n % 16 == 0 and torch.cuda.get_device_capability()[0] >= 9
+    tensor_cores = fmt == "fp8" and m > 16 and n % 16 == 0 and torch.cuda.get_device_capability()[0] >= 9
     assert ("aten::_scaled_mm" in ops) == tensor_cores, sorted(ops)
     ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, *(t.double() if t is not None else None for t in (b, r)),
                                             prologue=prologue, norm_weight=None if nw is None else nw.double(),
@@ -326,7 +326,6 @@ def test_fused_linear_inputs_split_over_blocks(monkeypatch, fmt, m, n, k, prolog
     ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, b.double(), r.double(), prologue=prologue,
                                             norm_weight=None if nw is None else nw.double(), weight_scale=s)
     monkeypatch.setenv("CUSTOMOPS_LINEAR_QUANT_TMA", "0")  # (fp8 through gemv_mma_kernel too)
-    monkeypatch.setenv("CUSTOMOPS_LINEAR_QUANT_MAX_ROWS", "8")  # (fp8's 5-8 rows too, not the FP8 tensor cores)
 
     def run(splits):
         monkeypatch.setenv("CUSTOMOPS_LINEAR_K_SPLITS", str(splits))
@@ -377,7 +376,6 @@ def test_fused_linear_9_to_16_rows_in_one_wide_launch(monkeypatch, fmt, m, n, k,
         s = s.float()
     ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, b.double(), r.double(), prologue=prologue,
                                             norm_weight=None if nw is None else nw.double(), weight_scale=s)
-    monkeypatch.setenv("CUSTOMOPS_LINEAR_QUANT_MAX_ROWS", "16")  # (fp8's 9-16 rows too, not the FP8 tensor cores)
 
     def run(wide):
         monkeypatch.setenv("CUSTOMOPS_LINEAR_WIDE", "1" if wide else "0")
