@@ -1478,28 +1478,28 @@ void launch_quantized(const GemvArgs<T>& a, int chunk, cudaStream_t stream) {
 
 // ---- A quantized weight's product over many rows (prefill) -------------------------------------
 
-// The weight dequantized into T ([N, K], contiguous): a thread a 16-byte vector.
+// The weight dequantized into T ([N, K], contiguous): a thread a 16-byte pack of the output, so
+// that a warp's stores are 512 contiguous bytes (the threads of one input vector load the same 16
+// bytes, one request). packs: the output's 16-byte packs.
 template <typename T, Format W>
-__global__ void __launch_bounds__(256) dequantize_kernel(GemvArgs<T> a, int64_t vectors, T* out) {
-  constexpr int V = 16 / sizeof(T), E = kElems<T, W>;
-  const int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
-  if (i >= vectors) return;
+__global__ void __launch_bounds__(256) dequantize_kernel(GemvArgs<T> a, int64_t packs, T* out) {
+  constexpr int V = 16 / sizeof(T), E = kElems<T, W>, J = E / V;  // J: packs a vector
+  const int64_t p = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  if (p >= packs) return;
+  const int64_t i = p / J;  // (J a power of two: a shift)
   const int kv = a.K / E;
   // (32-bit division where the vectors allow: a 64-bit one is a long software loop)
-  const int64_t n = vectors <= INT32_MAX ? static_cast<int64_t>(static_cast<uint32_t>(i) / static_cast<uint32_t>(kv)) : i / kv;
+  const int64_t n = i <= INT32_MAX ? static_cast<int64_t>(static_cast<uint32_t>(i) / static_cast<uint32_t>(kv)) : i / kv;
   const int col = static_cast<int>(i - n * kv);
   const uint4 v = static_cast<const uint4*>(a.weight)[i];
   const float s = W == Format::kFp8 ? static_cast<const float*>(a.scale)[n * a.scale_s0]
                                     : scale_at(a, n, col / a.group_vectors);
+  float f[V];
+  decode<T, W, V>(v, static_cast<int>(p % J), f);
+  Pack<T, V> q;
 #pragma unroll
-  for (int j = 0; j < E / V; ++j) {
-    float f[V];
-    decode<T, W, V>(v, j, f);
-    Pack<T, V> p;
-#pragma unroll
-    for (int e = 0; e < V; ++e) p.v[e] = static_cast<T>(f[e] * s);
-    reinterpret_cast<Pack<T, V>*>(out)[i * (E / V) + j] = p;
-  }
+  for (int e = 0; e < V; ++e) q.v[e] = static_cast<T>(f[e] * s);
+  reinterpret_cast<Pack<T, V>*>(out)[p] = q;
 }
 
 // The pointers and strides of a quantized weight (and its scale), for the kernels.
@@ -1524,13 +1524,15 @@ at::Tensor dequantize(const at::Tensor& weight, const at::Tensor& scale, Format 
       GemvArgs<scalar_t> a{};
       set_weight(a, weight, scale, group);
       a.K = static_cast<int>(k);
-      const dim3 grid(static_cast<unsigned>((vectors + 255) / 256));
+      constexpr int V = 16 / sizeof(scalar_t);
+      const int64_t packs = vectors * (w == Format::kFp8 ? kElems<scalar_t, Format::kFp8> : kElems<scalar_t, Format::kInt4>) / V;
+      const dim3 grid(static_cast<unsigned>((packs + 255) / 256));
       const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
       auto* out_p = out.mutable_data_ptr<scalar_t>();
       if (w == Format::kFp8) {
-        dequantize_kernel<scalar_t, Format::kFp8><<<grid, 256, 0, stream>>>(a, vectors, out_p);
+        dequantize_kernel<scalar_t, Format::kFp8><<<grid, 256, 0, stream>>>(a, packs, out_p);
       } else {
-        dequantize_kernel<scalar_t, Format::kInt4><<<grid, 256, 0, stream>>>(a, vectors, out_p);
+        dequantize_kernel<scalar_t, Format::kInt4><<<grid, 256, 0, stream>>>(a, packs, out_p);
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
