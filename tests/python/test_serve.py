@@ -517,15 +517,31 @@ def _empty_soon(folder, seconds=10):
     return True
 
 
+def _has_an_entry(folder) -> bool:
+    try:
+        return any(folder.iterdir())
+    except FileNotFoundError:  # (removed as it was looked at)
+        return False
+
+
 def _stopped_while_unpacking(cmd, sig, tmp) -> tuple[int, str]:
-    """cmd run with TMPDIR=tmp and sent sig once its unpacked copy of the package has a file: its
-    exit status and stderr."""
+    """cmd run with TMPDIR=tmp and sent sig once its unpacked copy of the package has a file (or,
+    where that moment passes unseen, at most 50 ms after its folder is made): its exit status and
+    stderr."""
     proc = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "TMPDIR": str(tmp)})
     try:
-        deadline = time.monotonic() + 60
-        # (torch's loader unpacking the package into customops-run-XXXXXX)
-        while not any(p.name.startswith("customops-run-") and any(p.iterdir()) for p in tmp.iterdir()):
+        deadline, made = time.monotonic() + 60, None
+        # (torch's loader unpacking the package into customops-run-XXXXXX; on an H200 a tiny
+        # package's whole generate once ran between two looks for a file, 2026-11-29)
+        while True:
+            folders = [p for p in tmp.iterdir() if p.name.startswith("customops-run-")]
+            if any(_has_an_entry(p) for p in folders):
+                break
+            if folders and made is None:
+                made = time.monotonic()
+            if made is not None and time.monotonic() > made + 0.05:
+                break
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.002)
         proc.send_signal(sig)
