@@ -1,16 +1,16 @@
 """Every kernel of one decode step of customops-run generate, with its GPU time (ncu).
 
-    python3 .ci/profile-decode.py MODEL[,MODEL...] [--batch B] [--layers L] [--base-clocks]
-                                  [--temperature T [--top-k K] [--top-p P]]
+    python3 .ci/profile-decode.py MODEL[,MODEL...] [--batch B] [--layers L] [--weights bf16|fp8|int4]
+                                  [--base-clocks] [--temperature T [--top-k K] [--top-p P]]
 
 MODEL: a name of bench/model.py's MODELS (llama-3.2-1b, llama-3-8b, qwen2.5-1.5b, qwen3-1.7b,
 mistral-7b), built with random weights in bfloat16 and packaged (package_causal_lm, 8 slots of 256
-tokens). The runner generates 8 ids without its CUDA graph under ncu, which times each kernel
+tokens; --weights: the decoder layers' linear weights as package_causal_lm's weights=). The runner generates 8 ids without its CUDA graph under ncu, which times each kernel
 alone (gpu__time_duration); the last decode step is found as the period of the kernel names. By
 default at the GPU's own clocks and without ncu's cache flush (a decode step's weights are cold in
 L2 anyway); --base-clocks takes ncu's defaults (clocks locked to base, L2 flushed). The step's
 kernels summed against its time in the graph (bench --generate) say how much is launch and ramp.
-Writes each model's raw CSV to $OUT (or /tmp) as ncu-MODEL.csv. A package is kept in /tmp and
+Writes each model's raw CSV to $OUT (or /tmp) as ncu-MODEL-WEIGHTS.csv. A package is kept in /tmp and
 reused by the next run on the same machine (delete /tmp/profile-*.pt2 after rebuilding customops).
 With --temperature the rows sample (seed 0), and the step's kernels include the sampler's.
 """
@@ -48,6 +48,7 @@ def main():
     p.add_argument("models")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--weights", choices=("bf16", "fp8", "int4"), default="bf16")
     p.add_argument("--base-clocks", action="store_true")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -58,9 +59,9 @@ def main():
     out = os.environ.get("OUT", "/tmp")
     for name in args.models.split(","):
         model = _model(types.SimpleNamespace(device="cuda", layers=args.layers), name)
-        path = f"/tmp/profile-{name}-{args.layers}.pt2"
+        path = f"/tmp/profile-{name}-{args.layers}-{args.weights}.pt2"
         if not os.path.exists(path):
-            package_causal_lm(model, path, max_batch=8, max_seq_len=256)
+            package_causal_lm(model, path, max_batch=8, max_seq_len=256, weights=args.weights)
         del model
         torch.cuda.empty_cache()
         cmd = [customops.runner_path(), "generate", path, "--max-new-tokens", "8", "--ignore-eos", "--no-cuda-graph"]
@@ -70,14 +71,15 @@ def main():
         for b in range(args.batch):
             cmd += ["--prompt", " ".join(str(10 + i + b) for i in range(64))]
         raw, names, us = kernels(cmd, args.base_clocks)
-        with open(f"{out}/ncu-{name}.csv", "w") as f:
+        with open(f"{out}/ncu-{name}-{args.weights}.csv", "w") as f:
             f.write(raw)
         period = next((n for n in range(8, len(names) // 2 + 1) if names[-n:] == names[-2 * n:-n]), None)
         if period is None:
             raise SystemExit(f"{name}: no repeating decode step among {len(names)} kernels")
         step = list(zip(names[-period:], us[-period:]))
         sampled = f", temperature {args.temperature} top-k {args.top_k} top-p {args.top_p}" if args.temperature > 0 else ""
-        print(f"=== {name}, batch {args.batch}, {args.layers} layers{sampled}: one decode step is {period} kernels, "
+        print(f"=== {name} ({args.weights}), batch {args.batch}, {args.layers} layers{sampled}: one decode step is "
+              f"{period} kernels, "
               f"{sum(t for _, t in step):.1f} us summed")
         total = collections.defaultdict(lambda: [0, 0.0])
         for n, t in step:
