@@ -49,6 +49,7 @@
 #include "cp_async.cuh"
 #include "elementwise.cuh"
 #include "env.cuh"
+#include "int4_gemm.cuh"
 #include "pdl.cuh"
 #include "tma.cuh"
 #include "ops/fused_linear.h"
@@ -1631,9 +1632,56 @@ bool fp8_tensor_cores_apply(at::ScalarType t, int64_t k, int64_t n) {
   return at::cuda::getCurrentDeviceProperties()->major >= 9 && t != at::kFloat && k % 16 == 0 && n % 16 == 0;
 }
 
+// Whether an int4 product past the decoding kernels' rows takes int4_gemm_kernel (the weight
+// dequantized in its tiles; cuda/int4_gemm.cuh): sm_80 on, bf16 or fp16 x and scales, groups and
+// in_features multiples of 64. CUSTOMOPS_LINEAR_INT4_GEMM=0 keeps the dequantized copy and cuBLAS (a
+// switch for bench --linear).
+bool int4_gemm_applies(at::ScalarType t, const at::Tensor& scale, int64_t m, int64_t n, int64_t k, int64_t group) {
+  return (t == at::kBFloat16 || t == at::kHalf) && scale.scalar_type() == t && group % 64 == 0 &&
+         k % 64 == 0 && m <= INT32_MAX && (n + cuda::int4_gemm::kBN - 1) / cuda::int4_gemm::kBN <= 65535 &&
+         at::cuda::getCurrentDeviceProperties()->major >= 8 && !env::is("CUSTOMOPS_LINEAR_INT4_GEMM", "0");
+}
+
+// in [M, K] (contiguous, 16-byte aligned) @ dequantized(weight).T by int4_gemm_kernel: [M, N] in in's
+// dtype. Blocks of 128 rows where there are more than 64 and their tiles fill the SMs, else of 64.
+at::Tensor int4_gemm_product(const at::Tensor& in, const at::Tensor& weight, const at::Tensor& scale, int64_t group) {
+  namespace g4 = cuda::int4_gemm;
+  const int64_t m = in.size(0), n = weight.size(0), k = in.size(1);
+  at::Tensor out = at::empty({m, n}, in.options());
+  if (m == 0) return out;
+  g4::Args a{};
+  a.x = in.const_data_ptr();
+  a.x_stride = in.stride(0);
+  a.w = static_cast<const uint8_t*>(weight.const_data_ptr());
+  a.scale = scale.const_data_ptr();
+  a.scale_s0 = scale.stride(0);
+  a.scale_s1 = scale.dim() > 1 ? scale.stride(1) : 0;
+  a.out = out.mutable_data_ptr();
+  a.M = static_cast<int>(m);
+  a.N = static_cast<int>(n);
+  a.K = static_cast<int>(k);
+  a.group = static_cast<int>(group);
+  const int64_t n_tiles = (n + g4::kBN - 1) / g4::kBN;
+  const bool tall = m > 64 && (m + 127) / 128 * n_tiles >= at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  auto launch = [&](auto kernel, int bm) {
+    const int smem = bm == 128 ? g4::smem_bytes<128>() : g4::smem_bytes<64>();
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    kernel<<<dim3(static_cast<unsigned>((m + bm - 1) / bm), static_cast<unsigned>(n_tiles)), g4::kThreads, smem,
+             stream>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (in.scalar_type() == at::kHalf) {
+    tall ? launch(g4::int4_gemm_kernel<__half, 128>, 128) : launch(g4::int4_gemm_kernel<__half, 64>, 64);
+  } else {
+    tall ? launch(g4::int4_gemm_kernel<__nv_bfloat16, 128>, 128) : launch(g4::int4_gemm_kernel<__nv_bfloat16, 64>, 64);
+  }
+  return out;
+}
+
 // prologue(x) @ dequantized(weight).T + bias + residual for the rows the matrix-vector kernels do
-// not take: float8 on the FP8 tensor cores where fp8_tensor_cores_apply, else the weight
-// dequantized into x's dtype and cuBLAS.
+// not take: float8 on the FP8 tensor cores where fp8_tensor_cores_apply, int4 by int4_gemm_kernel
+// where int4_gemm_applies, else the weight dequantized into x's dtype and cuBLAS.
 at::Tensor quantized_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                           const std::optional<at::Tensor>& residual, Prologue p,
                           const std::optional<at::Tensor>& norm_weight, double eps, const at::Tensor& scale, Format w,
@@ -1653,8 +1701,13 @@ at::Tensor quantized_rows(const at::Tensor& x, const at::Tensor& weight, const s
   } else {
     at::Tensor in = apply_prologue(p, x, norm_weight, eps).reshape({-1, k}).contiguous();
     if (!aligned16(in.data_ptr())) in = in.clone();  // (16-byte loads: x itself may start anywhere)
-    const at::Tensor wt = dequantize(weight, scale, w, k, group, t).t();
-    y = has_bias ? at::addmm(*bias, in, wt) : at::mm(in, wt);
+    if (w == Format::kInt4 && int4_gemm_applies(t, scale, in.size(0), n, k, group)) {
+      y = int4_gemm_product(in, weight, scale, group);
+      if (has_bias) y.add_(*bias);
+    } else {
+      const at::Tensor wt = dequantize(weight, scale, w, k, group, t).t();
+      y = has_bias ? at::addmm(*bias, in, wt) : at::mm(in, wt);
+    }
   }
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;

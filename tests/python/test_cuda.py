@@ -394,6 +394,47 @@ def test_fused_linear_9_to_16_rows_in_one_wide_launch(monkeypatch, fmt, m, n, k,
     assert wide_err < max(1.5 * narrow_err, 0.005), (wide_err, narrow_err)
 
 
+@pytest.mark.parametrize("m, n, k, prologue, dtype, group", [
+    (33, 999, 4096, "rms_norm", torch.bfloat16, 128),  # blocks of 64 rows, the last one of 1; odd features
+    (300, 6144, 512, "none", torch.float16, 64),  # blocks of 128 rows (their tiles fill the SMs), the last of 44
+    (130, 2064, 14336, "swiglu", torch.bfloat16, 128),  # down's inputs, a last tile of 16 features
+])
+def test_fused_linear_int4_prefill_dequantizes_in_the_tiles(monkeypatch, m, n, k, prologue, dtype, group):
+    """Past the decoding kernels' rows an int4 product runs in int4_gemm_kernel, each weight decoded
+    in the tiles of a tensor-core product (the dequantized copy's weights, bit for bit) instead of a
+    dequantized copy for cuBLAS: within the copy's error of float64, bias and residual added once,
+    and within 1% of the copy's product (CUSTOMOPS_LINEAR_INT4_GEMM=0)."""
+    if torch.cuda.get_device_capability()[0] < 8:
+        pytest.skip("mma.sync on bf16: compute capability 8.0+")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=dtype, generator=g)
+    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k**0.5
+    b = torch.randn(n, device="cuda", dtype=dtype, generator=g)
+    r = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
+    nw = 1 + 0.1 * torch.randn(k, device="cuda", dtype=dtype, generator=g) if prologue == "rms_norm" else None
+    q, s = customops.quantize_int4(w, group)
+    ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, b.double(), r.double(), prologue=prologue,
+                                            norm_weight=None if nw is None else nw.double(), weight_scale=s)
+
+    def run():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=True,
+                                       weight_scale=s)
+            torch.cuda.synchronize()
+        names = {e.name for e in prof.events()}
+        return y, {k for k in ("int4_gemm_kernel", "dequantize_kernel") if any(k in e for e in names)}
+
+    y, kernels = run()
+    assert kernels == {"int4_gemm_kernel"}, kernels
+    assert y.dtype == dtype and y.shape == (m, n)
+    err = ((y.double() - ref).norm() / ref.norm()).item()
+    assert err < 0.01, err
+    monkeypatch.setenv("CUSTOMOPS_LINEAR_INT4_GEMM", "0")
+    copy, kernels = run()
+    assert kernels == {"dequantize_kernel"}, kernels
+    assert ((y.double() - copy.double()).norm() / copy.double().norm()).item() < 0.01
+
+
 @pytest.mark.parametrize("prologue", ["none", "rms_norm", "swiglu"])
 def test_fused_linear_fp8_prefill_quantizes_the_prologue_s_rows_from_any_x(prologue):
     """Past the decoding kernels' rows a float8 product runs on the FP8 tensor cores after one kernel

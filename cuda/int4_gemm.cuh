@@ -1,0 +1,189 @@
+// An int4 weight's product over many rows (prefill, batches past the decoding kernels' rows) on the
+// tensor cores, the weight dequantized inside the tiles: out[M, N] = x[M, K] @ dequantized(w).T.
+// The weight is read as stored (quantize_int4's layout: [N, K / 2] bytes, weight 2j of a row in the
+// low nibble of byte j, 2j + 1 in the high one, each q + 8; a scale in x's dtype a group of inputs),
+// 4x fewer bytes than the dequantized copy that cuBLAS would otherwise read after one more kernel
+// wrote it.
+//
+// A block computes a [BM, 128] tile of out over k-blocks of 64 inputs, in 3 stages of cp.async: x's
+// [BM, 64] slab into a swizzled tile (ldmatrix gives the A fragments) and the weight's [128, 32
+// bytes] slab as stored. 8 warps, 2 along M and 4 along N, each [BM / 2, 32] of the tile: BM / 32
+// m16 tiles by 4 n8 tiles of mma.sync m16n8k16 with float32 sums. A B fragment of mma (column n = g
+// of the n8 tile, inputs 2c, 2c + 1 and 2c + 8, 2c + 9 of the k16 step, g = lane / 4, c = lane % 4)
+// is bytes 8 kk + c and 8 kk + 4 + c of row n's 32: one 8-byte shared load a row and k16 step gives
+// both. A byte's two nibbles become the bf16 (fp16) pair 128 + q (1024 + q) by an OR of the
+// exponent, less 136 (1032): q - 8 exactly, times the group's scale in x's dtype, rounded once: the
+// same weights as the dequantized copy's, decoded once for all the warp's m16 tiles.
+//
+// Groups are multiples of 64 inputs (a k-block within one group); scales in x's dtype (float32
+// scales keep the dequantized copy, whose product rounds (q - 8) * scale once from float32).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "attention.cuh"  // (the ldmatrix and mma.sync wrappers and swizzled tiles it shares)
+#include "cp_async.cuh"
+
+namespace customops::cuda::int4_gemm {
+
+using attention::a_frag;
+using attention::ldmatrix_x4;
+using attention::load_tile;
+using attention::mma;
+using attention::Tile;
+
+constexpr int kBN = 128, kBK = 64, kStages = 3, kThreads = 256;
+constexpr int kWRowBytes = kBK / 2;  // a weight row's bytes a k-block
+
+struct Args {
+  const void* x;  // [M, K], row stride x_stride elements (a multiple of 8), 16-byte aligned
+  int64_t x_stride;
+  const uint8_t* w;  // [N, K / 2], contiguous, 16-byte aligned
+  const void* scale;  // [N, K / group] in x's dtype, strides scale_s0, scale_s1
+  int64_t scale_s0, scale_s1;
+  void* out;  // [M, N], contiguous
+  int M, N, K, group;
+};
+
+template <int BM>
+constexpr int smem_bytes() {
+  return kStages * (BM * kBK * 2 + kBN * kWRowBytes);
+}
+
+// The bf16 (fp16) pair (q_lo - 8, q_hi - 8) * s of one byte's nibbles (the low one in the low half).
+template <typename TT>
+__device__ __forceinline__ uint32_t dequantize_pair(uint32_t byte, uint32_t scale2) {
+  const uint32_t t = (byte & 0x0Fu) | ((byte & 0xF0u) << 12);
+  if constexpr (std::is_same_v<TT, __half>) {
+    const uint32_t biased = t | 0x64006400u;  // 1024 + q, exactly (fp16's unit at 1024 is 1)
+    const __half2 h = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&biased), __half2(__ushort_as_half(0x6408u),
+                                                                                         __ushort_as_half(0x6408u))),
+                              *reinterpret_cast<const __half2*>(&scale2));
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const uint32_t biased = t | 0x43004300u;  // 128 + q, exactly (bf16's unit at 128 is 1)
+    const __nv_bfloat162 off(__ushort_as_bfloat16(0x4308u), __ushort_as_bfloat16(0x4308u));  // 136
+    const __nv_bfloat162 h = __hmul2(__hsub2(*reinterpret_cast<const __nv_bfloat162*>(&biased), off),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&scale2));
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
+// TT: __nv_bfloat16 or __half; BM: 64 or 128 rows a block. Grid: (M tiles, N tiles), the M tiles
+// fastest so that the blocks that read a weight slab run together (x, the smaller, is re-read).
+template <typename TT, int BM>
+// (64 rows: two blocks an SM, 128 registers a thread; 128 rows: one, with 184)
+__global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) int4_gemm_kernel(Args a) {
+  constexpr int WM = BM / 2, MT = WM / 16, NT = 4;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
+  const int warp_m = warp / 4, warp_n = warp % 4;
+  const int64_t m0 = int64_t{blockIdx.x} * BM, n0 = int64_t{blockIdx.y} * kBN;
+  const int kblocks = a.K / kBK;
+  const TT* x = static_cast<const TT*>(a.x);
+  const TT* scale = static_cast<const TT*>(a.scale);
+
+  auto x_tile = [&](int stage) {
+    return Tile<kBK>{smem_addr(smem) + static_cast<uint32_t>(stage * BM * kBK * 2)};
+  };
+  unsigned char* w_smem = smem + kStages * BM * kBK * 2;
+  auto load_stage = [&](int stage, int kb) {
+    load_tile<BM, kBK, kThreads>(x_tile(stage), x + int64_t{kb} * kBK, a.x_stride, m0, a.M);
+    // the weight slab: 128 rows of 32 bytes, a 16-byte chunk a thread
+    const int row = threadIdx.x / 2, chunk = threadIdx.x % 2;
+    const bool valid = n0 + row < a.N;
+    const uint8_t* src = a.w + (valid ? n0 + row : 0) * (a.K / 2) + int64_t{kb} * kWRowBytes + chunk * 16;
+    cp_async16(smem_addr(w_smem + stage * kBN * kWRowBytes + row * kWRowBytes + chunk * 16), src, valid);
+  };
+  // The scales of this thread's 4 features (n8 tile j's column g) for k-block kb, as pairs (s, s).
+  auto load_scales = [&](int kb, uint32_t (&s2)[NT]) {
+    const int64_t group = int64_t{kb} * kBK / a.group;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int64_t n = n0 + warp_n * 32 + j * 8 + g;
+      const unsigned short bits =
+          n < a.N ? reinterpret_cast<const unsigned short*>(scale)[n * a.scale_s0 + group * a.scale_s1] : 0;
+      s2[j] = bits | (static_cast<uint32_t>(bits) << 16);
+    }
+  };
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < kblocks) load_stage(s, s);
+    cp_async_commit();
+  }
+  uint32_t s2[NT], s2_next[NT];
+  load_scales(0, s2);
+  for (int kb = 0; kb < kblocks; ++kb) {
+    if (kb + 1 < kblocks) load_scales(kb + 1, s2_next);  // (in flight while this k-block multiplies)
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // (every warp is done with the stage the next load overwrites)
+    if (const int next = kb + kStages - 1; next < kblocks) load_stage(next % kStages, next);
+    cp_async_commit();
+
+    const int stage = kb % kStages;
+    const Tile<kBK> xt = x_tile(stage);
+    const unsigned char* wt = w_smem + stage * kBN * kWRowBytes + (warp_n * 32 + g) * kWRowBytes;
+#pragma unroll
+    for (int kk = 0; kk < kBK / 16; ++kk) {
+      uint32_t af[MT][4];
+#pragma unroll
+      for (int i = 0; i < MT; ++i) ldmatrix_x4(af[i], a_frag(xt, warp_m * WM + i * 16, kk * 16, lane));
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        // bytes 8 kk ... 8 kk + 7 of row g of n8 tile j: this lane's are byte c of each word
+        const uint2 words = *reinterpret_cast<const uint2*>(wt + j * 8 * kWRowBytes + kk * 8);
+        const uint32_t b0 = dequantize_pair<TT>(__byte_perm(words.x, 0, 0x4440u | c), s2[j]);
+        const uint32_t b1 = dequantize_pair<TT>(__byte_perm(words.y, 0, 0x4440u | c), s2[j]);
+#pragma unroll
+        for (int i = 0; i < MT; ++i) mma<TT>(acc[i][j], af[i], b0, b1);
+      }
+    }
+    if (kb + 1 < kblocks) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) s2[j] = s2_next[j];
+    }
+  }
+  cp_async_wait<0>();
+
+  // out: a thread's sums are rows g and g + 8 of each m16 tile, columns 2c and 2c + 1 of each n8 tile
+  TT* out = static_cast<TT*>(a.out);
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t m = m0 + warp_m * WM + i * 16 + g + half * 8;
+      if (m >= a.M) continue;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const int64_t n = n0 + warp_n * 32 + j * 8 + 2 * c;
+        const float v0 = acc[i][j][2 * half], v1 = acc[i][j][2 * half + 1];
+        TT* o = out + m * a.N + n;
+        if (n + 1 < a.N && (a.N % 2 == 0)) {
+          if constexpr (std::is_same_v<TT, __half>) {
+            *reinterpret_cast<__half2*>(o) = __floats2half2_rn(v0, v1);
+          } else {
+            *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(v0, v1);
+          }
+        } else {
+          if (n < a.N) o[0] = static_cast<TT>(v0);
+          if (n + 1 < a.N) o[1] = static_cast<TT>(v1);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace customops::cuda::int4_gemm
