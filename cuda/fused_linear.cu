@@ -1638,7 +1638,7 @@ bool fp8_tensor_cores_apply(at::ScalarType t, int64_t k, int64_t n) {
 // switch for bench --linear).
 bool int4_gemm_applies(at::ScalarType t, const at::Tensor& scale, int64_t m, int64_t n, int64_t k, int64_t group) {
   return (t == at::kBFloat16 || t == at::kHalf) && scale.scalar_type() == t && group % 64 == 0 &&
-         k % 64 == 0 && m <= INT32_MAX && (n + cuda::int4_gemm::kBN - 1) / cuda::int4_gemm::kBN <= 65535 &&
+         k % 64 == 0 && k <= INT32_MAX && m <= INT32_MAX && (n + cuda::int4_gemm::kBN - 1) / cuda::int4_gemm::kBN <= 65535 &&
          at::cuda::getCurrentDeviceProperties()->major >= 8 && !env::is("CUSTOMOPS_LINEAR_INT4_GEMM", "0");
 }
 

@@ -57,7 +57,7 @@ constexpr int smem_bytes() {
 // The bf16 (fp16) pair (q_lo - 8, q_hi - 8) * s of one byte's nibbles (the low one in the low half).
 template <typename TT>
 __device__ __forceinline__ uint32_t dequantize_pair(uint32_t byte, uint32_t scale2) {
-  const uint32_t t = (byte & 0x0Fu) | ((byte & 0xF0u) << 12);
+  const uint32_t t = (byte | (byte << 12)) & 0x000F000Fu;  // (byte zero-extended: hi << 4 | lo)
   if constexpr (std::is_same_v<TT, __half>) {
     const uint32_t biased = t | 0x64006400u;  // 1024 + q, exactly (fp16's unit at 1024 is 1)
     const __half2 h = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&biased), __half2(__ushort_as_half(0x6408u),
@@ -156,8 +156,6 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) int4_gemm_kernel(A
       for (int j = 0; j < NT; ++j) s2[j] = s2_next[j];
     }
   }
-  cp_async_wait<0>();
-
   // out: a thread's sums are rows g and g + 8 of each m16 tile, columns 2c and 2c + 1 of each n8 tile
   TT* out = static_cast<TT*>(a.out);
 #pragma unroll

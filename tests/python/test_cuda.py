@@ -395,15 +395,18 @@ def test_fused_linear_9_to_16_rows_in_one_wide_launch(monkeypatch, fmt, m, n, k,
 
 
 @pytest.mark.parametrize("m, n, k, prologue, dtype, group", [
-    (33, 999, 4096, "rms_norm", torch.bfloat16, 128),  # blocks of 64 rows, the last one of 1; odd features
-    (300, 6144, 512, "none", torch.float16, 64),  # blocks of 128 rows (their tiles fill the SMs), the last of 44
+    (33, 999, 4096, "rms_norm", torch.bfloat16, 128),  # one block of 64 rows, 33 of them; odd features
+    (300, 12288, 512, "none", torch.float16, 64),  # blocks of 128 rows (their tiles fill the SMs), the last of 44
+    (300, 12289, 128, "none", torch.bfloat16, 64),  # the same in bf16, two k-blocks, a last tile of 1 feature
+    (40, 133, 64, "rms_norm", torch.float16, 64),  # one k-block, fp16 blocks of 64 rows
     (130, 2064, 14336, "swiglu", torch.bfloat16, 128),  # down's inputs, a last tile of 16 features
 ])
 def test_fused_linear_int4_prefill_dequantizes_in_the_tiles(monkeypatch, m, n, k, prologue, dtype, group):
     """Past the decoding kernels' rows an int4 product runs in int4_gemm_kernel, each weight decoded
     in the tiles of a tensor-core product (the dequantized copy's weights, bit for bit) instead of a
     dequantized copy for cuBLAS: within the copy's error of float64, bias and residual added once,
-    and within 1% of the copy's product (CUSTOMOPS_LINEAR_INT4_GEMM=0)."""
+    and the product alone within 0.2% of the copy's (CUSTOMOPS_LINEAR_INT4_GEMM=0: the same weights,
+    sums in another order)."""
     if torch.cuda.get_device_capability()[0] < 8:
         pytest.skip("mma.sync on bf16: compute capability 8.0+")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -416,7 +419,7 @@ def test_fused_linear_int4_prefill_dequantizes_in_the_tiles(monkeypatch, m, n, k
     ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, b.double(), r.double(), prologue=prologue,
                                             norm_weight=None if nw is None else nw.double(), weight_scale=s)
 
-    def run():
+    def run(b=b, r=r):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=True,
                                        weight_scale=s)
@@ -429,10 +432,12 @@ def test_fused_linear_int4_prefill_dequantizes_in_the_tiles(monkeypatch, m, n, k
     assert y.dtype == dtype and y.shape == (m, n)
     err = ((y.double() - ref).norm() / ref.norm()).item()
     assert err < 0.01, err
+    product, _ = run(None, None)
     monkeypatch.setenv("CUSTOMOPS_LINEAR_INT4_GEMM", "0")
-    copy, kernels = run()
+    copy, kernels = run(None, None)
     assert kernels == {"dequantize_kernel"}, kernels
-    assert ((y.double() - copy.double()).norm() / copy.double().norm()).item() < 0.01
+    diff = ((product.double() - copy.double()).norm() / copy.double().norm()).item()
+    assert diff < 2e-3, diff
 
 
 @pytest.mark.parametrize("prologue", ["none", "rms_norm", "swiglu"])
