@@ -147,13 +147,16 @@ def test_fused_linear_kernel_paths(monkeypatch, m, n, k, dtype, prologue, bias, 
     (48, 208, torch.bfloat16, "swiglu", False, True, 16),  # fp8: in_features not whole chunks (the register
     # kernel); int4 groups of 16 (ATen's dequantized product)
     (40, 512, torch.float16, "rms_norm", False, True, 128),  # a last tile of 8 features
+    (1024, 256, torch.bfloat16, "none", True, True, 128),  # more outputs than inputs: fp8's 9-16 rows on the
+    # FP8 tensor cores
 ])
 def test_fused_linear_quantized_kernel_paths(fmt, m, n, k, dtype, prologue, bias, residual, group):
-    """A float8 or int4 weight through the tensor-core kernel (up to 16 float8 rows, 32 int4 rows, in
+    """A float8 or int4 weight through the tensor-core kernel (up to 16 float8 rows, 8 where there are
+    more outputs than inputs, 32 int4 rows, in
     launches of up to 8 rows or one of 9-16, the wide kernel; the register kernel where it does not
     apply), and more rows: float8 on
     the FP8 tensor cores (the rows rounded to float8: their own, larger, error), int4 dequantized
-    for cuBLAS."""
+    in a tensor-core product's tiles (bf16 or fp16 scales, groups of 64k) or into a copy for cuBLAS."""
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=dtype, generator=g)
     w = torch.randn(n, k, device="cuda", dtype=torch.float32, generator=g) / k**0.5
@@ -166,7 +169,8 @@ def test_fused_linear_quantized_kernel_paths(fmt, m, n, k, dtype, prologue, bias
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=True, weight_scale=s)
     ops = {e.name for e in prof.events()}
-    tensor_cores = fmt == "fp8" and m > 16 and n % 16 == 0 and torch.cuda.get_device_capability()[0] >= 9
+    tensor_cores = (fmt == "fp8" and (m > 16 or (m > 8 and n > k)) and n % 16 == 0
+                    and torch.cuda.get_device_capability()[0] >= 9)
     assert ("aten::_scaled_mm" in ops) == tensor_cores, sorted(ops)
     ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, *(t.double() if t is not None else None for t in (b, r)),
                                             prologue=prologue, norm_weight=None if nw is None else nw.double(),
