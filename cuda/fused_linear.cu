@@ -1642,9 +1642,10 @@ bool int4_gemm_applies(at::ScalarType t, const at::Tensor& scale, int64_t m, int
          at::cuda::getCurrentDeviceProperties()->major >= 8 && !env::is("CUSTOMOPS_LINEAR_INT4_GEMM", "0");
 }
 
-// in [M, K] (contiguous, 16-byte aligned) @ dequantized(weight).T by int4_gemm_kernel: [M, N] in in's
-// dtype. Blocks of 128 rows where there are more than 64 and their tiles fill the SMs, else of 64.
-at::Tensor int4_gemm_product(const at::Tensor& in, const at::Tensor& weight, const at::Tensor& scale, int64_t group) {
+// in [M, K] (contiguous, 16-byte aligned) @ dequantized(weight).T + bias + residual ([M, N] or
+// undefined) by int4_gemm_kernel: [M, N] in in's dtype. Blocks of 128 rows where there are more than 64 and their tiles fill the SMs, else of 64.
+at::Tensor int4_gemm_product(const at::Tensor& in, const at::Tensor& weight, const at::Tensor& scale, int64_t group,
+                             const std::optional<at::Tensor>& bias, const at::Tensor& residual) {
   namespace g4 = cuda::int4_gemm;
   const int64_t m = in.size(0), n = weight.size(0), k = in.size(1);
   at::Tensor out = at::empty({m, n}, in.options());
@@ -1657,6 +1658,15 @@ at::Tensor int4_gemm_product(const at::Tensor& in, const at::Tensor& weight, con
   a.scale_s0 = scale.stride(0);
   a.scale_s1 = scale.dim() > 1 ? scale.stride(1) : 0;
   a.out = out.mutable_data_ptr();
+  if (bias.has_value() && bias->defined()) {
+    a.bias = bias->const_data_ptr();
+    a.bias_stride = bias->stride(0);
+  }
+  if (residual.defined()) {
+    a.residual = residual.const_data_ptr();
+    a.r_stride0 = residual.stride(0);
+    a.r_stride1 = residual.stride(1);
+  }
   a.M = static_cast<int>(m);
   a.N = static_cast<int>(n);
   a.K = static_cast<int>(k);
@@ -1666,7 +1676,7 @@ at::Tensor int4_gemm_product(const at::Tensor& in, const at::Tensor& weight, con
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   auto launch = [&](auto kernel, int bm) {
     const int smem = bm == 128 ? g4::smem_bytes<128>() : g4::smem_bytes<64>();
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));  // (once a kernel and device)
     kernel<<<dim3(static_cast<unsigned>((m + bm - 1) / bm), static_cast<unsigned>(n_tiles)), g4::kThreads, smem,
              stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -1702,12 +1712,15 @@ at::Tensor quantized_rows(const at::Tensor& x, const at::Tensor& weight, const s
     at::Tensor in = apply_prologue(p, x, norm_weight, eps).reshape({-1, k}).contiguous();
     if (!aligned16(in.data_ptr())) in = in.clone();  // (16-byte loads: x itself may start anywhere)
     if (w == Format::kInt4 && int4_gemm_applies(t, scale, in.size(0), n, k, group)) {
-      y = int4_gemm_product(in, weight, scale, group);
-      if (has_bias) y.add_(*bias);
-    } else {
-      const at::Tensor wt = dequantize(weight, scale, w, k, group, t).t();
-      y = has_bias ? at::addmm(*bias, in, wt) : at::mm(in, wt);
+      const bool has_residual = residual.has_value() && residual->defined();
+      std::vector<int64_t> sizes = x.sizes().vec();
+      sizes.back() = n;
+      return int4_gemm_product(in, weight, scale, group, bias,
+                               has_residual ? residual->reshape({in.size(0), n}) : at::Tensor())
+          .view(sizes);
     }
+    const at::Tensor wt = dequantize(weight, scale, w, k, group, t).t();
+    y = has_bias ? at::addmm(*bias, in, wt) : at::mm(in, wt);
   }
   std::vector<int64_t> sizes = x.sizes().vec();
   sizes.back() = n;

@@ -1,5 +1,6 @@
 // An int4 weight's product over many rows (prefill, batches past the decoding kernels' rows) on the
-// tensor cores, the weight dequantized inside the tiles: out[M, N] = x[M, K] @ dequantized(w).T.
+// tensor cores, the weight dequantized inside the tiles: out[M, N] = x[M, K] @ dequantized(w).T
+// (+ bias + residual).
 // The weight is read as stored (quantize_int4's layout: [N, K / 2] bytes, weight 2j of a row in the
 // low nibble of byte j, 2j + 1 in the high one, each q + 8; a scale in x's dtype a group of inputs),
 // 4x fewer bytes than the dequantized copy that cuBLAS would otherwise read after one more kernel
@@ -46,6 +47,10 @@ struct Args {
   const void* scale;  // [N, K / group] in x's dtype, strides scale_s0, scale_s1
   int64_t scale_s0, scale_s1;
   void* out;  // [M, N], contiguous
+  const void* bias;  // [N] (stride bias_stride) or null
+  int64_t bias_stride;
+  const void* residual;  // [M, N] (strides r_stride0, r_stride1) or null
+  int64_t r_stride0, r_stride1;
   int M, N, K, group;
 };
 
@@ -156,8 +161,16 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) int4_gemm_kernel(A
       for (int j = 0; j < NT; ++j) s2[j] = s2_next[j];
     }
   }
-  // out: a thread's sums are rows g and g + 8 of each m16 tile, columns 2c and 2c + 1 of each n8 tile
+  // out: a thread's sums are rows g and g + 8 of each m16 tile, columns 2c and 2c + 1 of each n8 tile,
+  // plus bias and residual in float32, rounded once (as the decoding kernels' outputs are)
   TT* out = static_cast<TT*>(a.out);
+  const TT* bias = static_cast<const TT*>(a.bias);
+  const TT* residual = static_cast<const TT*>(a.residual);
+  auto finish = [&](int64_t m, int64_t n, float v) {
+    if (bias != nullptr) v += static_cast<float>(bias[n * a.bias_stride]);
+    if (residual != nullptr) v += static_cast<float>(residual[m * a.r_stride0 + n * a.r_stride1]);
+    return v;
+  };
 #pragma unroll
   for (int i = 0; i < MT; ++i) {
 #pragma unroll
@@ -167,7 +180,9 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) int4_gemm_kernel(A
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         const int64_t n = n0 + warp_n * 32 + j * 8 + 2 * c;
-        const float v0 = acc[i][j][2 * half], v1 = acc[i][j][2 * half + 1];
+        if (n >= a.N) continue;
+        const float v0 = finish(m, n, acc[i][j][2 * half]);
+        const float v1 = n + 1 < a.N ? finish(m, n + 1, acc[i][j][2 * half + 1]) : 0.f;
         TT* o = out + m * a.N + n;
         if (n + 1 < a.N && (a.N % 2 == 0)) {
           if constexpr (std::is_same_v<TT, __half>) {
@@ -176,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) int4_gemm_kernel(A
             *reinterpret_cast<__nv_bfloat162*>(o) = __floats2bfloat162_rn(v0, v1);
           }
         } else {
-          if (n < a.N) o[0] = static_cast<TT>(v0);
+          o[0] = static_cast<TT>(v0);
           if (n + 1 < a.N) o[1] = static_cast<TT>(v1);
         }
       }

@@ -408,16 +408,16 @@ def test_fused_linear_9_to_16_rows_in_one_wide_launch(monkeypatch, fmt, m, n, k,
 def test_fused_linear_int4_prefill_dequantizes_in_the_tiles(monkeypatch, m, n, k, prologue, dtype, group):
     """Past the decoding kernels' rows an int4 product runs in int4_gemm_kernel, each weight decoded
     in the tiles of a tensor-core product (the dequantized copy's weights, bit for bit) instead of a
-    dequantized copy for cuBLAS: within the copy's error of float64, bias and residual added once,
-    and the product alone within 0.2% of the copy's (CUSTOMOPS_LINEAR_INT4_GEMM=0: the same weights,
-    sums in another order)."""
+    dequantized copy for cuBLAS: within the copy's error of float64, bias and residual (a transposed
+    view) added once in its epilogue, and the product alone within 0.2% of the copy's
+    (CUSTOMOPS_LINEAR_INT4_GEMM=0: the same weights, sums in another order)."""
     if torch.cuda.get_device_capability()[0] < 8:
         pytest.skip("mma.sync on bf16: compute capability 8.0+")
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=dtype, generator=g)
     w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k**0.5
     b = torch.randn(n, device="cuda", dtype=dtype, generator=g)
-    r = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
+    r = torch.randn(n, m, device="cuda", dtype=dtype, generator=g).t()  # (read through its strides)
     nw = 1 + 0.1 * torch.randn(k, device="cuda", dtype=dtype, generator=g) if prologue == "rms_norm" else None
     q, s = customops.quantize_int4(w, group)
     ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, b.double(), r.double(), prologue=prologue,
@@ -429,7 +429,7 @@ def test_fused_linear_int4_prefill_dequantizes_in_the_tiles(monkeypatch, m, n, k
                                        weight_scale=s)
             torch.cuda.synchronize()
         names = {e.name for e in prof.events()}
-        return y, {k for k in ("int4_gemm_kernel", "dequantize_kernel") if any(k in e for e in names)}
+        return y, {kern for kern in ("int4_gemm_kernel", "dequantize_kernel") if any(kern in e for e in names)}
 
     y, kernels = run()
     assert kernels == {"int4_gemm_kernel"}, kernels
