@@ -321,6 +321,15 @@ def _quantized_case(fmt, m, n, k, prologue, dtype, group, residual_transposed=Fa
     return x, q, s, b, r, nw, ref
 
 
+def _profiled_product(x, q, s, b, r, prologue, nw):
+    """fused_linear of a quantized case (constant weight) under the profiler: y and the names of the
+    CUDA kernels it ran."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=True, weight_scale=s)
+        torch.cuda.synchronize()
+    return y, [e.name for e in prof.events()]
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 @pytest.mark.parametrize("m, n, k, prologue, dtype, group, auto_splits", [
     (1, 1000, 4096, "rms_norm", torch.bfloat16, 128, 1),  # split only when asked (x in 8 KiB)
@@ -344,11 +353,7 @@ def test_fused_linear_inputs_split_over_blocks(monkeypatch, fmt, m, n, k, prolog
         monkeypatch.setenv("CUSTOMOPS_LINEAR_K_SPLITS", str(splits))
         if splits == 0:
             monkeypatch.delenv("CUSTOMOPS_LINEAR_K_SPLITS")
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=True,
-                                       weight_scale=s)
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events()]
+        y, names = _profiled_product(x, q, s, b, r, prologue, nw)
         err = ((y.double() - ref).norm() / ref.norm()).item()
         return err, sum("gemv_mma_kernel" in e for e in names), sum("split_k_epilogue" in e for e in names)
 
@@ -382,11 +387,7 @@ def test_fused_linear_9_to_16_rows_in_one_wide_launch(monkeypatch, fmt, m, n, k,
 
     def run(wide):
         monkeypatch.setenv("CUSTOMOPS_LINEAR_WIDE", "1" if wide else "0")
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=True,
-                                       weight_scale=s)
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events()]
+        y, names = _profiled_product(x, q, s, b, r, prologue, nw)
         err = ((y.double() - ref).norm() / ref.norm()).item()
         return err, sum("gemv_mma_kernel" in e or "gemv_tma_mma_kernel" in e for e in names)
 
@@ -415,11 +416,7 @@ def test_fused_linear_int4_prefill_dequantizes_in_the_tiles(monkeypatch, m, n, k
     x, q, s, b, r, nw, ref = _quantized_case("int4", m, n, k, prologue, dtype, group, residual_transposed=True)
 
     def run(b=b, r=r):
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=True,
-                                       weight_scale=s)
-            torch.cuda.synchronize()
-        names = {e.name for e in prof.events()}
+        y, names = _profiled_product(x, q, s, b, r, prologue, nw)
         return y, {kern for kern in ("int4_gemm_kernel", "dequantize_kernel") if any(kern in e for e in names)}
 
     y, kernels = run()
