@@ -1671,20 +1671,60 @@ at::Tensor int4_gemm_product(const at::Tensor& in, const at::Tensor& weight, con
   a.N = static_cast<int>(n);
   a.K = static_cast<int>(k);
   a.group = static_cast<int>(group);
-  const int64_t n_tiles = (n + g4::kBN - 1) / g4::kBN;
-  const bool tall = m > 64 && (m + 127) / 128 * n_tiles >= at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t n_tiles = (n + g4::kBN - 1) / g4::kBN, sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const bool tall = m > 64 && (m + 127) / 128 * n_tiles >= sms;
+  const int64_t blocks = (m + (tall ? 127 : 63)) / (tall ? 128 : 64) * n_tiles;
+  // The inputs split in 2-8 ranges of whole k-blocks where the tiles alone leave SMs idle (o_proj,
+  // qkv and down of Llama-3-8B, 32-48 tiles of 128 features, at up to 64 rows), while the ranges'
+  // float32 sums, written and read once, stay under the weight's bytes and each range has 8
+  // k-blocks or more; CUSTOMOPS_LINEAR_K_SPLITS=N takes N (a range past the inputs sums to zeros).
+  int splits = forced_k_splits();
+  if (splits == 0) {
+    splits = 1;
+    while (!tall && splits < kMaxKSplits && blocks * splits < 2 * sms && k / g4::kBK >= 8 * splits &&
+           2 * splits * m * n * 4 <= n * k / 2) {
+      splits *= 2;
+    }
+  }
+  a.k_splits = splits;
+  at::Tensor partial;  // (freed here, its memory reused only by later work on this stream)
+  if (splits > 1) {
+    partial = at::empty({splits, m, n}, in.options().dtype(at::kFloat));
+    a.partial = partial.mutable_data_ptr<float>();
+  }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   auto launch = [&](auto kernel, int bm) {
     const int smem = bm == 128 ? g4::smem_bytes<128>() : g4::smem_bytes<64>();
     cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));  // (once a kernel and device)
-    kernel<<<dim3(static_cast<unsigned>((m + bm - 1) / bm), static_cast<unsigned>(n_tiles)), g4::kThreads, smem,
-             stream>>>(a);
+    kernel<<<dim3(static_cast<unsigned>((m + bm - 1) / bm), static_cast<unsigned>(n_tiles), static_cast<unsigned>(splits)),
+             g4::kThreads, smem, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (in.scalar_type() == at::kHalf) {
     tall ? launch(g4::int4_gemm_kernel<__half, 128>, 128) : launch(g4::int4_gemm_kernel<__half, 64>, 64);
   } else {
     tall ? launch(g4::int4_gemm_kernel<__nv_bfloat16, 128>, 128) : launch(g4::int4_gemm_kernel<__nv_bfloat16, 64>, 64);
+  }
+  if (splits > 1) {  // (the decoding kernels' epilogue: the ranges' sums, bias and residual, rounded once)
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(in.scalar_type(), "customops::fused_linear", [&] {
+      GemvArgs<scalar_t> e{};
+      e.out = out.mutable_data_ptr<scalar_t>();
+      if (a.bias != nullptr) {
+        e.bias = static_cast<const scalar_t*>(a.bias);
+        e.bias_stride = a.bias_stride;
+      }
+      if (a.residual != nullptr) {
+        e.residual = static_cast<const scalar_t*>(a.residual);
+        e.r_stride0 = a.r_stride0;
+        e.r_stride1 = a.r_stride1;
+      }
+      e.M = a.M;
+      e.N = a.N;
+      e.k_splits = splits;
+      e.partial = a.partial;
+      launch_dependent(&split_k_epilogue<scalar_t, Format::kInt4>, dim3(static_cast<unsigned>((m * n + 255) / 256)),
+                       dim3(256), 0, stream, e);
+    });
   }
   return out;
 }

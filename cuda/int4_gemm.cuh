@@ -6,7 +6,8 @@
 // 4x fewer bytes than the dequantized copy that cuBLAS would otherwise read after one more kernel
 // wrote it.
 //
-// A block computes a [BM, 128] tile of out over k-blocks of 64 inputs, in 3 stages of cp.async: x's
+// A block computes a [BM, 128] tile of out over k-blocks of 64 inputs (all of them, or one of
+// k_splits ranges where the tiles alone leave SMs idle), in 3 stages of cp.async: x's
 // [BM, 64] slab into a swizzled tile (ldmatrix gives the A fragments) and the weight's [128, 32
 // bytes] slab as stored. 8 warps, 2 along M and 4 along N, each [BM / 2, 32] of the tile: BM / 32
 // m16 tiles by 4 n8 tiles of mma.sync m16n8k16 with float32 sums. A B fragment of mma (column n = g
@@ -51,6 +52,10 @@ struct Args {
   int64_t bias_stride;
   const void* residual;  // [M, N] (strides r_stride0, r_stride1) or null
   int64_t r_stride0, r_stride1;
+  // where the inputs split over blocks (blockIdx.z of k_splits ranges of whole k-blocks): each
+  // range's raw sums into partial ([k_splits, M, N] float32), which one more kernel adds and finishes
+  float* partial;
+  int k_splits;
   int M, N, K, group;
 };
 
@@ -88,7 +93,10 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) int4_gemm_kernel(A
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
   const int warp_m = warp / 4, warp_n = warp % 4;
   const int64_t m0 = int64_t{blockIdx.x} * BM, n0 = int64_t{blockIdx.y} * kBN;
-  const int kblocks = a.K / kBK;
+  // this block's k-blocks: [kb0, kb0 + kblocks) (range blockIdx.z of k_splits; the last may be shorter)
+  const int all_kblocks = a.K / kBK, per_split = (all_kblocks + a.k_splits - 1) / a.k_splits;
+  const int kb0 = static_cast<int>(blockIdx.z) * per_split;
+  const int kblocks = min(per_split, all_kblocks - kb0);
   const TT* x = static_cast<const TT*>(a.x);
   const TT* scale = static_cast<const TT*>(a.scale);
 
@@ -96,7 +104,8 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) int4_gemm_kernel(A
     return Tile<kBK>{smem_addr(smem) + static_cast<uint32_t>(stage * BM * kBK * 2)};
   };
   unsigned char* w_smem = smem + kStages * BM * kBK * 2;
-  auto load_stage = [&](int stage, int kb) {
+  auto load_stage = [&](int stage, int i) {  // (the block's k-block i)
+    const int kb = kb0 + i;
     load_tile<BM, kBK, kThreads>(x_tile(stage), x + int64_t{kb} * kBK, a.x_stride, m0, a.M);
     // the weight slab: 128 rows of 32 bytes, a 16-byte chunk a thread
     const int row = threadIdx.x / 2, chunk = threadIdx.x % 2;
@@ -104,9 +113,10 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) int4_gemm_kernel(A
     const uint8_t* src = a.w + (valid ? n0 + row : 0) * (a.K / 2) + int64_t{kb} * kWRowBytes + chunk * 16;
     cp_async16(smem_addr(w_smem + stage * kBN * kWRowBytes + row * kWRowBytes + chunk * 16), src, valid);
   };
-  // The scales of this thread's 4 features (n8 tile j's column g) for k-block kb, as pairs (s, s).
-  auto load_scales = [&](int kb, uint32_t (&s2)[NT]) {
-    const int64_t group = int64_t{kb} * kBK / a.group;
+  // The scales of this thread's 4 features (n8 tile j's column g) for the block's k-block i, as
+  // pairs (s, s).
+  auto load_scales = [&](int i, uint32_t (&s2)[NT]) {
+    const int64_t group = int64_t{kb0 + i} * kBK / a.group;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
       const int64_t n = n0 + warp_n * 32 + j * 8 + g;
@@ -129,9 +139,9 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) int4_gemm_kernel(A
     if (s < kblocks) load_stage(s, s);
     cp_async_commit();
   }
-  uint32_t s2[NT], s2_next[NT];
-  load_scales(0, s2);
-  for (int kb = 0; kb < kblocks; ++kb) {
+  uint32_t s2[NT] = {}, s2_next[NT] = {};
+  if (kblocks > 0) load_scales(0, s2);  // (a forced split's range past the inputs has none: zero sums)
+  for (int kb = 0; kb < kblocks; ++kb) {  // (kb: the block's k-blocks from 0, kb0 + kb of the inputs')
     if (kb + 1 < kblocks) load_scales(kb + 1, s2_next);  // (in flight while this k-block multiplies)
     cp_async_wait<kStages - 2>();
     __syncthreads();  // (every warp is done with the stage the next load overwrites)
@@ -162,7 +172,26 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) int4_gemm_kernel(A
     }
   }
   // out: a thread's sums are rows g and g + 8 of each m16 tile, columns 2c and 2c + 1 of each n8 tile,
-  // plus bias and residual in float32, rounded once (as the decoding kernels' outputs are)
+  // plus bias and residual in float32, rounded once (as the decoding kernels' outputs are); split,
+  // the range's sums alone into partial
+  if (a.partial != nullptr) {
+    float* part = a.partial + int64_t{blockIdx.z} * a.M * a.N;
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t m = m0 + warp_m * WM + i * 16 + g + half * 8;
+        if (m >= a.M) continue;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const int64_t n = n0 + warp_n * 32 + j * 8 + 2 * c;
+          if (n < a.N) part[m * a.N + n] = acc[i][j][2 * half];
+          if (n + 1 < a.N) part[m * a.N + n + 1] = acc[i][j][2 * half + 1];
+        }
+      }
+    }
+    return;
+  }
   TT* out = static_cast<TT*>(a.out);
   const TT* bias = static_cast<const TT*>(a.bias);
   const TT* residual = static_cast<const TT*>(a.residual);

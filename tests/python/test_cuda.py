@@ -399,17 +399,19 @@ def test_fused_linear_9_to_16_rows_in_one_wide_launch(monkeypatch, fmt, m, n, k,
 
 
 @pytest.mark.parametrize("m, n, k, prologue, dtype, group", [
-    (33, 999, 4096, "rms_norm", torch.bfloat16, 128),  # one block of 64 rows, 33 of them; odd features
+    (33, 999, 4096, "rms_norm", torch.bfloat16, 128),  # one block of 64 rows, 33 of them; odd features;
+    # 8 tiles: the inputs in 4 ranges (its float32 sums under the weight's bytes)
     (300, 12288, 512, "none", torch.float16, 64),  # blocks of 128 rows (their tiles fill the SMs), the last of 44
     (300, 12289, 128, "none", torch.bfloat16, 64),  # the same in bf16, two k-blocks, a last tile of 1 feature
     (40, 133, 64, "rms_norm", torch.float16, 64),  # one k-block, fp16 blocks of 64 rows
-    (130, 2064, 14336, "swiglu", torch.bfloat16, 128),  # down's inputs, a last tile of 16 features
+    (130, 2064, 14336, "swiglu", torch.bfloat16, 128),  # down's inputs, a last tile of 16 features, 4 ranges
 ])
 def test_fused_linear_int4_prefill_dequantizes_in_the_tiles(monkeypatch, m, n, k, prologue, dtype, group):
     """Past the decoding kernels' rows an int4 product runs in int4_gemm_kernel, each weight decoded
     in the tiles of a tensor-core product (the dequantized copy's weights, bit for bit) instead of a
     dequantized copy for cuBLAS: within the copy's error of float64, bias and residual (a transposed
-    view) added once in its epilogue, and the product alone within 0.2% of the copy's
+    view) added once in its epilogue (or split_k_epilogue's, where the inputs split over blocks:
+    CUSTOMOPS_LINEAR_K_SPLITS=1 and =8 too), and the product alone within 0.2% of the copy's
     (CUSTOMOPS_LINEAR_INT4_GEMM=0: the same weights, sums in another order)."""
     if torch.cuda.get_device_capability()[0] < 8:
         pytest.skip("mma.sync on bf16: compute capability 8.0+")
@@ -424,6 +426,12 @@ def test_fused_linear_int4_prefill_dequantizes_in_the_tiles(monkeypatch, m, n, k
     assert y.dtype == dtype and y.shape == (m, n)
     err = ((y.double() - ref).norm() / ref.norm()).item()
     assert err < 0.01, err
+    for splits in ("1", "8"):
+        monkeypatch.setenv("CUSTOMOPS_LINEAR_K_SPLITS", splits)
+        ys, _ = run()
+        err = ((ys.double() - ref).norm() / ref.norm()).item()
+        assert err < 0.01, (splits, err)
+    monkeypatch.delenv("CUSTOMOPS_LINEAR_K_SPLITS")
     product, _ = run(None, None)
     monkeypatch.setenv("CUSTOMOPS_LINEAR_INT4_GEMM", "0")
     copy, kernels = run(None, None)
