@@ -1681,9 +1681,10 @@ at::Tensor int4_gemm_product(const at::Tensor& in, const at::Tensor& weight, con
   int splits = forced_k_splits();
   if (splits == 0) {
     splits = 1;
-    while (!tall && splits < kMaxKSplits && blocks * splits < 2 * sms && k / g4::kBK >= 8 * splits &&
-           2 * splits * m * n * 4 <= n * k / 2) {
-      splits *= 2;
+    while (!tall && splits < kMaxKSplits) {
+      const int64_t next = 2 * splits;  // (each limit holds for the count chosen)
+      if (blocks * next > 2 * sms || k / g4::kBK < 8 * next || 2 * next * m * n * 4 > n * k / 2) break;
+      splits = static_cast<int>(next);
     }
   }
   a.k_splits = splits;

@@ -83,10 +83,10 @@ __device__ __forceinline__ uint32_t dequantize_pair(uint32_t byte, uint32_t scal
   }
 }
 
-// TT: __nv_bfloat16 or __half; BM: 64 or 128 rows a block. Grid: (M tiles, N tiles), the M tiles
-// fastest so that the blocks that read a weight slab run together (x, the smaller, is re-read).
+// TT: __nv_bfloat16 or __half; BM: 64 or 128 rows a block. Grid: (M tiles, N tiles, k_splits), the
+// M tiles fastest so that the blocks that read a weight slab run together (x, the smaller, is re-read).
 template <typename TT, int BM>
-// (64 rows: two blocks an SM, 128 registers a thread; 128 rows: one, with 184)
+// (64 rows: two blocks an SM, at most 128 registers a thread; 128 rows: one, with 180)
 __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) int4_gemm_kernel(Args a) {
   constexpr int WM = BM / 2, MT = WM / 16, NT = 4;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -185,8 +185,13 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) int4_gemm_kernel(A
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
           const int64_t n = n0 + warp_n * 32 + j * 8 + 2 * c;
-          if (n < a.N) part[m * a.N + n] = acc[i][j][2 * half];
-          if (n + 1 < a.N) part[m * a.N + n + 1] = acc[i][j][2 * half + 1];
+          float* o = part + m * a.N + n;
+          if (n + 1 < a.N && a.N % 2 == 0) {  // (8-byte aligned)
+            *reinterpret_cast<float2*>(o) = make_float2(acc[i][j][2 * half], acc[i][j][2 * half + 1]);
+          } else {
+            if (n < a.N) o[0] = acc[i][j][2 * half];
+            if (n + 1 < a.N) o[1] = acc[i][j][2 * half + 1];
+          }
         }
       }
     }
