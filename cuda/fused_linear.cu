@@ -49,7 +49,7 @@
 #include "cp_async.cuh"
 #include "elementwise.cuh"
 #include "env.cuh"
-#include "int4_gemm.cuh"
+#include "quant_gemm.cuh"
 #include "pdl.cuh"
 #include "tma.cuh"
 #include "ops/fused_linear.h"
@@ -1632,25 +1632,33 @@ bool fp8_tensor_cores_apply(at::ScalarType t, int64_t k, int64_t n) {
   return at::cuda::getCurrentDeviceProperties()->major >= 9 && t != at::kFloat && k % 16 == 0 && n % 16 == 0;
 }
 
-// Whether an int4 product past the decoding kernels' rows takes int4_gemm_kernel (the weight
-// dequantized in its tiles; cuda/int4_gemm.cuh): sm_80 on, bf16 or fp16 x and scales, groups and
-// in_features multiples of 64. CUSTOMOPS_LINEAR_INT4_GEMM=0 keeps the dequantized copy and cuBLAS (a
-// switch for bench --linear).
-bool int4_gemm_applies(at::ScalarType t, const at::Tensor& scale, int64_t m, int64_t n, int64_t k, int64_t group) {
-  return (t == at::kBFloat16 || t == at::kHalf) && scale.scalar_type() == t && group % 64 == 0 &&
-         k % 64 == 0 && k <= INT32_MAX && m <= INT32_MAX && (n + cuda::int4_gemm::kBN - 1) / cuda::int4_gemm::kBN <= 65535 &&
-         at::cuda::getCurrentDeviceProperties()->major >= 8 && !env::is("CUSTOMOPS_LINEAR_INT4_GEMM", "0");
+// Whether a quantized product past the decoding kernels' rows takes quant_gemm_kernel (the weight
+// decoded in its tiles; cuda/quant_gemm.cuh): sm_80 on, bf16 or fp16 x, in_features multiples of 64;
+// int4: scales in x's dtype, groups multiples of 64; float8: where the FP8 tensor cores do not apply
+// (fp8_tensor_cores_apply), or everywhere with CUSTOMOPS_LINEAR_FP8_GEMM=1. CUSTOMOPS_LINEAR_INT4_GEMM=0
+// and CUSTOMOPS_LINEAR_FP8_GEMM=0 keep the dequantized copy and cuBLAS (switches for bench --linear).
+bool quant_gemm_applies(Format w, at::ScalarType t, const at::Tensor& scale, int64_t m, int64_t n, int64_t k,
+                        int64_t group) {
+  if ((t != at::kBFloat16 && t != at::kHalf) || k % 64 != 0 || k > INT32_MAX || m > INT32_MAX ||
+      (n + cuda::quant_gemm::kBN - 1) / cuda::quant_gemm::kBN > 65535 || at::cuda::getCurrentDeviceProperties()->major < 8) {
+    return false;
+  }
+  if (w == Format::kInt4) {
+    return scale.scalar_type() == t && group % 64 == 0 && !env::is("CUSTOMOPS_LINEAR_INT4_GEMM", "0");
+  }
+  return scale.scalar_type() == at::kFloat && !env::is("CUSTOMOPS_LINEAR_FP8_GEMM", "0");
 }
 
 // in [M, K] (contiguous, 16-byte aligned) @ dequantized(weight).T + bias + residual ([M, N] or
-// undefined) by int4_gemm_kernel: [M, N] in in's dtype. Blocks of 128 rows where there are more than 64 and their tiles fill the SMs, else of 64.
-at::Tensor int4_gemm_product(const at::Tensor& in, const at::Tensor& weight, const at::Tensor& scale, int64_t group,
-                             const std::optional<at::Tensor>& bias, const at::Tensor& residual) {
-  namespace g4 = cuda::int4_gemm;
+// undefined) by quant_gemm_kernel: [M, N] in in's dtype. Blocks of 128 rows where there are more than
+// 64 and their tiles fill the SMs, else of 64.
+at::Tensor quant_gemm_product(const at::Tensor& in, const at::Tensor& weight, const at::Tensor& scale, Format w,
+                              int64_t group, const std::optional<at::Tensor>& bias, const at::Tensor& residual) {
+  namespace qg = cuda::quant_gemm;
   const int64_t m = in.size(0), n = weight.size(0), k = in.size(1);
   at::Tensor out = at::empty({m, n}, in.options());
   if (m == 0) return out;
-  g4::Args a{};
+  qg::Args a{};
   a.x = in.const_data_ptr();
   a.x_stride = in.stride(0);
   a.w = static_cast<const uint8_t*>(weight.const_data_ptr());
@@ -1671,7 +1679,7 @@ at::Tensor int4_gemm_product(const at::Tensor& in, const at::Tensor& weight, con
   a.N = static_cast<int>(n);
   a.K = static_cast<int>(k);
   a.group = static_cast<int>(group);
-  const int64_t n_tiles = (n + g4::kBN - 1) / g4::kBN, sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t n_tiles = (n + qg::kBN - 1) / qg::kBN, sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const bool tall = m > 64 && (m + 127) / 128 * n_tiles >= sms;
   const int64_t blocks = (m + (tall ? 127 : 63)) / (tall ? 128 : 64) * n_tiles;
   // The inputs split in 2-8 ranges of whole k-blocks where the tiles alone leave SMs idle (o_proj,
@@ -1681,9 +1689,10 @@ at::Tensor int4_gemm_product(const at::Tensor& in, const at::Tensor& weight, con
   int splits = forced_k_splits();
   if (splits == 0) {
     splits = 1;
+    const int64_t weight_bytes = weight.numel() * weight.element_size();
     while (!tall && splits < kMaxKSplits) {
       const int64_t next = 2 * splits;  // (each limit holds for the count chosen)
-      if (blocks * next > 2 * sms || k / g4::kBK < 8 * next || 2 * next * m * n * 4 > n * k / 2) break;
+      if (blocks * next > 2 * sms || k / qg::kBK < 8 * next || 2 * next * m * n * 4 > weight_bytes) break;
       splits = static_cast<int>(next);
     }
   }
@@ -1694,22 +1703,33 @@ at::Tensor int4_gemm_product(const at::Tensor& in, const at::Tensor& weight, con
     a.partial = partial.mutable_data_ptr<float>();
   }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  auto launch = [&](auto kernel, int bm) {
-    const int smem = bm == 128 ? g4::smem_bytes<128>() : g4::smem_bytes<64>();
+  auto launch = [&](auto kernel, int bm, int smem) {
     cuda::allow_dynamic_smem(reinterpret_cast<const void*>(kernel));  // (once a kernel and device)
     kernel<<<dim3(static_cast<unsigned>((m + bm - 1) / bm), static_cast<unsigned>(n_tiles), static_cast<unsigned>(splits)),
-             g4::kThreads, smem, stream>>>(a);
+             qg::kThreads, smem, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  if (in.scalar_type() == at::kHalf) {
-    tall ? launch(g4::int4_gemm_kernel<__half, 128>, 128) : launch(g4::int4_gemm_kernel<__half, 64>, 64);
+  auto launch_typed = [&](auto tt, auto fp8) {
+    using TT = decltype(tt);
+    constexpr bool kFp8 = decltype(fp8)::value;
+    if (tall) {
+      launch(qg::quant_gemm_kernel<TT, 128, kFp8>, 128, qg::smem_bytes<128, kFp8>());
+    } else {
+      launch(qg::quant_gemm_kernel<TT, 64, kFp8>, 64, qg::smem_bytes<64, kFp8>());
+    }
+  };
+  const bool half = in.scalar_type() == at::kHalf;
+  if (w == Format::kFp8) {
+    half ? launch_typed(__half(), std::true_type()) : launch_typed(__nv_bfloat16(), std::true_type());
   } else {
-    tall ? launch(g4::int4_gemm_kernel<__nv_bfloat16, 128>, 128) : launch(g4::int4_gemm_kernel<__nv_bfloat16, 64>, 64);
+    half ? launch_typed(__half(), std::false_type()) : launch_typed(__nv_bfloat16(), std::false_type());
   }
-  if (splits > 1) {  // (the decoding kernels' epilogue: the ranges' sums, bias and residual, rounded once)
+  if (splits > 1) {  // (the decoding kernels' epilogue: the ranges' sums, scale, bias and residual, rounded once)
     AT_DISPATCH_REDUCED_FLOATING_TYPES(in.scalar_type(), "customops::fused_linear", [&] {
       GemvArgs<scalar_t> e{};
       e.out = out.mutable_data_ptr<scalar_t>();
+      e.scale = a.scale;  // (float8: finish_output scales by it)
+      e.scale_s0 = a.scale_s0;
       if (a.bias != nullptr) {
         e.bias = static_cast<const scalar_t*>(a.bias);
         e.bias_stride = a.bias_stride;
@@ -1723,16 +1743,21 @@ at::Tensor int4_gemm_product(const at::Tensor& in, const at::Tensor& weight, con
       e.N = a.N;
       e.k_splits = splits;
       e.partial = a.partial;
-      launch_dependent(&split_k_epilogue<scalar_t, Format::kInt4>, dim3(static_cast<unsigned>((m * n + 255) / 256)),
-                       dim3(256), 0, stream, e);
+      const dim3 grid(static_cast<unsigned>((m * n + 255) / 256));
+      if (w == Format::kFp8) {
+        launch_dependent(&split_k_epilogue<scalar_t, Format::kFp8>, grid, dim3(256), 0, stream, e);
+      } else {
+        launch_dependent(&split_k_epilogue<scalar_t, Format::kInt4>, grid, dim3(256), 0, stream, e);
+      }
     });
   }
   return out;
 }
 
 // prologue(x) @ dequantized(weight).T + bias + residual for the rows the matrix-vector kernels do
-// not take: float8 on the FP8 tensor cores where fp8_tensor_cores_apply, int4 by int4_gemm_kernel
-// where int4_gemm_applies, else the weight dequantized into x's dtype and cuBLAS.
+// not take: float8 on the FP8 tensor cores where fp8_tensor_cores_apply (unless
+// CUSTOMOPS_LINEAR_FP8_GEMM=1), else quant_gemm_kernel where quant_gemm_applies, else the weight
+// dequantized into x's dtype and cuBLAS.
 at::Tensor quantized_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                           const std::optional<at::Tensor>& residual, Prologue p,
                           const std::optional<at::Tensor>& norm_weight, double eps, const at::Tensor& scale, Format w,
@@ -1741,7 +1766,7 @@ at::Tensor quantized_rows(const at::Tensor& x, const at::Tensor& weight, const s
   const int64_t n = weight.size(0);
   const bool has_bias = bias.has_value() && bias->defined();
   at::Tensor y;
-  if (w == Format::kFp8 && fp8_tensor_cores_apply(t, k, n)) {
+  if (w == Format::kFp8 && fp8_tensor_cores_apply(t, k, n) && !env::is("CUSTOMOPS_LINEAR_FP8_GEMM", "1")) {
     at::Tensor x2 = x.reshape({-1, x.size(-1)});  // (16-byte loads from a 16-byte boundary)
     if (x2.stride(1) != 1 || x2.stride(0) % (16 / x.element_size()) != 0 || !aligned16(x2.data_ptr())) {
       x2 = x2.contiguous();
@@ -1752,12 +1777,12 @@ at::Tensor quantized_rows(const at::Tensor& x, const at::Tensor& weight, const s
   } else {
     at::Tensor in = apply_prologue(p, x, norm_weight, eps).reshape({-1, k}).contiguous();
     if (!aligned16(in.data_ptr())) in = in.clone();  // (16-byte loads: x itself may start anywhere)
-    if (w == Format::kInt4 && int4_gemm_applies(t, scale, in.size(0), n, k, group)) {
+    if (quant_gemm_applies(w, t, scale, in.size(0), n, k, group)) {
       const bool has_residual = residual.has_value() && residual->defined();
       std::vector<int64_t> sizes = x.sizes().vec();
       sizes.back() = n;
-      return int4_gemm_product(in, weight, scale, group, bias,
-                               has_residual ? residual->reshape({in.size(0), n}) : at::Tensor())
+      return quant_gemm_product(in, weight, scale, w, group, bias,
+                                has_residual ? residual->reshape({in.size(0), n}) : at::Tensor())
           .view(sizes);
     }
     const at::Tensor wt = dequantize(weight, scale, w, k, group, t).t();

@@ -398,35 +398,40 @@ def test_fused_linear_9_to_16_rows_in_one_wide_launch(monkeypatch, fmt, m, n, k,
     assert wide_err < max(1.5 * narrow_err, 0.005), (wide_err, narrow_err)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
 @pytest.mark.parametrize("m, n, k, prologue, dtype, group, auto_splits", [
     (33, 999, 4096, "rms_norm", torch.bfloat16, 128, 4),  # one block of 64 rows, 33 of them; odd features;
-    # 8 tiles: the inputs in 4 ranges (8 would make the float32 sums outweigh the weight)
+    # 8 tiles: the inputs in ranges (int4 4, fp8 8: more would make the float32 sums outweigh the weight)
     (300, 12288, 512, "none", torch.float16, 64, 1),  # blocks of 128 rows (their tiles fill the SMs), the last of 44
     (300, 12289, 128, "none", torch.bfloat16, 64, 1),  # the same in bf16, two k-blocks, a last tile of 1 feature
     (40, 133, 64, "rms_norm", torch.float16, 64, 1),  # one k-block, fp16 blocks of 64 rows
     (40, 1000, 4352, "none", torch.bfloat16, 128, 4),  # 68 k-blocks: forced to 8 ranges, 7 of 9 and one of 5
     (130, 2064, 14336, "swiglu", torch.bfloat16, 128, 4),  # down's inputs, a last tile of 16 features
 ])
-def test_fused_linear_int4_prefill_dequantizes_in_the_tiles(monkeypatch, m, n, k, prologue, dtype, group,
-                                                            auto_splits):
-    """Past the decoding kernels' rows an int4 product runs in int4_gemm_kernel, each weight decoded
+def test_fused_linear_quantized_prefill_decodes_in_the_tiles(monkeypatch, fmt, m, n, k, prologue, dtype, group,
+                                                              auto_splits):
+    """Past the decoding kernels' rows an int4 product runs in quant_gemm_kernel, each weight decoded
     in the tiles of a tensor-core product (the dequantized copy's weights, bit for bit) instead of a
-    dequantized copy for cuBLAS: within the copy's error of float64, bias and residual (a transposed
-    view) added once in its epilogue, or in split_k_epilogue's where the inputs split over blocks (by
-    themselves where the tiles leave SMs idle, as listed for 132 SMs; CUSTOMOPS_LINEAR_K_SPLITS=1 and
-    =8 too), and the product alone within 0.2% of the copy's (CUSTOMOPS_LINEAR_INT4_GEMM=0: the same
-    weights, sums in another order)."""
+    dequantized copy for cuBLAS, and so does a float8 one where the FP8 tensor cores do not apply or
+    CUSTOMOPS_LINEAR_FP8_GEMM=1 (its codes exact in bf16/fp16, the sums scaled at the end): within the
+    copy's error of float64, bias and residual (a transposed view) added once in its epilogue, or in
+    split_k_epilogue's where the inputs split over blocks (by themselves where the tiles leave SMs
+    idle, as listed for 132 SMs; CUSTOMOPS_LINEAR_K_SPLITS=1 and =8 too). The product alone: int4
+    within 0.2% of the copy's (CUSTOMOPS_LINEAR_INT4_GEMM=0: the same weights, sums in another
+    order), float8 within 1% of float64 (x's rounding by the prologue)."""
     if torch.cuda.get_device_capability()[0] < 8:
         pytest.skip("mma.sync on bf16: compute capability 8.0+")
-    x, q, s, b, r, nw, ref = _quantized_case("int4", m, n, k, prologue, dtype, group, residual_transposed=True)
+    x, q, s, b, r, nw, ref = _quantized_case(fmt, m, n, k, prologue, dtype, group, residual_transposed=True)
+    if fmt == "fp8":
+        monkeypatch.setenv("CUSTOMOPS_LINEAR_FP8_GEMM", "1")  # (on Hopper too, not the FP8 tensor cores)
 
     def run(b=b, r=r):
         y, names = _profiled_product(x, q, s, b, r, prologue, nw)
-        return y, {kern for kern in ("int4_gemm_kernel", "dequantize_kernel", "split_k_epilogue")
+        return y, {kern for kern in ("quant_gemm_kernel", "dequantize_kernel", "split_k_epilogue")
                    if any(kern in e for e in names)}
 
     y, kernels = run()
-    assert "int4_gemm_kernel" in kernels and "dequantize_kernel" not in kernels, kernels
+    assert "quant_gemm_kernel" in kernels and "dequantize_kernel" not in kernels, kernels
     if torch.cuda.get_device_properties(0).multi_processor_count == 132:  # (H100, H200: the split as listed)
         assert ("split_k_epilogue" in kernels) == (auto_splits > 1), kernels
     assert y.dtype == dtype and y.shape == (m, n)
@@ -439,9 +444,15 @@ def test_fused_linear_int4_prefill_dequantizes_in_the_tiles(monkeypatch, m, n, k
         assert err < 0.01, (splits, err)
     monkeypatch.delenv("CUSTOMOPS_LINEAR_K_SPLITS")
     product, _ = run(None, None)
+    if fmt == "fp8":
+        alone = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, None, None, prologue=prologue,
+                                                  norm_weight=None if nw is None else nw.double(), weight_scale=s)
+        err = ((product.double() - alone).norm() / alone.norm()).item()
+        assert err < 0.01, err
+        return
     monkeypatch.setenv("CUSTOMOPS_LINEAR_INT4_GEMM", "0")
     copy, kernels = run(None, None)
-    assert "dequantize_kernel" in kernels and "int4_gemm_kernel" not in kernels, kernels
+    assert "dequantize_kernel" in kernels and "quant_gemm_kernel" not in kernels, kernels
     diff = ((product.double() - copy.double()).norm() / copy.double().norm()).item()
     assert diff < 2e-3, diff
 

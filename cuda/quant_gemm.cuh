@@ -1,24 +1,27 @@
-// An int4 weight's product over many rows (prefill, batches past the decoding kernels' rows) on the
-// tensor cores, the weight dequantized inside the tiles: out[M, N] = x[M, K] @ dequantized(w).T
-// (+ bias + residual).
-// The weight is read as stored (quantize_int4's layout: [N, K / 2] bytes, weight 2j of a row in the
-// low nibble of byte j, 2j + 1 in the high one, each q + 8; a scale in x's dtype a group of inputs),
-// 4x fewer bytes than the dequantized copy that cuBLAS would otherwise read after one more kernel
-// wrote it.
+// A quantized weight's product over many rows (prefill, batches past the decoding kernels' rows) on
+// the tensor cores, the weight decoded inside the tiles: out[M, N] = x[M, K] @ dequantized(w).T
+// (+ bias + residual), reading the weight as stored instead of a dequantized copy (2x or 4x its
+// bytes) that cuBLAS would read after one more kernel wrote it.
+// - int4 (quantize_int4's layout: [N, K / 2] bytes, weight 2j of a row in the low nibble of byte j,
+//   2j + 1 in the high one, each q + 8; a scale in x's dtype a group of inputs): a byte's two
+//   nibbles become the bf16 (fp16) pair 128 + q (1024 + q) by an OR of the exponent, less 136
+//   (1032): q - 8 exactly, times the group's scale, rounded once: the dequantized copy's weights.
+//   Groups are multiples of 64 inputs (a k-block within one group); scales in x's dtype (float32
+//   scales keep the copy, whose product rounds (q - 8) * scale once from float32).
+// - float8 e4m3 ([N, K] bytes, a float32 scale an output feature): a code's sign and 7 low bits
+//   moved into a bf16 (fp16) as they are, times 2^120 (2^8), is the code's value exactly (an e4m3
+//   subnormal too); the sums are scaled by the feature's scale in float32 at the end (more exact
+//   than the copy, which rounds code * scale to x's dtype).
 //
 // A block computes a [BM, 128] tile of out over k-blocks of 64 inputs (all of them, or one of
-// k_splits ranges where the tiles alone leave SMs idle), in 3 stages of cp.async: x's
-// [BM, 64] slab into a swizzled tile (ldmatrix gives the A fragments) and the weight's [128, 32
-// bytes] slab as stored. 8 warps, 2 along M and 4 along N, each [BM / 2, 32] of the tile: BM / 32
-// m16 tiles by 4 n8 tiles of mma.sync m16n8k16 with float32 sums. A B fragment of mma (column n = g
-// of the n8 tile, inputs 2c, 2c + 1 and 2c + 8, 2c + 9 of the k16 step, g = lane / 4, c = lane % 4)
-// is bytes 8 kk + c and 8 kk + 4 + c of row n's 32: one 8-byte shared load a row and k16 step gives
-// both. A byte's two nibbles become the bf16 (fp16) pair 128 + q (1024 + q) by an OR of the
-// exponent, less 136 (1032): q - 8 exactly, times the group's scale in x's dtype, rounded once: the
-// same weights as the dequantized copy's, decoded once for all the warp's m16 tiles.
-//
-// Groups are multiples of 64 inputs (a k-block within one group); scales in x's dtype (float32
-// scales keep the dequantized copy, whose product rounds (q - 8) * scale once from float32).
+// k_splits ranges where the tiles alone leave SMs idle), in 3 stages of cp.async: x's [BM, 64] slab
+// into a swizzled tile (ldmatrix gives the A fragments) and the weight's [128, 32 or 64 bytes] slab
+// as stored. 8 warps, 2 along M and 4 along N, each [BM / 2, 32] of the tile: BM / 32 m16 tiles by
+// 4 n8 tiles of mma.sync m16n8k16 with float32 sums. A B fragment of mma (column n = g of the n8
+// tile, inputs 2c, 2c + 1 and 2c + 8, 2c + 9 of the k16 step, g = lane / 4, c = lane % 4) is, int4,
+// bytes 8 kk + c and 8 kk + 4 + c of row n's 32 (one 8-byte shared load a row and k16 step), float8
+// bytes 16 kk + 2c, + 1 and 16 kk + 8 + 2c, + 1 of its 64 (one 16-byte load); decoded once for all
+// the warp's m16 tiles.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -30,7 +33,7 @@
 #include "attention.cuh"  // (the ldmatrix and mma.sync wrappers and swizzled tiles it shares)
 #include "cp_async.cuh"
 
-namespace customops::cuda::int4_gemm {
+namespace customops::cuda::quant_gemm {
 
 using attention::a_frag;
 using attention::ldmatrix_x4;
@@ -39,14 +42,15 @@ using attention::mma;
 using attention::Tile;
 
 constexpr int kBN = 128, kBK = 64, kStages = 3, kThreads = 256;
-constexpr int kWRowBytes = kBK / 2;  // a weight row's bytes a k-block
+template <bool kFp8>
+constexpr int kWRowBytes = kFp8 ? kBK : kBK / 2;  // a weight row's bytes a k-block
 
 struct Args {
   const void* x;  // [M, K], row stride x_stride elements (a multiple of 8), 16-byte aligned
   int64_t x_stride;
-  const uint8_t* w;  // [N, K / 2], contiguous, 16-byte aligned
-  const void* scale;  // [N, K / group] in x's dtype, strides scale_s0, scale_s1
-  int64_t scale_s0, scale_s1;
+  const uint8_t* w;  // [N, K / 2] (int4) or [N, K] (float8) bytes, contiguous, 16-byte aligned
+  const void* scale;  // int4: [N, K / group] in x's dtype, strides scale_s0, scale_s1; float8: [N]
+  int64_t scale_s0, scale_s1;  // float32, stride scale_s0
   void* out;  // [M, N], contiguous
   const void* bias;  // [N] (stride bias_stride) or null
   int64_t bias_stride;
@@ -59,9 +63,9 @@ struct Args {
   int M, N, K, group;
 };
 
-template <int BM>
+template <int BM, bool kFp8>
 constexpr int smem_bytes() {
-  return kStages * (BM * kBK * 2 + kBN * kWRowBytes);
+  return kStages * (BM * kBK * 2 + kBN * kWRowBytes<kFp8>);
 }
 
 // The bf16 (fp16) pair (q_lo - 8, q_hi - 8) * s of one byte's nibbles (the low one in the low half).
@@ -83,11 +87,29 @@ __device__ __forceinline__ uint32_t dequantize_pair(uint32_t byte, uint32_t scal
   }
 }
 
-// TT: __nv_bfloat16 or __half; BM: 64 or 128 rows a block. Grid: (M tiles, N tiles, k_splits), the
+// A pair of e4m3 codes (the first in the low byte) as the bf16 (fp16) pair of their values: each
+// code's sign and 7 low bits placed as the type's sign and low exponent and mantissa bits, then
+// times 2^120 (2^8), which restores the exponent's bias, exactly (subnormal codes too).
+template <typename TT>
+__device__ __forceinline__ uint32_t widen_fp8_pair(uint32_t pair) {
+  if constexpr (std::is_same_v<TT, __half>) {
+    const uint32_t t = ((pair & 0x80u) << 8) | ((pair & 0x7Fu) << 7) | ((pair & 0x8000u) << 16) | ((pair & 0x7F00u) << 15);
+    const __half2 h = __hmul2(*reinterpret_cast<const __half2*>(&t),
+                              __half2(__ushort_as_half(0x5C00u), __ushort_as_half(0x5C00u)));  // 2^8
+    return *reinterpret_cast<const uint32_t*>(&h);
+  } else {
+    const uint32_t t = ((pair & 0x80u) << 8) | ((pair & 0x7Fu) << 4) | ((pair & 0x8000u) << 16) | ((pair & 0x7F00u) << 12);
+    const __nv_bfloat162 h = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&t),
+                                     __nv_bfloat162(__ushort_as_bfloat16(0x7B80u), __ushort_as_bfloat16(0x7B80u)));  // 2^120
+    return *reinterpret_cast<const uint32_t*>(&h);
+  }
+}
+
+// TT: __nv_bfloat16 or __half; BM: 64 or 128 rows a block; kFp8: a float8 weight, else int4. Grid: (M tiles, N tiles, k_splits), the
 // M tiles fastest so that the blocks that read a weight slab run together (x, the smaller, is re-read).
-template <typename TT, int BM>
+template <typename TT, int BM, bool kFp8>
 // (64 rows: two blocks an SM, at most 128 registers a thread; 128 rows: one, with 180)
-__global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) int4_gemm_kernel(Args a) {
+__global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) quant_gemm_kernel(Args a) {
   constexpr int WM = BM / 2, MT = WM / 16, NT = 4;
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
@@ -103,15 +125,20 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) int4_gemm_kernel(A
   auto x_tile = [&](int stage) {
     return Tile<kBK>{smem_addr(smem) + static_cast<uint32_t>(stage * BM * kBK * 2)};
   };
+  constexpr int kRowBytes = kWRowBytes<kFp8>, kChunks = kRowBytes / 16;  // (16-byte chunks a row)
+  const int64_t w_row = kFp8 ? a.K : a.K / 2;  // a weight row's bytes
   unsigned char* w_smem = smem + kStages * BM * kBK * 2;
   auto load_stage = [&](int stage, int i) {  // (the block's k-block i)
     const int kb = kb0 + i;
     load_tile<BM, kBK, kThreads>(x_tile(stage), x + int64_t{kb} * kBK, a.x_stride, m0, a.M);
-    // the weight slab: 128 rows of 32 bytes, a 16-byte chunk a thread
-    const int row = threadIdx.x / 2, chunk = threadIdx.x % 2;
-    const bool valid = n0 + row < a.N;
-    const uint8_t* src = a.w + (valid ? n0 + row : 0) * (a.K / 2) + int64_t{kb} * kWRowBytes + chunk * 16;
-    cp_async16(smem_addr(w_smem + stage * kBN * kWRowBytes + row * kWRowBytes + chunk * 16), src, valid);
+    // the weight slab: 128 rows of 32 (64) bytes, a 16-byte chunk a thread (two)
+#pragma unroll
+    for (int r = 0; r < kBN * kChunks / kThreads; ++r) {
+      const int idx = r * kThreads + static_cast<int>(threadIdx.x), row = idx / kChunks, chunk = idx % kChunks;
+      const bool valid = n0 + row < a.N;
+      const uint8_t* src = a.w + (valid ? n0 + row : 0) * w_row + int64_t{kb} * kRowBytes + chunk * 16;
+      cp_async16(smem_addr(w_smem + stage * kBN * kRowBytes + row * kRowBytes + chunk * 16), src, valid);
+    }
   };
   // The scales of this thread's 4 features (n8 tile j's column g) for the block's k-block i, as
   // pairs (s, s).
@@ -139,10 +166,11 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) int4_gemm_kernel(A
     if (s < kblocks) load_stage(s, s);
     cp_async_commit();
   }
-  uint32_t s2[NT] = {}, s2_next[NT] = {};
-  if (kblocks > 0) load_scales(0, s2);  // (a forced split's range past the inputs has none: zero sums)
+  uint32_t s2[NT] = {}, s2_next[NT] = {};  // (int4's group scales; float8 scales the sums at the end)
+  // (a forced split's range past the inputs has no k-block: zero sums)
+  if (!kFp8 && kblocks > 0) load_scales(0, s2);
   for (int kb = 0; kb < kblocks; ++kb) {  // (kb: the block's k-blocks from 0, kb0 + kb of the inputs')
-    if (kb + 1 < kblocks) load_scales(kb + 1, s2_next);  // (in flight while this k-block multiplies)
+    if (!kFp8 && kb + 1 < kblocks) load_scales(kb + 1, s2_next);  // (in flight while this k-block multiplies)
     cp_async_wait<kStages - 2>();
     __syncthreads();  // (every warp is done with the stage the next load overwrites)
     if (const int next = kb + kStages - 1; next < kblocks) load_stage(next % kStages, next);
@@ -150,7 +178,7 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) int4_gemm_kernel(A
 
     const int stage = kb % kStages;
     const Tile<kBK> xt = x_tile(stage);
-    const unsigned char* wt = w_smem + stage * kBN * kWRowBytes + (warp_n * 32 + g) * kWRowBytes;
+    const unsigned char* wt = w_smem + stage * kBN * kRowBytes + (warp_n * 32 + g) * kRowBytes;
 #pragma unroll
     for (int kk = 0; kk < kBK / 16; ++kk) {
       uint32_t af[MT][4];
@@ -158,15 +186,24 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) int4_gemm_kernel(A
       for (int i = 0; i < MT; ++i) ldmatrix_x4(af[i], a_frag(xt, warp_m * WM + i * 16, kk * 16, lane));
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        // bytes 8 kk ... 8 kk + 7 of row g of n8 tile j: this lane's are byte c of each word
-        const uint2 words = *reinterpret_cast<const uint2*>(wt + j * 8 * kWRowBytes + kk * 8);
-        const uint32_t b0 = dequantize_pair<TT>(__byte_perm(words.x, 0, 0x4440u | c), s2[j]);
-        const uint32_t b1 = dequantize_pair<TT>(__byte_perm(words.y, 0, 0x4440u | c), s2[j]);
+        uint32_t b0, b1;
+        if constexpr (kFp8) {
+          // bytes 16 kk ... 16 kk + 15 of row g of n8 tile j: this lane's, 2c and 2c + 1 of each half
+          const uint4 words = *reinterpret_cast<const uint4*>(wt + j * 8 * kRowBytes + kk * 16);
+          const uint32_t pick = (2u * c) | ((2u * c + 1) << 4);
+          b0 = widen_fp8_pair<TT>(__byte_perm(words.x, words.y, pick));
+          b1 = widen_fp8_pair<TT>(__byte_perm(words.z, words.w, pick));
+        } else {
+          // bytes 8 kk ... 8 kk + 7 of row g of n8 tile j: this lane's are byte c of each word
+          const uint2 words = *reinterpret_cast<const uint2*>(wt + j * 8 * kRowBytes + kk * 8);
+          b0 = dequantize_pair<TT>(__byte_perm(words.x, 0, 0x4440u | c), s2[j]);
+          b1 = dequantize_pair<TT>(__byte_perm(words.y, 0, 0x4440u | c), s2[j]);
+        }
 #pragma unroll
         for (int i = 0; i < MT; ++i) mma<TT>(acc[i][j], af[i], b0, b1);
       }
     }
-    if (kb + 1 < kblocks) {
+    if (!kFp8 && kb + 1 < kblocks) {
 #pragma unroll
       for (int j = 0; j < NT; ++j) s2[j] = s2_next[j];
     }
@@ -201,6 +238,7 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) int4_gemm_kernel(A
   const TT* bias = static_cast<const TT*>(a.bias);
   const TT* residual = static_cast<const TT*>(a.residual);
   auto finish = [&](int64_t m, int64_t n, float v) {
+    if constexpr (kFp8) v *= static_cast<const float*>(a.scale)[n * a.scale_s0];
     if (bias != nullptr) v += static_cast<float>(bias[n * a.bias_stride]);
     if (residual != nullptr) v += static_cast<float>(residual[m * a.r_stride0 + n * a.r_stride1]);
     return v;
@@ -233,4 +271,4 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) int4_gemm_kernel(A
   }
 }
 
-}  // namespace customops::cuda::int4_gemm
+}  // namespace customops::cuda::quant_gemm
