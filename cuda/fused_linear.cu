@@ -1526,7 +1526,8 @@ at::Tensor dequantize(const at::Tensor& weight, const at::Tensor& scale, Format 
       set_weight(a, weight, scale, group);
       a.K = static_cast<int>(k);
       constexpr int V = 16 / sizeof(scalar_t);
-      const int64_t packs = vectors * (w == Format::kFp8 ? kElems<scalar_t, Format::kFp8> : kElems<scalar_t, Format::kInt4>) / V;
+      const int64_t packs =
+          vectors * (w == Format::kFp8 ? kElems<scalar_t, Format::kFp8> : kElems<scalar_t, Format::kInt4>) / V;
       const dim3 grid(static_cast<unsigned>((packs + 255) / 256));
       const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
       auto* out_p = out.mutable_data_ptr<scalar_t>();
@@ -1766,7 +1767,9 @@ at::Tensor quantized_rows(const at::Tensor& x, const at::Tensor& weight, const s
   const int64_t n = weight.size(0);
   const bool has_bias = bias.has_value() && bias->defined();
   at::Tensor y;
-  if (w == Format::kFp8 && fp8_tensor_cores_apply(t, k, n) && !env::is("CUSTOMOPS_LINEAR_FP8_GEMM", "1")) {
+  const bool fp8_gemm_forced = w == Format::kFp8 && env::is("CUSTOMOPS_LINEAR_FP8_GEMM", "1") &&
+                               quant_gemm_applies(w, t, scale, x.numel() / x.size(-1), n, k, group);
+  if (w == Format::kFp8 && fp8_tensor_cores_apply(t, k, n) && !fp8_gemm_forced) {
     at::Tensor x2 = x.reshape({-1, x.size(-1)});  // (16-byte loads from a 16-byte boundary)
     if (x2.stride(1) != 1 || x2.stride(0) % (16 / x.element_size()) != 0 || !aligned16(x2.data_ptr())) {
       x2 = x2.contiguous();
@@ -1861,7 +1864,9 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
     // H200 at 16 rows (2026-11-29) the wide kernel took 27.5 and 59.3 us for Llama-3-8B's qkv and
     // gate_up against 21.6 and 49.9 there, and 13.7 and 37.1 for o_proj and down against 17.3 and
     // 54.8 (cuBLASLt's tiles of 128 outputs leave SMs idle on their 4,096).
-    if (w == Format::kFp8 && n > k && fp8_tensor_cores_apply(t, k, n)) max_rows = kQuantRowsALaunch;
+    if (w == Format::kFp8 && n > k && fp8_tensor_cores_apply(t, k, n) && !env::is("CUSTOMOPS_LINEAR_FP8_GEMM", "1")) {
+      max_rows = kQuantRowsALaunch;
+    }
     if (const int64_t cap = env_count("CUSTOMOPS_LINEAR_QUANT_MAX_ROWS"); cap > 0) {
       max_rows = static_cast<int>(std::min<int64_t>(cap, 64));
     }

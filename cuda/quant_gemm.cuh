@@ -93,22 +93,25 @@ __device__ __forceinline__ uint32_t dequantize_pair(uint32_t byte, uint32_t scal
 template <typename TT>
 __device__ __forceinline__ uint32_t widen_fp8_pair(uint32_t pair) {
   if constexpr (std::is_same_v<TT, __half>) {
-    const uint32_t t = ((pair & 0x80u) << 8) | ((pair & 0x7Fu) << 7) | ((pair & 0x8000u) << 16) | ((pair & 0x7F00u) << 15);
-    const __half2 h = __hmul2(*reinterpret_cast<const __half2*>(&t),
-                              __half2(__ushort_as_half(0x5C00u), __ushort_as_half(0x5C00u)));  // 2^8
+    const uint32_t t =
+        ((pair & 0x80u) << 8) | ((pair & 0x7Fu) << 7) | ((pair & 0x8000u) << 16) | ((pair & 0x7F00u) << 15);
+    const __half2 two8(__ushort_as_half(0x5C00u), __ushort_as_half(0x5C00u));  // 2^8
+    const __half2 h = __hmul2(*reinterpret_cast<const __half2*>(&t), two8);
     return *reinterpret_cast<const uint32_t*>(&h);
   } else {
-    const uint32_t t = ((pair & 0x80u) << 8) | ((pair & 0x7Fu) << 4) | ((pair & 0x8000u) << 16) | ((pair & 0x7F00u) << 12);
-    const __nv_bfloat162 h = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&t),
-                                     __nv_bfloat162(__ushort_as_bfloat16(0x7B80u), __ushort_as_bfloat16(0x7B80u)));  // 2^120
+    const uint32_t t =
+        ((pair & 0x80u) << 8) | ((pair & 0x7Fu) << 4) | ((pair & 0x8000u) << 16) | ((pair & 0x7F00u) << 12);
+    const __nv_bfloat162 two120(__ushort_as_bfloat16(0x7B80u), __ushort_as_bfloat16(0x7B80u));  // 2^120
+    const __nv_bfloat162 h = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&t), two120);
     return *reinterpret_cast<const uint32_t*>(&h);
   }
 }
 
-// TT: __nv_bfloat16 or __half; BM: 64 or 128 rows a block; kFp8: a float8 weight, else int4. Grid: (M tiles, N tiles, k_splits), the
-// M tiles fastest so that the blocks that read a weight slab run together (x, the smaller, is re-read).
+// TT: __nv_bfloat16 or __half; BM: 64 or 128 rows a block; kFp8: a float8 weight, else int4.
+// Grid: (M tiles, N tiles, k_splits), the M tiles fastest so that the blocks that read a weight slab
+// run together (x, the smaller, is re-read). (64 rows: two blocks an SM, at most 128 registers a
+// thread; 128 rows: one.)
 template <typename TT, int BM, bool kFp8>
-// (64 rows: two blocks an SM, at most 128 registers a thread; 128 rows: one, with 180)
 __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) quant_gemm_kernel(Args a) {
   constexpr int WM = BM / 2, MT = WM / 16, NT = 4;
   extern __shared__ __align__(128) unsigned char smem[];

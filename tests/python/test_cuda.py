@@ -154,9 +154,10 @@ def test_fused_linear_quantized_kernel_paths(fmt, m, n, k, dtype, prologue, bias
     """A float8 or int4 weight through the tensor-core kernel (up to 16 float8 rows, 8 where there are
     more outputs than inputs, 32 int4 rows, in
     launches of up to 8 rows or one of 9-16, the wide kernel; the register kernel where it does not
-    apply), and more rows: float8 on
-    the FP8 tensor cores (the rows rounded to float8: their own, larger, error), int4 dequantized
-    in a tensor-core product's tiles (bf16 or fp16 scales, groups of 64k) or into a copy for cuBLAS."""
+    apply), and more rows: float8 on the FP8 tensor cores (the rows rounded to float8: their own,
+    larger, error) where they apply, int4 and other float8 decoded in a tensor-core product's tiles
+    (quant_gemm_kernel: in_features a multiple of 64; int4 scales in x's dtype, groups of 64k) or
+    dequantized into a copy for cuBLAS."""
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=dtype, generator=g)
     w = torch.randn(n, k, device="cuda", dtype=torch.float32, generator=g) / k**0.5
