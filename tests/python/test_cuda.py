@@ -298,6 +298,33 @@ def test_fused_linear_reads_an_operand_one_element_into_its_buffer(operand, fmt,
     assert torch.equal(ys[0], ys[1])
 
 
+def _quantized_case(fmt, m, n, k, prologue, dtype, group, device="cuda"):
+    """A quantized product's operands (random, seeded) and its float64 reference: x, the quantized
+    weight and its scale (int4 groups of 256 with float32 scales), bias, residual, the norm weight,
+    ref."""
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device=device, dtype=dtype, generator=g)
+    w = torch.randn(n, k, device=device, dtype=dtype, generator=g) / k**0.5
+    b = torch.randn(n, device=device, dtype=dtype, generator=g)
+    r = torch.randn(m, n, device=device, dtype=dtype, generator=g)
+    nw = 1 + 0.1 * torch.randn(k, device=device, dtype=dtype, generator=g) if prologue == "rms_norm" else None
+    q, s = customops.quantize_fp8(w) if fmt == "fp8" else customops.quantize_int4(w, group)
+    if fmt == "int4" and group == 256:
+        s = s.float()
+    ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, b.double(), r.double(), prologue=prologue,
+                                            norm_weight=None if nw is None else nw.double(), weight_scale=s)
+    return x, q, s, b, r, nw, ref
+
+
+def _profiled_product(x, q, s, b, r, prologue, nw):
+    """fused_linear of a quantized case (constant weight) under the profiler: y and the names of the
+    CUDA kernels it ran."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=True, weight_scale=s)
+        torch.cuda.synchronize()
+    return y, [e.name for e in prof.events()]
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 @pytest.mark.parametrize("m, n, k, prologue, dtype, group, auto_splits", [
     (1, 1000, 4096, "rms_norm", torch.bfloat16, 128, 1),  # split only when asked (x in 8 KiB)
@@ -314,28 +341,14 @@ def test_fused_linear_inputs_split_over_blocks(monkeypatch, fmt, m, n, k, prolog
     x would leave room for one block an SM, each range's sums added (bias and residual once) by
     split_k_epilogue; chosen as expected, one launch for up to 8 rows, and within the unsplit kernel's
     error of float64 whatever the split."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=dtype, generator=g)
-    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k**0.5
-    b = torch.randn(n, device="cuda", dtype=dtype, generator=g)
-    r = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
-    nw = 1 + 0.1 * torch.randn(k, device="cuda", dtype=dtype, generator=g) if prologue == "rms_norm" else None
-    q, s = customops.quantize_fp8(w) if fmt == "fp8" else customops.quantize_int4(w, group)
-    if fmt == "int4" and group == 256:
-        s = s.float()
-    ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, b.double(), r.double(), prologue=prologue,
-                                            norm_weight=None if nw is None else nw.double(), weight_scale=s)
+    x, q, s, b, r, nw, ref = _quantized_case(fmt, m, n, k, prologue, dtype, group)
     monkeypatch.setenv("CUSTOMOPS_LINEAR_QUANT_TMA", "0")  # (fp8 through gemv_mma_kernel too)
 
     def run(splits):
         monkeypatch.setenv("CUSTOMOPS_LINEAR_K_SPLITS", str(splits))
         if splits == 0:
             monkeypatch.delenv("CUSTOMOPS_LINEAR_K_SPLITS")
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=True,
-                                       weight_scale=s)
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events()]
+        y, names = _profiled_product(x, q, s, b, r, prologue, nw)
         err = ((y.double() - ref).norm() / ref.norm()).item()
         return err, sum("gemv_mma_kernel" in e for e in names), sum("split_k_epilogue" in e for e in names)
 
@@ -365,25 +378,11 @@ def test_fused_linear_9_to_16_rows_in_one_wide_launch(monkeypatch, fmt, m, n, k,
     A operand, each weight decoded once for all rows; int4's scales passed between the lanes), within
     the 8-row launches' error of float64, bias and residual added once; CUSTOMOPS_LINEAR_WIDE=0 takes
     launches of up to 8 rows."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(m, 2 * k if prologue == "swiglu" else k, device="cuda", dtype=dtype, generator=g)
-    w = torch.randn(n, k, device="cuda", dtype=dtype, generator=g) / k**0.5
-    b = torch.randn(n, device="cuda", dtype=dtype, generator=g)
-    r = torch.randn(m, n, device="cuda", dtype=dtype, generator=g)
-    nw = 1 + 0.1 * torch.randn(k, device="cuda", dtype=dtype, generator=g) if prologue == "rms_norm" else None
-    q, s = customops.quantize_fp8(w) if fmt == "fp8" else customops.quantize_int4(w, group)
-    if fmt == "int4" and group == 256:
-        s = s.float()
-    ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, b.double(), r.double(), prologue=prologue,
-                                            norm_weight=None if nw is None else nw.double(), weight_scale=s)
+    x, q, s, b, r, nw, ref = _quantized_case(fmt, m, n, k, prologue, dtype, group)
 
     def run(wide):
         monkeypatch.setenv("CUSTOMOPS_LINEAR_WIDE", "1" if wide else "0")
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=True,
-                                       weight_scale=s)
-            torch.cuda.synchronize()
-        names = [e.name for e in prof.events()]
+        y, names = _profiled_product(x, q, s, b, r, prologue, nw)
         err = ((y.double() - ref).norm() / ref.norm()).item()
         return err, sum("gemv_mma_kernel" in e or "gemv_tma_mma_kernel" in e for e in names)
 
