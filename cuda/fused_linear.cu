@@ -1634,25 +1634,27 @@ bool fp8_tensor_cores_apply(at::ScalarType t, int64_t k, int64_t n) {
 }
 
 // Whether a quantized product past the decoding kernels' rows takes quant_gemm_kernel (the weight
-// decoded in its tiles; cuda/quant_gemm.cuh): sm_80 on, bf16 or fp16 x, in_features multiples of 64;
-// int4: scales in x's dtype, groups multiples of 64; float8: where the FP8 tensor cores do not apply
-// (fp8_tensor_cores_apply), or everywhere with CUSTOMOPS_LINEAR_FP8_GEMM=1. CUSTOMOPS_LINEAR_INT4_GEMM=0
-// and CUSTOMOPS_LINEAR_FP8_GEMM=0 keep the dequantized copy and cuBLAS (switches for bench --linear).
+// decoded in its tiles; cuda/quant_gemm.cuh): sm_80 on, bf16 or fp16 x, in_features multiples of 64,
+// up to kMaxTileRows rows (past them the dequantized copy and cuBLAS win: its products are
+// compute-bound, and cuBLAS's Hopper kernels outrun mma.sync); int4: scales in x's dtype, groups
+// multiples of 64; float8: where the FP8 tensor cores do not apply (fp8_tensor_cores_apply).
+// CUSTOMOPS_LINEAR_INT4_GEMM=0 and CUSTOMOPS_LINEAR_FP8_GEMM=0 keep the copy; =1 takes the kernel at
+// any rows (float8: over the FP8 tensor cores too). Switches for bench --linear and the tests.
+constexpr int64_t kMaxTileRows = 128;
 bool quant_gemm_applies(Format w, at::ScalarType t, const at::Tensor& scale, int64_t m, int64_t n, int64_t k,
                         int64_t group) {
   if ((t != at::kBFloat16 && t != at::kHalf) || k % 64 != 0 || k > INT32_MAX || m > INT32_MAX ||
       (n + cuda::quant_gemm::kBN - 1) / cuda::quant_gemm::kBN > 65535 || at::cuda::getCurrentDeviceProperties()->major < 8) {
     return false;
   }
-  if (w == Format::kInt4) {
-    return scale.scalar_type() == t && group % 64 == 0 && !env::is("CUSTOMOPS_LINEAR_INT4_GEMM", "0");
-  }
-  return scale.scalar_type() == at::kFloat && !env::is("CUSTOMOPS_LINEAR_FP8_GEMM", "0");
+  const char* name = w == Format::kInt4 ? "CUSTOMOPS_LINEAR_INT4_GEMM" : "CUSTOMOPS_LINEAR_FP8_GEMM";
+  if (env::is(name, "0") || (m > kMaxTileRows && !env::is(name, "1"))) return false;
+  return w == Format::kInt4 ? scale.scalar_type() == t && group % 64 == 0 : scale.scalar_type() == at::kFloat;
 }
 
 // in [M, K] (contiguous, 16-byte aligned) @ dequantized(weight).T + bias + residual ([M, N] or
 // undefined) by quant_gemm_kernel: [M, N] in in's dtype. Blocks of 128 rows where there are more than
-// 64 and their tiles fill the SMs, else of 64.
+// 64 and their tiles fill the SMs, of 32 for up to 32 rows, else of 64.
 at::Tensor quant_gemm_product(const at::Tensor& in, const at::Tensor& weight, const at::Tensor& scale, Format w,
                               int64_t group, const std::optional<at::Tensor>& bias, const at::Tensor& residual) {
   namespace qg = cuda::quant_gemm;
@@ -1682,7 +1684,8 @@ at::Tensor quant_gemm_product(const at::Tensor& in, const at::Tensor& weight, co
   a.group = static_cast<int>(group);
   const int64_t n_tiles = (n + qg::kBN - 1) / qg::kBN, sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const bool tall = m > 64 && (m + 127) / 128 * n_tiles >= sms;
-  const int64_t blocks = (m + (tall ? 127 : 63)) / (tall ? 128 : 64) * n_tiles;
+  const int bm = tall ? 128 : m <= 32 ? 32 : 64;
+  const int64_t blocks = (m + bm - 1) / bm * n_tiles;
   // The inputs split in 2-8 ranges of whole k-blocks where the tiles alone leave SMs idle (o_proj,
   // qkv and down of Llama-3-8B, 32-48 tiles of 128 features, at up to 64 rows), while the ranges'
   // float32 sums, written and read once, stay under the weight's bytes and each range has 8
@@ -1713,10 +1716,12 @@ at::Tensor quant_gemm_product(const at::Tensor& in, const at::Tensor& weight, co
   auto launch_typed = [&](auto tt, auto fp8) {
     using TT = decltype(tt);
     constexpr bool kFp8 = decltype(fp8)::value;
-    if (tall) {
+    if (bm == 128) {
       launch(qg::quant_gemm_kernel<TT, 128, kFp8>, 128, qg::smem_bytes<128, kFp8>());
-    } else {
+    } else if (bm == 64) {
       launch(qg::quant_gemm_kernel<TT, 64, kFp8>, 64, qg::smem_bytes<64, kFp8>());
+    } else {
+      launch(qg::quant_gemm_kernel<TT, 32, kFp8>, 32, qg::smem_bytes<32, kFp8>());
     }
   };
   const bool half = in.scalar_type() == at::kHalf;

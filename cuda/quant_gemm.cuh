@@ -14,14 +14,18 @@
 //   than the copy, which rounds code * scale to x's dtype).
 //
 // A block computes a [BM, 128] tile of out over k-blocks of 64 inputs (all of them, or one of
-// k_splits ranges where the tiles alone leave SMs idle), in 3 stages of cp.async: x's [BM, 64] slab
-// into a swizzled tile (ldmatrix gives the A fragments) and the weight's [128, 32 or 64 bytes] slab
-// as stored. 8 warps, 2 along M and 4 along N, each [BM / 2, 32] of the tile: BM / 32 m16 tiles by
-// 4 n8 tiles of mma.sync m16n8k16 with float32 sums. A B fragment of mma (column n = g of the n8
-// tile, inputs 2c, 2c + 1 and 2c + 8, 2c + 9 of the k16 step, g = lane / 4, c = lane % 4) is, int4,
-// bytes 8 kk + c and 8 kk + 4 + c of row n's 32 (one 8-byte shared load a row and k16 step), float8
-// bytes 16 kk + 2c, + 1 and 16 kk + 8 + 2c, + 1 of its 64 (one 16-byte load); decoded once for all
-// the warp's m16 tiles.
+// k_splits ranges where the tiles alone leave SMs idle), in 4 stages of cp.async: x's [BM, 64] slab
+// into a swizzled tile (ldmatrix gives the A fragments) and the weight's [128, 32 or 64 bytes] slab,
+// its 16-byte chunks swizzled by row (below). 8 warps: for 64 and 128 rows 2 along M and 4 along N,
+// each [BM / 2, 32] of the tile; for 32 rows all 8 along N, each [32, 16], so that each weight is
+// decoded once a block (the decoding, not the products, bounds a block of few rows). A warp has
+// WM / 16 m16 tiles by NT n8 tiles of mma.sync m16n8k16 with float32 sums. A B fragment of mma
+// (column n = g of the n8 tile, inputs 2c, 2c + 1 and 2c + 8, 2c + 9 of the k16 step, g = lane / 4,
+// c = lane % 4) is, int4, bytes 8 kk + c and 8 kk + 4 + c of row n's 32 (one 8-byte shared load a
+// row and k16 step), float8 bytes 16 kk + 2c, + 1 and 16 kk + 8 + 2c, + 1 of its 64 (one 16-byte
+// load); decoded once for all the warp's m16 tiles. The swizzle (chunk ^ row bits) puts a warp's 8
+// rows of one load in distinct banks: int4's 32-byte rows g and g + 4 would share them, float8's
+// 64-byte rows g, g + 2, g + 4, g + 6.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -41,7 +45,7 @@ using attention::load_tile;
 using attention::mma;
 using attention::Tile;
 
-constexpr int kBN = 128, kBK = 64, kStages = 3, kThreads = 256;
+constexpr int kBN = 128, kBK = 64, kStages = 4, kThreads = 256;
 template <bool kFp8>
 constexpr int kWRowBytes = kFp8 ? kBK : kBK / 2;  // a weight row's bytes a k-block
 
@@ -62,6 +66,12 @@ struct Args {
   int k_splits;
   int M, N, K, group;
 };
+
+// A weight row's 16-byte chunk `chunk` of a k-block, at its swizzled place in the slab's row `row`.
+template <bool kFp8>
+__device__ __forceinline__ int w_chunk(int row, int chunk) {
+  return kFp8 ? chunk ^ ((row >> 1) & 3) : chunk ^ ((row >> 2) & 1);
+}
 
 template <int BM, bool kFp8>
 constexpr int smem_bytes() {
@@ -107,16 +117,17 @@ __device__ __forceinline__ uint32_t widen_fp8_pair(uint32_t pair) {
   }
 }
 
-// TT: __nv_bfloat16 or __half; BM: 64 or 128 rows a block; kFp8: a float8 weight, else int4.
+// TT: __nv_bfloat16 or __half; BM: 32, 64 or 128 rows a block; kFp8: a float8 weight, else int4.
 // Grid: (M tiles, N tiles, k_splits), the M tiles fastest so that the blocks that read a weight slab
-// run together (x, the smaller, is re-read). (64 rows: two blocks an SM, at most 128 registers a
-// thread; 128 rows: one.)
+// run together (x, the smaller, is re-read). (32 rows: three blocks an SM; 64: two, at most 128
+// registers a thread; 128 rows: one.)
 template <typename TT, int BM, bool kFp8>
-__global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) quant_gemm_kernel(Args a) {
-  constexpr int WM = BM / 2, MT = WM / 16, NT = 4;
+__global__ void __launch_bounds__(kThreads, BM == 32 ? 3 : BM == 64 ? 2 : 1) quant_gemm_kernel(Args a) {
+  constexpr int kWarpsM = BM == 32 ? 1 : 2, kWarpsN = kThreads / 32 / kWarpsM;
+  constexpr int WM = BM / kWarpsM, MT = WM / 16, WN = kBN / kWarpsN, NT = WN / 8;
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
-  const int warp_m = warp / 4, warp_n = warp % 4;
+  const int warp_m = warp / kWarpsN, warp_n = warp % kWarpsN;
   const int64_t m0 = int64_t{blockIdx.x} * BM, n0 = int64_t{blockIdx.y} * kBN;
   // this block's k-blocks: [kb0, kb0 + kblocks) (range blockIdx.z of k_splits; the last may be shorter)
   const int all_kblocks = a.K / kBK, per_split = (all_kblocks + a.k_splits - 1) / a.k_splits;
@@ -140,7 +151,8 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) quant_gemm_kernel(
       const int idx = r * kThreads + static_cast<int>(threadIdx.x), row = idx / kChunks, chunk = idx % kChunks;
       const bool valid = n0 + row < a.N;
       const uint8_t* src = a.w + (valid ? n0 + row : 0) * w_row + int64_t{kb} * kRowBytes + chunk * 16;
-      cp_async16(smem_addr(w_smem + stage * kBN * kRowBytes + row * kRowBytes + chunk * 16), src, valid);
+      cp_async16(smem_addr(w_smem + stage * kBN * kRowBytes + row * kRowBytes + w_chunk<kFp8>(row, chunk) * 16), src,
+                 valid);
     }
   };
   // The scales of this thread's 4 features (n8 tile j's column g) for the block's k-block i, as
@@ -149,7 +161,7 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) quant_gemm_kernel(
     const int64_t group = int64_t{kb0 + i} * kBK / a.group;
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-      const int64_t n = n0 + warp_n * 32 + j * 8 + g;
+      const int64_t n = n0 + warp_n * WN + j * 8 + g;
       const unsigned short bits =
           n < a.N ? reinterpret_cast<const unsigned short*>(scale)[n * a.scale_s0 + group * a.scale_s1] : 0;
       s2[j] = bits | (static_cast<uint32_t>(bits) << 16);
@@ -181,7 +193,8 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) quant_gemm_kernel(
 
     const int stage = kb % kStages;
     const Tile<kBK> xt = x_tile(stage);
-    const unsigned char* wt = w_smem + stage * kBN * kRowBytes + (warp_n * 32 + g) * kRowBytes;
+    // (row g of each n8 tile: the same row bits, the same swizzle)
+    const unsigned char* wt = w_smem + stage * kBN * kRowBytes + (warp_n * WN + g) * kRowBytes;
 #pragma unroll
     for (int kk = 0; kk < kBK / 16; ++kk) {
       uint32_t af[MT][4];
@@ -192,13 +205,14 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) quant_gemm_kernel(
         uint32_t b0, b1;
         if constexpr (kFp8) {
           // bytes 16 kk ... 16 kk + 15 of row g of n8 tile j: this lane's, 2c and 2c + 1 of each half
-          const uint4 words = *reinterpret_cast<const uint4*>(wt + j * 8 * kRowBytes + kk * 16);
+          const uint4 words = *reinterpret_cast<const uint4*>(wt + j * 8 * kRowBytes + w_chunk<true>(g, kk) * 16);
           const uint32_t pick = (2u * c) | ((2u * c + 1) << 4);
           b0 = widen_fp8_pair<TT>(__byte_perm(words.x, words.y, pick));
           b1 = widen_fp8_pair<TT>(__byte_perm(words.z, words.w, pick));
         } else {
           // bytes 8 kk ... 8 kk + 7 of row g of n8 tile j: this lane's are byte c of each word
-          const uint2 words = *reinterpret_cast<const uint2*>(wt + j * 8 * kRowBytes + kk * 8);
+          const uint2 words =
+              *reinterpret_cast<const uint2*>(wt + j * 8 * kRowBytes + w_chunk<false>(g, kk / 2) * 16 + kk % 2 * 8);
           b0 = dequantize_pair<TT>(__byte_perm(words.x, 0, 0x4440u | c), s2[j]);
           b1 = dequantize_pair<TT>(__byte_perm(words.y, 0, 0x4440u | c), s2[j]);
         }
@@ -224,7 +238,7 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) quant_gemm_kernel(
         if (m >= a.M) continue;
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-          const int64_t n = n0 + warp_n * 32 + j * 8 + 2 * c;
+          const int64_t n = n0 + warp_n * WN + j * 8 + 2 * c;
           float* o = part + m * a.N + n;
           if (n + 1 < a.N && a.N % 2 == 0) {  // (8-byte aligned)
             *reinterpret_cast<float2*>(o) = make_float2(acc[i][j][2 * half], acc[i][j][2 * half + 1]);
@@ -254,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, BM == 64 ? 2 : 1) quant_gemm_kernel(
       if (m >= a.M) continue;
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        const int64_t n = n0 + warp_n * 32 + j * 8 + 2 * c;
+        const int64_t n = n0 + warp_n * WN + j * 8 + 2 * c;
         if (n >= a.N) continue;
         const float v0 = finish(m, n, acc[i][j][2 * half]);
         const float v1 = n + 1 < a.N ? finish(m, n + 1, acc[i][j][2 * half + 1]) : 0.f;

@@ -401,6 +401,7 @@ def test_fused_linear_9_to_16_rows_in_one_wide_launch(monkeypatch, fmt, m, n, k,
 
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 @pytest.mark.parametrize("m, n, k, prologue, dtype, group, auto_splits", [
+    (20, 1000, 4096, "swiglu", torch.bfloat16, 128, 8),  # a block of 32 rows (all 8 warps along N), 8 ranges
     (33, 999, 4096, "rms_norm", torch.bfloat16, 128, 4),  # one block of 64 rows, 33 of them; odd features;
     # 8 tiles: the inputs in ranges (int4 4, fp8 8: more would make the float32 sums outweigh the weight)
     (300, 12288, 512, "none", torch.float16, 64, 1),  # blocks of 128 rows (their tiles fill the SMs), the last of 44
@@ -411,10 +412,12 @@ def test_fused_linear_9_to_16_rows_in_one_wide_launch(monkeypatch, fmt, m, n, k,
 ])
 def test_fused_linear_quantized_prefill_decodes_in_the_tiles(monkeypatch, fmt, m, n, k, prologue, dtype, group,
                                                               auto_splits):
-    """Past the decoding kernels' rows an int4 product runs in quant_gemm_kernel, each weight decoded
-    in the tiles of a tensor-core product (the dequantized copy's weights, bit for bit) instead of a
-    dequantized copy for cuBLAS, and so does a float8 one where the FP8 tensor cores do not apply or
-    CUSTOMOPS_LINEAR_FP8_GEMM=1 (its codes exact in bf16/fp16, the sums scaled at the end): within the
+    """Past the decoding kernels' rows (here CUSTOMOPS_LINEAR_QUANT_MAX_ROWS=16) and up to 128 an int4
+    product runs in quant_gemm_kernel, each weight decoded in the tiles of a tensor-core product (the
+    dequantized copy's weights, bit for bit) instead of a dequantized copy for cuBLAS, past 128 rows
+    the copy (CUSTOMOPS_LINEAR_INT4_GEMM=1: the kernel at any rows), and so does a float8 one where
+    the FP8 tensor cores do not apply or CUSTOMOPS_LINEAR_FP8_GEMM=1 (its codes exact in bf16/fp16,
+    the sums scaled at the end): within the
     copy's error of float64, bias and residual (a transposed view) added once in its epilogue, or in
     split_k_epilogue's where the inputs split over blocks (by themselves where the tiles leave SMs
     idle, as listed for 132 SMs; CUSTOMOPS_LINEAR_K_SPLITS=1 and =8 too). The product alone: int4
@@ -423,14 +426,18 @@ def test_fused_linear_quantized_prefill_decodes_in_the_tiles(monkeypatch, fmt, m
     if torch.cuda.get_device_capability()[0] < 8:
         pytest.skip("mma.sync on bf16: compute capability 8.0+")
     x, q, s, b, r, nw, ref = _quantized_case(fmt, m, n, k, prologue, dtype, group, residual_transposed=True)
-    if fmt == "fp8":
-        monkeypatch.setenv("CUSTOMOPS_LINEAR_FP8_GEMM", "1")  # (on Hopper too, not the FP8 tensor cores)
+    monkeypatch.setenv("CUSTOMOPS_LINEAR_QUANT_MAX_ROWS", "16")
 
     def run(b=b, r=r):
         y, names = _profiled_product(x, q, s, b, r, prologue, nw)
         return y, {kern for kern in ("quant_gemm_kernel", "dequantize_kernel", "split_k_epilogue")
                    if any(kern in e for e in names)}
 
+    if fmt == "int4" and m > 128:
+        _, kernels = run()
+        assert "dequantize_kernel" in kernels and "quant_gemm_kernel" not in kernels, kernels
+    # (float8: on Hopper too, not the FP8 tensor cores)
+    monkeypatch.setenv("CUSTOMOPS_LINEAR_INT4_GEMM" if fmt == "int4" else "CUSTOMOPS_LINEAR_FP8_GEMM", "1")
     y, kernels = run()
     assert "quant_gemm_kernel" in kernels and "dequantize_kernel" not in kernels, kernels
     if torch.cuda.get_device_properties(0).multi_processor_count == 132:  # (H100, H200: the split as listed)
