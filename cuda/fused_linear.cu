@@ -79,8 +79,11 @@ constexpr int64_t kMaxSmemManyRows = 64 * 1024;
 // four float8 products at 8 rows took 96 us here against 146 us on the FP8 tensor cores, at 16
 // rows (the wide kernel) 138 us against 144 (qkv and gate_up slower here, o_proj and down faster);
 // int4 at 24 and 32 rows, launches of 16, 0.39-0.92x the time of the dequantized copy, at 64 rows
-// 0.98-1.85x.
+// 0.98-1.85x. But where quant_gemm_kernel applies, int4 takes it past 16 rows: a layer's four
+// products at 20, 24 and 32 rows took 142, 142 and 145 us there against 196, 208 and 252 in
+// launches of 16 (bf16: 130-133; H200, 2026-11-30).
 constexpr int kMaxQuantRows[] = {0, 16, 32};  // by Format: (dense: kMaxRows), float8, int4
+constexpr int kMaxInt4RowsBeforeTiles = 16;
 constexpr int kQuantRowsALaunch = 8;
 // 9-16 rows of a quantized weight's product: one launch of the wide tensor-core kernel (gemv_mma_kernel
 // with kWide) where it applies
@@ -1871,6 +1874,9 @@ at::Tensor fused_linear_cuda(const at::Tensor& x, const at::Tensor& weight, cons
     // 54.8 (cuBLASLt's tiles of 128 outputs leave SMs idle on their 4,096).
     if (w == Format::kFp8 && n > k && fp8_tensor_cores_apply(t, k, n) && !env::is("CUSTOMOPS_LINEAR_FP8_GEMM", "1")) {
       max_rows = kQuantRowsALaunch;
+    }
+    if (w == Format::kInt4 && m > kMaxInt4RowsBeforeTiles && quant_gemm_applies(w, t, *weight_scale, m, n, k, group)) {
+      max_rows = kMaxInt4RowsBeforeTiles;
     }
     if (const int64_t cap = env_count("CUSTOMOPS_LINEAR_QUANT_MAX_ROWS"); cap > 0) {
       max_rows = static_cast<int>(std::min<int64_t>(cap, 64));

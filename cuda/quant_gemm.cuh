@@ -16,8 +16,8 @@
 // A block computes a [BM, 128] tile of out over k-blocks of 64 inputs (all of them, or one of
 // k_splits ranges where the tiles alone leave SMs idle), in 4 stages of cp.async: x's [BM, 64] slab
 // into a swizzled tile (ldmatrix gives the A fragments) and the weight's [128, 32 or 64 bytes] slab,
-// its 16-byte chunks swizzled by row (below). 8 warps: for 64 and 128 rows 2 along M and 4 along N,
-// each [BM / 2, 32] of the tile; for 32 rows all 8 along N, each [32, 16], so that each weight is
+// its 16-byte chunks swizzled by row (below). 8 warps: for 128 rows 2 along M and 4 along N, each
+// [64, 32] of the tile; for 32 and 64 rows all 8 along N, each [BM, 16], so that each weight is
 // decoded once a block (the decoding, not the products, bounds a block of few rows). A warp has
 // WM / 16 m16 tiles by NT n8 tiles of mma.sync m16n8k16 with float32 sums. A B fragment of mma
 // (column n = g of the n8 tile, inputs 2c, 2c + 1 and 2c + 8, 2c + 9 of the k16 step, g = lane / 4,
@@ -78,23 +78,33 @@ constexpr int smem_bytes() {
   return kStages * (BM * kBK * 2 + kBN * kWRowBytes<kFp8>);
 }
 
-// The bf16 (fp16) pair (q_lo - 8, q_hi - 8) * s of one byte's nibbles (the low one in the low half).
+// A B fragment's two registers from byte c of two words of a weight row (inputs 2c, 2c + 1 of the
+// k16 step in x's byte c, 2c + 8, 2c + 9 in y's): the bf16 (fp16) pairs (q - 8) * s. One byte_perm
+// puts both bytes in one word (x's in byte 0, y's in byte 2; bytes 1 and 3 are masked away), the low
+// nibbles and the high ones become 128 + q (1024 + q) by an AND and an OR of the exponent, the
+// subtraction is exact and the product rounds once; two byte_perms pair each byte's nibbles.
 template <typename TT>
-__device__ __forceinline__ uint32_t dequantize_pair(uint32_t byte, uint32_t scale2) {
-  const uint32_t t = (byte | (byte << 12)) & 0x000F000Fu;  // (byte zero-extended: hi << 4 | lo)
-  if constexpr (std::is_same_v<TT, __half>) {
-    const uint32_t biased = t | 0x64006400u;  // 1024 + q, exactly (fp16's unit at 1024 is 1)
-    const __half2 h = __hmul2(__hsub2(*reinterpret_cast<const __half2*>(&biased), __half2(__ushort_as_half(0x6408u),
-                                                                                         __ushort_as_half(0x6408u))),
-                              *reinterpret_cast<const __half2*>(&scale2));
-    return *reinterpret_cast<const uint32_t*>(&h);
+__device__ __forceinline__ void dequantize_pairs(uint32_t x, uint32_t y, int c, uint32_t scale2, uint32_t& b0,
+                                                 uint32_t& b1) {
+  constexpr bool kHalf = std::is_same_v<TT, __half>;
+  using T2 = std::conditional_t<kHalf, __half2, __nv_bfloat162>;
+  constexpr uint32_t kExponent = kHalf ? 0x64006400u : 0x43004300u;  // 1024 (128), whose unit is 1
+  constexpr unsigned short kOffset = kHalf ? 0x6408u : 0x4308u;  // 1032 (136)
+  const uint32_t p = __byte_perm(x, y, static_cast<uint32_t>(c) | ((static_cast<uint32_t>(c) + 4) << 8));
+  uint32_t v[2] = {(p & 0x000F000Fu) | kExponent, ((p >> 4) & 0x000F000Fu) | kExponent};  // (low, high nibbles)
+  T2 off;
+  if constexpr (kHalf) {
+    off = T2(__ushort_as_half(kOffset), __ushort_as_half(kOffset));
   } else {
-    const uint32_t biased = t | 0x43004300u;  // 128 + q, exactly (bf16's unit at 128 is 1)
-    const __nv_bfloat162 off(__ushort_as_bfloat16(0x4308u), __ushort_as_bfloat16(0x4308u));  // 136
-    const __nv_bfloat162 h = __hmul2(__hsub2(*reinterpret_cast<const __nv_bfloat162*>(&biased), off),
-                                     *reinterpret_cast<const __nv_bfloat162*>(&scale2));
-    return *reinterpret_cast<const uint32_t*>(&h);
+    off = T2(__ushort_as_bfloat16(kOffset), __ushort_as_bfloat16(kOffset));
   }
+#pragma unroll
+  for (uint32_t& w : v) {
+    const T2 h = __hmul2(__hsub2(*reinterpret_cast<const T2*>(&w), off), *reinterpret_cast<const T2*>(&scale2));
+    w = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  b0 = __byte_perm(v[0], v[1], 0x5410u);  // (x's low nibble, x's high one)
+  b1 = __byte_perm(v[0], v[1], 0x7632u);  // (y's)
 }
 
 // A pair of e4m3 codes (the first in the low byte) as the bf16 (fp16) pair of their values: each
@@ -123,7 +133,7 @@ __device__ __forceinline__ uint32_t widen_fp8_pair(uint32_t pair) {
 // registers a thread; 128 rows: one.)
 template <typename TT, int BM, bool kFp8>
 __global__ void __launch_bounds__(kThreads, BM == 32 ? 3 : BM == 64 ? 2 : 1) quant_gemm_kernel(Args a) {
-  constexpr int kWarpsM = BM == 32 ? 1 : 2, kWarpsN = kThreads / 32 / kWarpsM;
+  constexpr int kWarpsM = BM == 128 ? 2 : 1, kWarpsN = kThreads / 32 / kWarpsM;
   constexpr int WM = BM / kWarpsM, MT = WM / 16, WN = kBN / kWarpsN, NT = WN / 8;
   extern __shared__ __align__(128) unsigned char smem[];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, c = lane % 4;
@@ -213,8 +223,7 @@ __global__ void __launch_bounds__(kThreads, BM == 32 ? 3 : BM == 64 ? 2 : 1) qua
           // bytes 8 kk ... 8 kk + 7 of row g of n8 tile j: this lane's are byte c of each word
           const uint2 words =
               *reinterpret_cast<const uint2*>(wt + j * 8 * kRowBytes + w_chunk<false>(g, kk / 2) * 16 + kk % 2 * 8);
-          b0 = dequantize_pair<TT>(__byte_perm(words.x, 0, 0x4440u | c), s2[j]);
-          b1 = dequantize_pair<TT>(__byte_perm(words.y, 0, 0x4440u | c), s2[j]);
+          dequantize_pairs<TT>(words.x, words.y, c, s2[j], b0, b1);
         }
 #pragma unroll
         for (int i = 0; i < MT; ++i) mma<TT>(acc[i][j], af[i], b0, b1);

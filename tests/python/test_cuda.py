@@ -152,7 +152,7 @@ def test_fused_linear_kernel_paths(monkeypatch, m, n, k, dtype, prologue, bias, 
 ])
 def test_fused_linear_quantized_kernel_paths(fmt, m, n, k, dtype, prologue, bias, residual, group):
     """A float8 or int4 weight through the tensor-core kernel (up to 16 float8 rows, 8 where there are
-    more outputs than inputs, 32 int4 rows, in
+    more outputs than inputs, 16 int4 rows where quant_gemm_kernel takes more, else 32, in
     launches of up to 8 rows or one of 9-16, the wide kernel; the register kernel where it does not
     apply), and more rows: float8 on the FP8 tensor cores (the rows rounded to float8: their own,
     larger, error) where they apply, int4 and other float8 decoded in a tensor-core product's tiles
