@@ -1644,6 +1644,7 @@ bool fp8_tensor_cores_apply(at::ScalarType t, int64_t k, int64_t n) {
 // CUSTOMOPS_LINEAR_INT4_GEMM=0 and CUSTOMOPS_LINEAR_FP8_GEMM=0 keep the copy; =1 takes the kernel at
 // any rows (float8: over the FP8 tensor cores too). Switches for bench --linear and the tests.
 constexpr int64_t kMaxTileRows = 128;
+constexpr int64_t kMaxFp8TileRows = 64;  // (on Hopper, where the FP8 tensor cores apply: quantized_rows)
 bool quant_gemm_applies(Format w, at::ScalarType t, const at::Tensor& scale, int64_t m, int64_t n, int64_t k,
                         int64_t group) {
   if ((t != at::kBFloat16 && t != at::kHalf) || k % 64 != 0 || k > INT32_MAX || m > INT32_MAX ||
@@ -1764,9 +1765,9 @@ at::Tensor quant_gemm_product(const at::Tensor& in, const at::Tensor& weight, co
 }
 
 // prologue(x) @ dequantized(weight).T + bias + residual for the rows the matrix-vector kernels do
-// not take: float8 on the FP8 tensor cores where fp8_tensor_cores_apply (unless
-// CUSTOMOPS_LINEAR_FP8_GEMM=1), else quant_gemm_kernel where quant_gemm_applies, else the weight
-// dequantized into x's dtype and cuBLAS.
+// not take: float8 on the FP8 tensor cores where fp8_tensor_cores_apply (but up to 64 rows with no
+// more outputs than inputs, or with CUSTOMOPS_LINEAR_FP8_GEMM=1, quant_gemm_kernel), else
+// quant_gemm_kernel where quant_gemm_applies, else the weight dequantized into x's dtype and cuBLAS.
 at::Tensor quantized_rows(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                           const std::optional<at::Tensor>& residual, Prologue p,
                           const std::optional<at::Tensor>& norm_weight, double eps, const at::Tensor& scale, Format w,
@@ -1775,9 +1776,14 @@ at::Tensor quantized_rows(const at::Tensor& x, const at::Tensor& weight, const s
   const int64_t n = weight.size(0);
   const bool has_bias = bias.has_value() && bias->defined();
   at::Tensor y;
-  const bool fp8_gemm_forced = w == Format::kFp8 && env::is("CUSTOMOPS_LINEAR_FP8_GEMM", "1") &&
-                               quant_gemm_applies(w, t, scale, x.numel() / x.size(-1), n, k, group);
-  if (w == Format::kFp8 && fp8_tensor_cores_apply(t, k, n) && !fp8_gemm_forced) {
+  const int64_t m = x.numel() / x.size(-1);
+  // A float8 product with no more outputs than inputs takes quant_gemm_kernel up to kMaxFp8TileRows on
+  // Hopper too: on an H200 (2026-11-30) Llama-3-8B's o_proj and down at 20-64 rows took 12.1-16.3 and
+  // 32.8-43.5 us there against 17.3 and 51.4-52.6 on the FP8 tensor cores (cuBLASLt's tiles leave SMs
+  // idle on 4,096 outputs), qkv and gate_up 21.0-28.7 and 62.3-82.3 against 18.3-21.7 and 47.1-52.1.
+  const bool fp8_tiles = w == Format::kFp8 && quant_gemm_applies(w, t, scale, m, n, k, group) &&
+                         (env::is("CUSTOMOPS_LINEAR_FP8_GEMM", "1") || (n <= k && m <= kMaxFp8TileRows));
+  if (w == Format::kFp8 && fp8_tensor_cores_apply(t, k, n) && !fp8_tiles) {
     at::Tensor x2 = x.reshape({-1, x.size(-1)});  // (16-byte loads from a 16-byte boundary)
     if (x2.stride(1) != 1 || x2.stride(0) % (16 / x.element_size()) != 0 || !aligned16(x2.data_ptr())) {
       x2 = x2.contiguous();

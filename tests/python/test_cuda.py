@@ -155,7 +155,8 @@ def test_fused_linear_quantized_kernel_paths(fmt, m, n, k, dtype, prologue, bias
     more outputs than inputs, 16 int4 rows where quant_gemm_kernel takes more, else 32, in
     launches of up to 8 rows or one of 9-16, the wide kernel; the register kernel where it does not
     apply), and more rows: float8 on the FP8 tensor cores (the rows rounded to float8: their own,
-    larger, error) where they apply, int4 and other float8 decoded in a tensor-core product's tiles
+    larger, error) where they apply but up to 64 rows with no more outputs than inputs, int4 and other
+    float8 decoded in a tensor-core product's tiles
     (quant_gemm_kernel: in_features a multiple of 64; int4 scales in x's dtype, groups of 64k) or
     dequantized into a copy for cuBLAS."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -170,7 +171,8 @@ def test_fused_linear_quantized_kernel_paths(fmt, m, n, k, dtype, prologue, bias
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         y = customops.fused_linear(x, q, b, r, prologue=prologue, norm_weight=nw, constant_weight=True, weight_scale=s)
     ops = {e.name for e in prof.events()}
-    tensor_cores = (fmt == "fp8" and (m > 16 or (m > 8 and n > k)) and n % 16 == 0
+    tiles = n <= k and m <= 64 and k % 64 == 0  # (float8: quant_gemm_kernel on Hopper too)
+    tensor_cores = (fmt == "fp8" and (m > 16 or (m > 8 and n > k)) and n % 16 == 0 and not tiles
                     and torch.cuda.get_device_capability()[0] >= 9)
     assert ("aten::_scaled_mm" in ops) == tensor_cores, sorted(ops)
     ref = T.OPS_BY_NAME["fused_linear"].ref(x.double(), q, *(t.double() if t is not None else None for t in (b, r)),
@@ -474,7 +476,7 @@ def test_fused_linear_fp8_prefill_quantizes_the_prologue_s_rows_from_any_x(prolo
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("the FP8 tensor cores: compute capability 9.0+")
     g = torch.Generator(device="cuda").manual_seed(0)
-    m, n, k = 24, 256, 512
+    m, n, k = 80, 256, 512  # (up to 64 rows, no more outputs than inputs: quant_gemm_kernel)
     k_in = 2 * k if prologue == "swiglu" else k
     w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
     q, s = customops.quantize_fp8(w)
