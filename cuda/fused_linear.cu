@@ -81,7 +81,7 @@ constexpr int64_t kMaxSmemManyRows = 64 * 1024;
 // int4 at 24 and 32 rows, launches of 16, 0.39-0.92x the time of the dequantized copy, at 64 rows
 // 0.98-1.85x. But where quant_gemm_kernel applies, int4 takes it past 16 rows: a layer's four
 // products at 20, 24 and 32 rows took 142, 142 and 145 us there against 196, 208 and 252 in
-// launches of 16 (bf16: 130-133; H200, 2026-11-30).
+// launches of 16 (bf16: 130-133; H200, 2026-11-29).
 constexpr int kMaxQuantRows[] = {0, 16, 32};  // by Format: (dense: kMaxRows), float8, int4
 constexpr int kMaxInt4RowsBeforeTiles = 16;
 constexpr int kQuantRowsALaunch = 8;
@@ -1595,8 +1595,10 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(GemvArgs<T> a, __nv_
 }
 
 // prologue(x) @ float8 weight.T on the FP8 tensor cores, x [M, K] (or [M, 2K] for SwiGLU), its rows
-// whole 16-byte packs from a 16-byte boundary (x2 in fused_linear_cuda). CUSTOMOPS_LINEAR_FP8_FAST_ACCUM=1
-// lets cuBLASLt accumulate without promoting to float32 along the way (a switch for bench --linear).
+// whole 16-byte packs from a 16-byte boundary (x2 in fused_linear_cuda). cuBLASLt accumulates without
+// promoting to float32 along the way (fast accumulation, as torchao's float8 forward does): on an
+// H200 2-7% faster at 128-4096 rows of Llama-3-8B's products, the same error (2026-11-29);
+// CUSTOMOPS_LINEAR_FP8_FAST_ACCUM=0 promotes (a switch for bench --linear).
 at::Tensor fp8_tensor_cores(const at::Tensor& x, Prologue p, const std::optional<at::Tensor>& norm_weight, double eps,
                             const at::Tensor& weight, const at::Tensor& scale, int64_t k) {
   const int64_t m = x.size(0);
@@ -1627,7 +1629,7 @@ at::Tensor fp8_tensor_cores(const at::Tensor& x, Prologue p, const std::optional
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return at::_scaled_mm(xq, weight.t(), row_scale, scale.to(at::kFloat).reshape({1, -1}).contiguous(), std::nullopt,
-                        std::nullopt, at::kBFloat16, env::is("CUSTOMOPS_LINEAR_FP8_FAST_ACCUM", "1"));
+                        std::nullopt, at::kBFloat16, !env::is("CUSTOMOPS_LINEAR_FP8_FAST_ACCUM", "0"));
 }
 
 // Whether a float8 product takes the FP8 tensor cores: sm_90 on, half types, features that are
@@ -1778,7 +1780,7 @@ at::Tensor quantized_rows(const at::Tensor& x, const at::Tensor& weight, const s
   at::Tensor y;
   const int64_t m = x.numel() / x.size(-1);
   // A float8 product with no more outputs than inputs takes quant_gemm_kernel up to kMaxFp8TileRows on
-  // Hopper too: on an H200 (2026-11-30) Llama-3-8B's o_proj and down at 20-64 rows took 12.1-16.3 and
+  // Hopper too: on an H200 (2026-11-29) Llama-3-8B's o_proj and down at 20-64 rows took 12.1-16.3 and
   // 32.8-43.5 us there against 17.3 and 51.4-52.6 on the FP8 tensor cores (cuBLASLt's tiles leave SMs
   // idle on 4,096 outputs), qkv and gate_up 21.0-28.7 and 62.3-82.3 against 18.3-21.7 and 47.1-52.1.
   const bool fp8_tiles = w == Format::kFp8 && quant_gemm_applies(w, t, scale, m, n, k, group) &&
