@@ -248,10 +248,14 @@ struct Engine::Impl {
     return std::count_if(slots.begin(), slots.end(), [](const auto& s) { return s != nullptr; });
   }
 
+  // Ends s (no longer waiting), its slot freed and stats counted without it before its client can
+  // see the end: whoever waited for the end (a server counting its cancels) reads gauges that agree.
   void end(const std::shared_ptr<Seq>& s, FinishReason why, std::string message = {}) {
-    s->done = true;
-    s->state->finish(why, std::move(message));
-    if (s->slot >= 0 && slots[s->slot] == s) slots[s->slot] = nullptr;
+    const std::shared_ptr<Seq> seq = s;  // (s may be the very slot freed here)
+    seq->done = true;
+    if (seq->slot >= 0 && slots[seq->slot] == seq) slots[seq->slot] = nullptr;
+    update_stats();
+    seq->state->finish(why, std::move(message));
   }
 
   // Takes what was submitted and admits waiting requests into free slots, lowest first; ends the
@@ -270,8 +274,9 @@ struct Engine::Impl {
     // a cancelled request that waits ends now (its client may be waiting for its end)
     for (auto it = waiting.begin(); it != waiting.end();) {
       if ((*it)->state->cancelled) {
-        end(*it, FinishReason::cancelled);
+        const std::shared_ptr<Seq> s = std::move(*it);
         it = waiting.erase(it);
+        end(s, FinishReason::cancelled);
       } else {
         ++it;
       }
@@ -293,9 +298,7 @@ struct Engine::Impl {
       s->state->admit();
       slots[slot] = s;
     }
-    std::lock_guard<std::mutex> lock(mu);
-    stats.running = running();
-    stats.waiting = static_cast<int64_t>(waiting.size());
+    update_stats();
   }
 
   // Plans and launches the next step from the host's state: a run of the decoding sequences, each
@@ -569,7 +572,12 @@ struct Engine::Impl {
 
   // Ends every request, in a slot or waiting, as cancelled (the engine is going away).
   void cancel_all() {
-    if (ahead && ahead->ready) ahead->ready->synchronize();
+    if (ahead && ahead->ready) {
+      try {  // (a device error first seen here must not keep the requests from ending)
+        ahead->ready->synchronize();
+      } catch (...) {
+      }
+    }
     ahead.reset();
     {
       std::lock_guard<std::mutex> lock(mu);
@@ -581,8 +589,9 @@ struct Engine::Impl {
     for (auto& s : slots) {
       if (s) end(s, FinishReason::cancelled);
     }
-    for (auto& s : waiting) end(s, FinishReason::cancelled);
-    waiting.clear();
+    std::deque<std::shared_ptr<Seq>> left;
+    left.swap(waiting);
+    for (auto& s : left) end(s, FinishReason::cancelled);
     update_stats();
   }
 };

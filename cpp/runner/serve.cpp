@@ -845,9 +845,17 @@ class Server {
     int64_t completion_tokens = 0;
     Clock::time_point last = Clock::now();
     bool first = true;
-    FinishReason reason = FinishReason::none;  // the engine's, once an update said it finished
+    FinishReason reason = FinishReason::none;  // the engine's once an update said it finished, or error
+    bool ended = false;                        // an update said it finished
     ~Run() {
-      request->cancel();  // a no-op where it ended; else its slot is freed
+      request->cancel();  // a no-op where it ended; else its slot is freed at the engine's next step
+      // A dropped (or failed) run is counted once the engine ended it, so that a scrape showing its
+      // end shows its slot free. (A step is milliseconds; a wedged engine holds this thread 10 s at
+      // most. A stop string's run ended for its client: counted at once, its slot a step later.)
+      const auto deadline = Clock::now() + std::chrono::seconds(10);
+      while (!ended && !text.stopped() && Clock::now() < deadline &&
+             !request->next(std::chrono::milliseconds(50)).finished) {
+      }
       // a run whose end the server never read was dropped (its client went away) or stopped
       const int end = text.stopped() || reason == FinishReason::stop ? 0
                       : reason == FinishReason::length                ? 1
@@ -880,7 +888,10 @@ class Server {
       run.completion_tokens += n;
       metrics_.generated_tokens += n;
     }
-    if (u.finished) run.reason = u.reason;
+    if (u.finished) {
+      run.reason = u.reason;
+      run.ended = true;
+    }
     if (u.finished && !run.text.stopped()) out += run.text.finish();
     if (run.text.stopped()) run.request->cancel();
     return out;
@@ -899,8 +910,18 @@ class Server {
   void generate(const httplib::Request& req, httplib::Response& res, bool chat) {
     const json body = parse_body(req);
     Job job = parse_job(body, chat);
-    auto run = std::make_shared<Run>(engine_.submit(job.prompt, job.options), TextOut(tokenizer_, job.stops), metrics_);
-    ++metrics_.requests;  // (accepted: every request counted here ends in customops_requests_finished_total)
+    TextOut text_out(tokenizer_, job.stops);  // (first: a submitted request must get its Run, which ends it)
+    // counted before the engine has it (a scrape shows no request waiting or running that it does
+    // not count), uncounted where refused; an accepted one ends in customops_requests_finished_total
+    ++metrics_.requests;
+    std::shared_ptr<Request> request;
+    try {
+      request = engine_.submit(job.prompt, job.options);
+    } catch (...) {
+      --metrics_.requests;
+      throw;
+    }
+    auto run = std::make_shared<Run>(std::move(request), std::move(text_out), metrics_);
     metrics_.prompt_tokens += static_cast<int64_t>(job.prompt.size());
     const std::string id = (chat ? "chatcmpl-" : "cmpl-") + std::to_string(next_id_++);
     if (!job.stream) {
@@ -930,9 +951,9 @@ class Server {
     res.set_header("Cache-Control", "no-cache");
     res.set_chunked_content_provider(
         "text/event-stream",
-        [this, job, id, run](size_t, httplib::DataSink& sink) {
+        [this, job, id, run, connection = connection_socket(req)](size_t, httplib::DataSink& sink) {
           try {
-            return stream(job, id, *run, sink);
+            return stream(job, id, *run, sink, connection);
           } catch (const std::exception& e) {  // thrown here, it would end the process
             ++metrics_.failed;
             if (run->reason == FinishReason::none) run->reason = FinishReason::error;
@@ -944,8 +965,9 @@ class Server {
         [run](bool) { run->request->cancel(); });  // a no-op where it ended
   }
 
-  // Writes a run's server-sent events until it ends; false where the client went away.
-  bool stream(const Job& job, const std::string& id, Run& run, httplib::DataSink& sink) {
+  // Writes a run's server-sent events until it ends; false where the client went away (seen at a
+  // write, or on its socket while nothing is written: waiting for a slot, or text held back).
+  bool stream(const Job& job, const std::string& id, Run& run, httplib::DataSink& sink, int connection) {
     auto send = [&](const json& event) {
       const std::string line = "data: " + event.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
       return sink.write(line.data(), line.size());
@@ -960,7 +982,7 @@ class Server {
     Request::Update u;
     do {
       u = run.request->next(std::chrono::milliseconds(100));
-      if (!sink.is_writable()) return false;  // the client went away: the releaser cancels
+      if (!sink.is_writable() || client_gone(connection)) return false;  // (gone: the releaser cancels)
       const std::string text = advance(run, u);
       if (!text.empty() && !chunk(text, nullptr)) return false;
     } while (!u.finished && !run.text.stopped());
@@ -1011,7 +1033,15 @@ class Server {
   }
 
   std::string metrics() {
+    // A request counts as accepted before the engine has it and as ended after it left its slot:
+    // the ends read before the engine's gauges and the accepted after them, no request in the
+    // gauges is missing from the counts of one scrape. (But a stop string's, ended for its client
+    // and counted at once, holds its slot to the engine's next step.)
+    int64_t ended[4];
+    for (int i = 0; i < 4; ++i) ended[i] = metrics_.ended[i];
     const Engine::Stats s = engine_.stats();
+    const int64_t requests = metrics_.requests, failed = metrics_.failed, prompt_tokens = metrics_.prompt_tokens;
+    const int64_t generated_tokens = metrics_.generated_tokens;
     std::ostringstream out;
     auto counter = [&](const char* name, const char* help, int64_t v) {
       out << "# HELP " << name << " " << help << "\n# TYPE " << name << " counter\n" << name << " " << v << "\n";
@@ -1019,10 +1049,10 @@ class Server {
     auto gauge = [&](const char* name, const char* help, int64_t v) {
       out << "# HELP " << name << " " << help << "\n# TYPE " << name << " gauge\n" << name << " " << v << "\n";
     };
-    counter("customops_requests_total", "Generation requests accepted.", metrics_.requests);
-    counter("customops_requests_failed_total", "Requests that failed on the server's side.", metrics_.failed);
-    counter("customops_prompt_tokens_total", "Prompt tokens of accepted requests.", metrics_.prompt_tokens);
-    counter("customops_generated_tokens_total", "Tokens generated.", metrics_.generated_tokens);
+    counter("customops_requests_total", "Generation requests accepted.", requests);
+    counter("customops_requests_failed_total", "Requests that failed on the server's side.", failed);
+    counter("customops_prompt_tokens_total", "Prompt tokens of accepted requests.", prompt_tokens);
+    counter("customops_generated_tokens_total", "Tokens generated.", generated_tokens);
     counter("customops_steps_total", "Engine steps (a decode run, a prefill run, or both).", s.steps);
     counter("customops_runs_total", "Runs of the package.", s.runs);
     counter("customops_graph_runs_total", "Runs of the package replayed from a CUDA graph.", s.graph_runs);
@@ -1031,7 +1061,7 @@ class Server {
            "a stop string), length, cancelled (the client went away, or the server is stopping), error.\n"
            "# TYPE customops_requests_finished_total counter\n";
     for (int i = 0; i < 4; ++i) {
-      out << "customops_requests_finished_total{reason=\"" << Metrics::kEnds[i] << "\"} " << metrics_.ended[i] << "\n";
+      out << "customops_requests_finished_total{reason=\"" << Metrics::kEnds[i] << "\"} " << ended[i] << "\n";
     }
     gauge("customops_requests_running", "Requests holding a KV cache slot.", s.running);
     gauge("customops_requests_waiting", "Requests waiting for a slot.", s.waiting);
@@ -1095,12 +1125,15 @@ int serve_main(int argc, char** argv) {
 
   // a first request that loads the kernels (and captures the one-row CUDA graph) before any client
   engine.start();
-  engine.submit({lm.bos_token_id().value_or(0)}, [] {
+  // (waited to its end: no client sees it running)
+  const auto warm = engine.submit({lm.bos_token_id().value_or(0)}, [] {
     RequestOptions r;
     r.max_new_tokens = 2;
     r.stop_at_eos = false;
     return r;
-  }())->next();
+  }());
+  while (!warm->next().finished) {
+  }
 
   httplib::Server http;
   const size_t threads = static_cast<size_t>(o.threads);
