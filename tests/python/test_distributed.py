@@ -443,8 +443,9 @@ def _fail_alike(rank: int, world: int):
 def _out_of_range_targets(mesh, mesh2) -> list:
     """A target outside the vocabulary in one rank's rows gives NaN in its row (loss and gradient)
     on every rank, every other row as the op gives it (on the CPU the op raises, on the ranks
-    holding the row only): rows sharded over 4 ranks, and vocabulary-parallel on a 2x2 mesh with
-    the rows on its other dim. Returns the failures."""
+    holding the row only): cross_entropy's rows sharded over 4 ranks, and vocabulary-parallel on a
+    2x2 mesh with the rows on its other dim; linear_cross_entropy's rows sharded and replicated.
+    Returns the failures."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     import customops
@@ -473,6 +474,25 @@ def _out_of_range_targets(mesh, mesh2) -> list:
             torch.testing.assert_close(grad[rest], ref_grad[rest])
         except Exception:
             failures.append(f"cross_entropy {name}, a target out of range: {traceback.format_exc(limit=-6)}")
+    # linear_cross_entropy: the loss and the weight's and bias's gradients NaN (the bad row is in
+    # every sum), hidden's gradient NaN in its row only; rows sharded ("sum") and gathered ("mean")
+    hidden, weight, bias = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((8, 6), (10, 6), (10,)))
+    ref = hidden.clone().requires_grad_()
+    (ref_grad,) = torch.autograd.grad(customops.linear_cross_entropy(ref, weight, ok, bias, reduction="sum"), ref)
+    for reduction, placement in [("sum", Shard(0)), ("mean", Shard(0)), ("sum", Replicate())]:
+        try:
+            dh, dw, db = (distribute_tensor(a, mesh, [p]).requires_grad_()
+                          for a, p in ((hidden, placement), (weight, Replicate()), (bias, Replicate())))
+            loss = customops.linear_cross_entropy(dh, dw, distribute_tensor(target, mesh, [placement]), db,
+                                                  reduction=reduction)
+            gh, gw, gb = (d.full_tensor() for d in torch.autograd.grad(loss, (dh, dw, db)))
+            assert loss.full_tensor().isnan() and gh[3].isnan().all() and gw.isnan().all() and gb.isnan().all(), \
+                f"loss {loss.full_tensor()}, grads {gh[3]}, {gw}, {gb}"
+            if reduction == "sum":
+                torch.testing.assert_close(gh[rest], ref_grad[rest])
+        except Exception:
+            failures.append(f"linear_cross_entropy {reduction} on {placement}, a target out of range: "
+                            f"{traceback.format_exc(limit=-6)}")
     return failures
 
 

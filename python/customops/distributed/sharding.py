@@ -275,7 +275,8 @@ def _cross_entropy_backward(grad_loss, grad_lse, logits, target, lse, ignore_ind
 # Rows (hidden's and target's) sharded with the weight and bias replicated: a "sum" loss and the
 # weight's and bias's gradients are sums over rows, Partial; hidden's gradient stays sharded. A
 # "mean" divides by the count of rows that count on every rank, which a shard does not know: it
-# has the replicated strategy only (DTensor gathers the rows).
+# has the replicated strategy only (DTensor gathers the rows). On the CPU a handler turns a target
+# outside the vocabulary into NaN first (_linear_cross_entropy_by_rules, below).
 
 def _lce_strategies(hidden, bias, reduction, n_extra: int, with_grads: bool):
     """linear_cross_entropy's (or with the gradients, _linear_cross_entropy_with_grads's) strategies."""
@@ -499,12 +500,38 @@ def _args(op, args, kwargs):
     return out
 
 
+def _linear_cross_entropy_by_rules(op, args, kwargs):
+    """linear_cross_entropy (or _linear_cross_entropy_with_grads) through the rules, a target outside
+    the vocabulary giving a NaN loss and NaN gradients on the CPU too, as the CUDA kernels do: its
+    row's hidden becomes NaN and its target a class, so that the row's loss and gradients are NaN
+    (and with them the sum, the mean and the weight's and bias's gradients) on every rank. (The CPU
+    op raises, on the ranks that hold the row only: rows sharded for a "sum", the others then
+    waited in the loss's reduction until the process group's timeout.)"""
+    from torch.distributed.tensor import DTensor
+
+    args = _args(op, args, kwargs)
+    names = [a.name for a in op._schema.arguments]
+    hidden, weight, target, ignore_index = (args[names.index(n)] for n in ("hidden", "weight", "target", "ignore_index"))
+    if hidden.device.type == "cpu" and isinstance(hidden, DTensor) and isinstance(target, DTensor):
+        vocab, t = weight.shape[0], target._local_tensor
+        args[names.index("target")] = _wrap(t.masked_fill(_outside(t, ignore_index, vocab), 0), target.device_mesh,
+                                            target.placements, target.shape)
+        # (target placed as hidden's rows: hidden's Shard placements but on its last dim, which target lacks)
+        rows = [p if p.is_shard() and not p.is_shard(hidden.ndim - 1) else R for p in hidden.placements]
+        bad = _outside(_local_as(target, rows), ignore_index, vocab).unsqueeze(-1)
+        args[names.index("hidden")] = _wrap(hidden._local_tensor.masked_fill(bad, math.nan), hidden.device_mesh,
+                                            hidden.placements, hidden.shape)
+    return _without_handler(op, tuple(args), {})
+
+
 def _register_handlers():
     from torch.distributed.tensor import DTensor
 
     DTensor._op_dispatcher._custom_op_handlers.update({
         _ops.cross_entropy.default: _cross_entropy_vocab_parallel,
         _ops._cross_entropy_backward.default: _cross_entropy_backward_vocab_parallel,
+        _ops.linear_cross_entropy.default: _linear_cross_entropy_by_rules,
+        _ops._linear_cross_entropy_with_grads.default: _linear_cross_entropy_by_rules,
     })
 
 
