@@ -177,12 +177,16 @@ at::Tensor fused_linear_unfused(const at::Tensor& x, const at::Tensor& weight, c
 namespace {
 
 // ---- CPU --------------------------------------------------------------------------------------
-// The unfused ops, except that the product of a few rows (decoding) is split over torch's
-// intra-op threads by output features: MKL runs a matrix-vector product on one thread (perf on a
-// 2-core machine: 65% of a runner's decode step in one thread's sgemv while the other thread
+// The unfused ops, except that a float32 (float64) product of a few rows (decoding) is split over
+// torch's intra-op threads by output features: MKL runs a matrix-vector product on one thread (perf
+// on a 2-core machine: 65% of a runner's decode step in one thread's sgemv while the other thread
 // waited). Each thread's share is one BLAS call over a contiguous block of weight rows, of at
-// least kMinBytesAThread.
-constexpr int64_t kMaxSplitRows = 8;
+// least kMinBytesAThread. bfloat16 and float16 products go to ATen whole (oneDNN's threads): on a
+// 2-core AVX-512 CPU (2026-11-30; ms, split / ATen's linear) bfloat16 at 1-8 rows of 4096 x 4096,
+// 4096 x 14336 and 14336 x 4096 took 1.3-1.6x as long split (1.73 / 1.08, 5.33 / 3.90, 6.44 / 4.16
+// at 1 row), float16 as long at 1 row and up to 1.8x at 2-8; float32 split took 0.39-0.78x at 1-4
+// rows (1.50 / 2.77, 5.21 / 8.07, 6.53 / 10.63 at 1 row), at 8 rows 0.89-1.18x.
+constexpr int64_t kMaxSplitRows = 4;
 constexpr int64_t kMinBytesAThread = 256 * 1024;
 // A quantized weight's product reads the codes as stored up to this many rows (float32, float16 or
 // bfloat16 x); more rows (prefill) dequantize blocks of the weight for BLAS in x's dtype. On a
@@ -214,7 +218,8 @@ at::Tensor fused_linear_cpu(const at::Tensor& x, const at::Tensor& weight, const
     if (given(residual)) y.add_(residual->reshape({rows, n}));
     return y.view(sizes);
   }
-  if (given(weight_scale) || rows == 0 || rows > kMaxSplitRows || k == 0 || at::get_num_threads() < 2 ||
+  const bool blas_gemv = x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble;
+  if (given(weight_scale) || !blas_gemv || rows == 0 || rows > kMaxSplitRows || k == 0 || at::get_num_threads() < 2 ||
       at::in_parallel_region() || n * row_bytes < 2 * kMinBytesAThread || !weight.is_contiguous()) {
     return fused_linear_unfused(x, weight, bias, residual, prologue, norm_weight, eps, weight_scale);
   }
