@@ -1719,15 +1719,29 @@ at::Tensor quant_gemm_product(const at::Tensor& in, const at::Tensor& weight, co
              qg::kThreads, smem, stream>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
-  auto launch_typed = [&](auto tt, auto fp8) {
+  // 4 stages; CUSTOMOPS_LINEAR_TILE_STAGES=deep (an experiment for bench --linear --variant, not yet
+  // run on a GPU) takes kDeepStages where the SM's shared memory holds them (and the 1 KiB the runtime
+  // reserves a block) at the launch bounds' blocks an SM: Hopper's 228 KiB.
+  const int64_t smem_an_sm = at::cuda::getCurrentDeviceProperties()->sharedMemPerMultiprocessor;
+  const bool shallow = !env::is("CUSTOMOPS_LINEAR_TILE_STAGES", "deep");
+  auto launch_rows = [&](auto tt, auto fp8, auto rows) {
     using TT = decltype(tt);
     constexpr bool kFp8 = decltype(fp8)::value;
-    if (bm == 128) {
-      launch(qg::quant_gemm_kernel<TT, 128, kFp8>, 128, qg::smem_bytes<128, kFp8>());
-    } else if (bm == 64) {
-      launch(qg::quant_gemm_kernel<TT, 64, kFp8>, 64, qg::smem_bytes<64, kFp8>());
+    constexpr int BM = decltype(rows)::value, kDeep = qg::kDeepStages<BM, kFp8>;
+    constexpr int kDeepBytes = qg::smem_bytes<BM, kFp8, kDeep>();
+    if (!shallow && kDeep > qg::kShallowStages && qg::kBlocksAnSm<BM> * (kDeepBytes + 1024) <= smem_an_sm) {
+      launch(qg::quant_gemm_kernel<TT, BM, kFp8, kDeep>, BM, kDeepBytes);
     } else {
-      launch(qg::quant_gemm_kernel<TT, 32, kFp8>, 32, qg::smem_bytes<32, kFp8>());
+      launch(qg::quant_gemm_kernel<TT, BM, kFp8, qg::kShallowStages>, BM, qg::smem_bytes<BM, kFp8, qg::kShallowStages>());
+    }
+  };
+  auto launch_typed = [&](auto tt, auto fp8) {
+    if (bm == 128) {
+      launch_rows(tt, fp8, std::integral_constant<int, 128>());
+    } else if (bm == 64) {
+      launch_rows(tt, fp8, std::integral_constant<int, 64>());
+    } else {
+      launch_rows(tt, fp8, std::integral_constant<int, 32>());
     }
   };
   const bool half = in.scalar_type() == at::kHalf;

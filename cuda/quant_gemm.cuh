@@ -14,23 +14,26 @@
 //   than the copy, which rounds code * scale to x's dtype).
 //
 // A block computes a [BM, 128] tile of out over k-blocks of 64 inputs (all of them, or one of
-// k_splits ranges where the tiles alone leave SMs idle), in 4 stages of cp.async: x's [BM, 64] slab
-// into a swizzled tile (ldmatrix gives the A fragments) and the weight's [128, 32 or 64 bytes] slab,
-// its 16-byte chunks swizzled by row (below). 8 warps: for 128 rows 2 along M and 4 along N, each
-// [64, 32] of the tile; for 32 and 64 rows all 8 along N, each [BM, 16], so that each weight is
-// decoded once a block (the decoding, not the products, bounds a block of few rows). A warp has
-// WM / 16 m16 tiles by NT n8 tiles of mma.sync m16n8k16 with float32 sums. A B fragment of mma
-// (column n = g of the n8 tile, inputs 2c, 2c + 1 and 2c + 8, 2c + 9 of the k16 step, g = lane / 4,
-// c = lane % 4) is, int4, bytes 8 kk + c and 8 kk + 4 + c of row n's 32 (one 8-byte shared load a
-// row and k16 step), float8 bytes 16 kk + 2c, + 1 and 16 kk + 8 + 2c, + 1 of its 64 (one 16-byte
-// load); decoded once for all the warp's m16 tiles. The swizzle (chunk ^ row bits) puts a warp's 8
-// rows of one load in distinct banks: int4's 32-byte rows g and g + 4 would share them, float8's
-// 64-byte rows g, g + 2, g + 4, g + 6.
+// k_splits ranges where the tiles alone leave SMs idle), in kStages stages of cp.async (4; as an
+// experiment, CUSTOMOPS_LINEAR_TILE_STAGES=deep, as many as fit 72 KiB up to 8 where the SM's
+// shared memory holds them at the same blocks an SM: kDeepStages, about 32 KiB more of the weight
+// in flight an SM at 32 rows): x's [BM, 64] slab into a swizzled tile (ldmatrix gives the A
+// fragments) and the weight's [128, 32 or 64 bytes] slab, its 16-byte chunks swizzled by row
+// (below). 8 warps: for 128 rows 2 along M and 4 along N, each [64, 32] of the tile; for 32 and 64
+// rows all 8 along N, each [BM, 16], so that each weight is decoded once a block (the decoding, not
+// the products, bounds a block of few rows). A warp has WM / 16 m16 tiles by NT n8 tiles of
+// mma.sync m16n8k16 with float32 sums. A B fragment of mma (column n = g of the n8 tile, inputs 2c,
+// 2c + 1 and 2c + 8, 2c + 9 of the k16 step, g = lane / 4, c = lane % 4) is, int4, bytes 8 kk + c
+// and 8 kk + 4 + c of row n's 32 (one 8-byte shared load a row and k16 step), float8 bytes 16 kk +
+// 2c, + 1 and 16 kk + 8 + 2c, + 1 of its 64 (one 16-byte load); decoded once for all the warp's m16
+// tiles. The swizzle (chunk ^ row bits) puts a warp's 8 rows of one load in distinct banks: int4's
+// 32-byte rows g and g + 4 would share them, float8's 64-byte rows g, g + 2, g + 4, g + 6.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -45,9 +48,16 @@ using attention::load_tile;
 using attention::mma;
 using attention::Tile;
 
-constexpr int kBN = 128, kBK = 64, kStages = 4, kThreads = 256;
+constexpr int kBN = 128, kBK = 64, kThreads = 256;
 template <bool kFp8>
 constexpr int kWRowBytes = kFp8 ? kBK : kBK / 2;  // a weight row's bytes a k-block
+template <int BM, bool kFp8>
+constexpr int kStageBytes = BM * kBK * 2 + kBN * kWRowBytes<kFp8>;  // a stage's x and weight slabs
+constexpr int kShallowStages = 4;
+template <int BM, bool kFp8>
+constexpr int kDeepStages = std::max(kShallowStages, std::min(8, 72 * 1024 / kStageBytes<BM, kFp8>));
+template <int BM>
+constexpr int kBlocksAnSm = BM == 32 ? 3 : BM == 64 ? 2 : 1;  // (the kernel's launch bounds)
 
 struct Args {
   const void* x;  // [M, K], row stride x_stride elements (a multiple of 8), 16-byte aligned
@@ -73,9 +83,9 @@ __device__ __forceinline__ int w_chunk(int row, int chunk) {
   return kFp8 ? chunk ^ ((row >> 1) & 3) : chunk ^ ((row >> 2) & 1);
 }
 
-template <int BM, bool kFp8>
+template <int BM, bool kFp8, int kStages>
 constexpr int smem_bytes() {
-  return kStages * (BM * kBK * 2 + kBN * kWRowBytes<kFp8>);
+  return kStages * kStageBytes<BM, kFp8>;
 }
 
 // A B fragment's two registers from byte c of two words of a weight row (inputs 2c, 2c + 1 of the
@@ -127,12 +137,13 @@ __device__ __forceinline__ uint32_t widen_fp8_pair(uint32_t pair) {
   }
 }
 
-// TT: __nv_bfloat16 or __half; BM: 32, 64 or 128 rows a block; kFp8: a float8 weight, else int4.
-// Grid: (M tiles, N tiles, k_splits), the M tiles fastest so that the blocks that read a weight slab
-// run together (x, the smaller, is re-read). (32 rows: three blocks an SM; 64: two, at most 128
-// registers a thread; 128 rows: one.)
-template <typename TT, int BM, bool kFp8>
-__global__ void __launch_bounds__(kThreads, BM == 32 ? 3 : BM == 64 ? 2 : 1) quant_gemm_kernel(Args a) {
+// TT: __nv_bfloat16 or __half; BM: 32, 64 or 128 rows a block; kFp8: a float8 weight, else int4;
+// kStages: cp.async stages (2 or more). Grid: (M tiles, N tiles, k_splits), the M tiles fastest so
+// that the blocks that read a weight slab run together (x, the smaller, is re-read). (32 rows: three
+// blocks an SM; 64: two, at most 128 registers a thread; 128 rows: one.)
+template <typename TT, int BM, bool kFp8, int kStages>
+__global__ void __launch_bounds__(kThreads, kBlocksAnSm<BM>) quant_gemm_kernel(Args a) {
+  static_assert(kStages >= 2, "a stage loads while another multiplies");
   constexpr int kWarpsM = BM == 128 ? 2 : 1, kWarpsN = kThreads / 32 / kWarpsM;
   constexpr int WM = BM / kWarpsM, MT = WM / 16, WN = kBN / kWarpsN, NT = WN / 8;
   extern __shared__ __align__(128) unsigned char smem[];

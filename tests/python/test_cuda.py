@@ -424,7 +424,8 @@ def test_fused_linear_quantized_prefill_decodes_in_the_tiles(monkeypatch, fmt, m
     split_k_epilogue's where the inputs split over blocks (by themselves where the tiles leave SMs
     idle, as listed for 132 SMs; CUSTOMOPS_LINEAR_K_SPLITS=1 and =8 too). The product alone: int4
     within 0.2% of the copy's (CUSTOMOPS_LINEAR_INT4_GEMM=0: the same weights, sums in another
-    order), float8 within 1% of float64 (x's rounding by the prologue)."""
+    order), float8 within 1% of float64 (x's rounding by the prologue). Hopper's deeper pipelines
+    (CUSTOMOPS_LINEAR_TILE_STAGES=deep) give 4 stages' bits."""
     if torch.cuda.get_device_capability()[0] < 8:
         pytest.skip("mma.sync on bf16: compute capability 8.0+")
     x, q, s, b, r, nw, ref = _quantized_case(fmt, m, n, k, prologue, dtype, group, residual_transposed=True)
@@ -447,6 +448,10 @@ def test_fused_linear_quantized_prefill_decodes_in_the_tiles(monkeypatch, fmt, m
     assert y.dtype == dtype and y.shape == (m, n)
     err = ((y.double() - ref).norm() / ref.norm()).item()
     assert err < 0.01, err
+    # (deeper cp.async pipelines where shared memory holds them: the same sums in the same order)
+    monkeypatch.setenv("CUSTOMOPS_LINEAR_TILE_STAGES", "deep")
+    assert torch.equal(run()[0], y)
+    monkeypatch.delenv("CUSTOMOPS_LINEAR_TILE_STAGES")
     for splits in ("1", "8"):
         monkeypatch.setenv("CUSTOMOPS_LINEAR_K_SPLITS", splits)
         ys, _ = run()
