@@ -7,8 +7,10 @@
 #include <c10/core/GradMode.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
 #include <tuple>
+#include <vector>
 
 #include "customops/customops.h"
 #include "ops/batching.h"
@@ -50,8 +52,28 @@ at::Tensor finite_float(const char* op, const at::Tensor& weight) {
 #ifdef CUSTOMOPS_WITH_CUDA
   if (w.is_cuda() && checks::cuda_stream_capturing()) return w;
 #endif
-  if (w.numel() > 0) TORCH_CHECK(at::isfinite(w).all().item<bool>(), op, ": weight holds NaN or infinite values");
+  if (w.numel() > 0) {
+    TORCH_CHECK(at::isfinite(w).all().item<bool>(), op, ": weight holds NaN or infinite values",
+                weight.scalar_type() == at::kDouble ? " (or values past float32's range, which it quantizes in)" : "");
+  }
   return w;
+}
+
+// f(rows) over weight's rows in slices of at most kChunkElements elements (at least one row), the
+// quantized slices concatenated: the float32 temporaries of a quantizer stay a few times a slice,
+// not the weight (an LM head of 128,256 x 4,096 is 2 GiB in float32 alone).
+constexpr int64_t kChunkElements = int64_t{1} << 22;
+template <typename F>
+Pair by_row_slices(const at::Tensor& weight, const F& f) {
+  const int64_t n = weight.size(0), rows = std::max<int64_t>(1, kChunkElements / std::max<int64_t>(weight.size(1), 1));
+  if (n <= rows) return f(weight);
+  std::vector<at::Tensor> qs, ss;
+  for (int64_t r0 = 0; r0 < n; r0 += rows) {
+    auto [q, s] = f(weight.narrow(0, r0, std::min(rows, n - r0)));
+    qs.push_back(q);
+    ss.push_back(s);
+  }
+  return {at::cat(qs), at::cat(ss)};
 }
 
 // scale, NaN where amax (the largest magnitude its elements had) is not finite.
@@ -72,15 +94,21 @@ Pair quantize_fp8_meta(const at::Tensor& weight) {
           at::empty_symint({weight.sym_size(0)}, weight.options().dtype(at::kFloat))};
 }
 
-// Each row's scale is its largest magnitude over 448 (1 for a row of zeros, so that nothing
-// divides by 0); the row over it rounds to E4M3 (to nearest even), whose range it then fits.
-Pair quantize_fp8_kernel(const at::Tensor& weight) {
-  check_weight(kFp8, weight);
+// Each row's scale is its largest magnitude over 448 (1 for a row of zeros, or of magnitudes so
+// small that the quotient is 0 in float32, so that nothing divides by 0); the row over it rounds to
+// E4M3 (to nearest even), whose range it then fits.
+Pair quantize_fp8_rows(const at::Tensor& weight) {
   const at::Tensor w = finite_float(kFp8, weight);
   const at::Tensor amax = w.numel() > 0 ? w.abs().amax(1) : at::zeros({w.size(0)}, w.options());
-  const at::Tensor scale = poisoned(at::where(amax > 0, amax / kE4M3Max, at::ones_like(amax)), amax);
+  const at::Tensor quotient = amax / kE4M3Max;
+  const at::Tensor scale = poisoned(at::where(quotient > 0, quotient, at::ones_like(amax)), amax);
   const at::Tensor q = (w / scale.unsqueeze(1)).clamp(-kE4M3Max, kE4M3Max).to(at::kFloat8_e4m3fn);
   return {q.contiguous(), scale.contiguous()};
+}
+
+Pair quantize_fp8_kernel(const at::Tensor& weight) {
+  check_weight(kFp8, weight);
+  return by_row_slices(weight, quantize_fp8_rows);
 }
 
 Pair quantize_fp8_autograd(const at::Tensor& weight) {
@@ -106,22 +134,33 @@ Pair quantize_int4_meta(const at::Tensor& weight, int64_t group_size) {
           at::empty_symint({n, k / group_size}, weight.options())};
 }
 
-// A group's scale is, of its largest magnitude over 7 times 1, 0.95, ..., 0.7, the one whose
-// rounding leaves the least squared error (a smaller scale clips the largest elements but steps
-// the others finer; llama.cpp's k-quants search so too), in float32 whatever the weight's dtype,
-// then stored in it; 1 for a group of zeros.
+// A scale as the weight's dtype stores it, in float32: rounded to bfloat16 or float16 (never to 0:
+// a scale past the type's smallest is that smallest, its subnormal).
+at::Tensor as_stored(const at::Tensor& s, at::ScalarType dtype) {
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return s;
+  const double smallest = dtype == at::kHalf ? static_cast<double>(std::numeric_limits<c10::Half>::denorm_min())
+                                             : static_cast<double>(std::numeric_limits<c10::BFloat16>::denorm_min());
+  const at::Tensor r = s.to(dtype).to(at::kFloat);
+  return at::where(r > 0, r, smallest);
+}
+
+// A group's scale is, of its largest magnitude over 7 times 1, 0.95, ..., 0.7, each as the weight's
+// dtype stores it (as_stored), the one whose rounding leaves the least squared error (a smaller
+// scale clips the largest elements but steps the others finer; llama.cpp's k-quants search so
+// too), in float32 whatever the weight's dtype; 1 for a group of zeros. The elements round against
+// the stored scale, so that each is within half its step (the largest clipped aside).
 // Elements round to [-8, 7], stored plus 8, two a byte (low nibble first). (On a small Llama
 // trained on a Markov chain, the search took int4's perplexity over the unquantized model's from
 // 1.054x to 1.043x.)
-Pair quantize_int4_kernel(const at::Tensor& weight, int64_t group_size) {
-  check_int4(weight, group_size);
+Pair quantize_int4_rows(const at::Tensor& weight, int64_t group_size) {
   const int64_t n = weight.size(0), k = weight.size(1);
   const at::Tensor w = finite_float(kInt4, weight).reshape({n, k / group_size, group_size});
   const at::Tensor amax = w.abs().amax(2, /*keepdim=*/true);
   at::Tensor best, best_err;
   for (int i = 0; i <= 6; ++i) {
     const double f = 1.0 - 0.05 * i;
-    const at::Tensor s = at::where(amax > 0, amax * (f / 7.0), at::ones_like(amax));
+    const at::Tensor s =
+        at::where(amax > 0, as_stored(amax * (f / 7.0), weight.scalar_type()), at::ones_like(amax));
     const at::Tensor err = (at::round(w / s).clamp(-8, 7) * s - w).square().sum(2, /*keepdim=*/true);
     if (i == 0) {
       best = s;
@@ -138,6 +177,11 @@ Pair quantize_int4_kernel(const at::Tensor& weight, int64_t group_size) {
   const at::Tensor pairs = q.reshape({n, k / 2, 2});
   const at::Tensor packed = at::bitwise_or(pairs.select(2, 0), at::bitwise_left_shift(pairs.select(2, 1), 4));
   return {packed.contiguous(), best.squeeze(2).to(weight.scalar_type()).contiguous()};
+}
+
+Pair quantize_int4_kernel(const at::Tensor& weight, int64_t group_size) {
+  check_int4(weight, group_size);
+  return by_row_slices(weight, [&](const at::Tensor& rows) { return quantize_int4_rows(rows, group_size); });
 }
 
 Pair quantize_int4_autograd(const at::Tensor& weight, int64_t group_size) {

@@ -184,10 +184,11 @@ def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, residual
     Returns:
         A new tensor ``[..., N]``. On CUDA, up to 4 rows whose prologue fits in shared memory run
         as one kernel that reads each weight element once; other inputs run the prologue op, the
-        GEMM and the add. On CPU the product of 1-8 rows is split over torch's threads by output
-        features. Differentiable (taken apart into ATen ops when a gradient is needed), twice too.
-        A quantized weight runs ATen's product on the dequantized weight for now (its kernels are
-        to come).
+        GEMM and the add. On CPU a float32 product of 1-4 rows is split over torch's threads by
+        output features. Differentiable (taken apart into ATen ops when a gradient is needed), twice
+        too. A quantized weight is read as stored by the decoding kernels (CPU: up to 8 rows; CUDA:
+        docs/quantization.md says which kernel takes which rows); more rows multiply blocks of it
+        dequantized (bfloat16 x on the CPU: in bfloat16, the product rounded before the bias).
     """
     return _callable(_overloads.fused_linear)(x, weight, bias, residual, prologue=prologue, norm_weight=norm_weight,
                                               eps=eps, constant_weight=constant_weight, weight_scale=weight_scale)
@@ -222,7 +223,8 @@ def quantize_int4(weight: Tensor, group_size: int = 128) -> tuple[Tensor, Tensor
         ``(packed, scale)``: packed uint8 ``[N, K / 2]``, element ``2j`` of a row in byte ``j``'s
         low nibble and ``2j + 1`` in its high one, each ``q + 8`` for q in [-8, 7]; scale ``[N,
         K / group_size]`` in weight's dtype: of the group's largest magnitude over 7 times 1,
-        0.95, ..., 0.7, the one leaving the least squared error (1 for zeros). ``(nibble - 8) *
+        0.95, ..., 0.7, each rounded to weight's dtype (never to 0), the one leaving the least
+        squared error (1 for zeros). ``(nibble - 8) *
         scale`` is within half a step (``scale / 2``) of each element but the clipped largest
         ones (within ``amax - 7 * scale``). Not differentiable.
     """

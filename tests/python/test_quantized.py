@@ -103,14 +103,14 @@ def test_quantize_int4_rounds_each_group_to_its_scale(device, dtype):
     assert torch.equal(packed, want_p) and torch.equal(scale, want_s)
     assert scale[2, 1] == 1 and bool((packed[2, 64:] == 0x88).all())
     back = _dequantized_ref(packed, scale, torch.float64)
-    # within half a step of each element, but the largest that a smaller scale clipped
+    # within half a step of each element, but the largest that a smaller scale clipped (the codes
+    # rounded against the scale as stored in dtype)
     step = scale.double().repeat_interleave(128, 1)
     amax = w.double().abs().reshape(6, 2, 128).amax(2).repeat_interleave(128, 1)
-    # (the scale chosen in float32, then rounded to dtype: up to 8 of its roundings more)
-    bound = torch.maximum(step * 0.5, amax - 7 * step) * (1 + 8 * torch.finfo(dtype).eps) + 8 * step * torch.finfo(dtype).eps
-    assert bool(((back - w.double()).abs() <= bound + 1e-12).all())
+    bound = torch.maximum(step * 0.5, amax - 7 * step) * (1 + 2 ** -20)
+    assert bool(((back - w.double()).abs() <= bound).all())
     # the search: no group's squared error above that of the plain largest magnitude / 7 (in float32;
-    # the chosen scale then rounded to a half type moves each element by up to 1/64 of a step)
+    # a half type's candidates are that rounded to it, which moves each element by up to 1/64 of a step)
     plain = (w.double().abs().reshape(6, 2, 128).amax(2) / 7).clamp_min(1e-30).repeat_interleave(128, 1)
     plain_back = (w.double() / plain).round().clamp(-8, 7) * plain
     per_group = lambda b: ((b - w.double()) ** 2).reshape(6, 2, 128).sum(2)  # noqa: E731
@@ -119,6 +119,29 @@ def test_quantize_int4_rounds_each_group_to_its_scale(device, dtype):
     # group size 32 packs the same way, with 8 scales a row
     p32, s32 = customops.quantize_int4(w, 32)
     assert s32.shape == (6, 8) and torch.equal(p32, _quantize_int4_ref(w, 32)[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantizers_take_tiny_weights_and_big_ones(device):
+    """A float16 group of magnitudes whose scale would round to 0 in float16 keeps its values (the
+    scale no smaller than float16's smallest subnormal), and so a row of fp8 whose largest
+    magnitude over 448 is 0 in float32 (not NaN codes); a weight larger than the quantizers' slice
+    of rows quantizes as its slices do, rows being independent."""
+    w = torch.full((2, 128), 1e-7, dtype=torch.float16, device=device)
+    w[1, ::2] = -3e-8
+    packed, scale = customops.quantize_int4(w)
+    assert bool((scale > 0).all())
+    back = _dequantized_ref(packed, scale, torch.float64)
+    assert bool(((back - w.double()).abs() <= 0.5 * scale.double().repeat_interleave(128, 1) + 1e-30).all())
+    q, s = customops.quantize_fp8(torch.tensor([[1e-44, -5e-45, 0.0]], device=device))
+    assert s.item() == 1 and not q.float().isnan().any()
+    big = torch.randn(4200, 1024, device=device, generator=None)  # (4.3M elements: two slices of rows)
+    for quantize in (customops.quantize_fp8, customops.quantize_int4):
+        whole = quantize(big)
+        parts = [quantize(big[:2000]), quantize(big[2000:])]
+        for got, want in zip(whole, (torch.cat([p[i] for p in parts]) for i in range(2))):
+            assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                               want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -197,6 +220,19 @@ def test_a_quantized_product_keeps_zeros_infinities_and_large_scales(rows):
     fp8 = torch.full((1, 4), 1, dtype=torch.uint8).view(torch.float8_e4m3fn)  # 2^-9 each
     got = op(ones, fp8, None, None, "none", None, 1e-6, True, torch.full((1,), 2e36))
     torch.testing.assert_close(got, torch.full((rows, 1), 4 * 2**-9 * 2e36))
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_a_float16_product_of_many_rows_adds_its_bias_before_rounding(fmt):
+    """On the CPU past 8 rows the weight is multiplied dequantized: float16 x in float32, so that a
+    product past float16's largest (70,400) comes back under it with its bias (50,400), as at 8 rows."""
+    w = torch.ones(2, 128)
+    q, s = customops.quantize_fp8(w) if fmt == "fp8" else customops.quantize_int4(w.half())
+    bias = torch.tensor([-20000.0, 0.0], dtype=torch.half)
+    decoded, dequantized = (customops.fused_linear(torch.full((rows, 128), 550.0, dtype=torch.half), q, bias,
+                                                   weight_scale=s) for rows in (8, 9))
+    assert bool(dequantized[:, 0].isfinite().all()) and abs(decoded[0, 0].item() - 50400) <= 64, decoded
+    torch.testing.assert_close(dequantized[:8, 0], decoded[:, 0], rtol=2 ** -10, atol=0)  # (feature 1: inf)
 
 
 @pytest.mark.parametrize("weights", ["fp8", "int4"])

@@ -27,7 +27,8 @@ def check_correctness(info: OpInfo, device, dtype) -> int:
     samples = info.samples(torch.device(device), dtype, False)
     for s in samples:
         got = _outputs(_call(info, clone_sample(s)))
-        want = _outputs(info.ref(*tree_map(_to64, s.args), **tree_map(_to64, s.kwargs)))
+        ref_args = s if info.ref_in_dtype else Sample(*tree_map(_to64, (s.args, s.kwargs)))
+        want = _outputs(info.ref(*ref_args.args, **ref_args.kwargs))
         assert len(got) == len(want), f"{info.qualname}: {len(got)} outputs, reference has {len(want)}"
         for i, (g, w) in enumerate(zip(got, want)):
             assert g.device.type == torch.device(device).type, f"{info.qualname}: output on {g.device}"

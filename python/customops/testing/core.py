@@ -99,6 +99,9 @@ class OpInfo:
     # take their new values (copies) as outputs after what it returns, and the reference returns
     # them there too.
     writes: tuple = ()
+    # The reference takes the sample in its own dtype, not float64: a rounding op whose result
+    # depends on that dtype (quantize_int4 rounds against its scale as stored in the weight's).
+    ref_in_dtype: bool = False
 
     def run(self, *args, **kwargs):
         """The op's outputs: what it returns, then copies of what it wrote (``writes``)."""

@@ -159,15 +159,22 @@ def _dequantized_ref(weight, scale, dtype):
 
 def _quantize_int4_ref(weight, group_size=128):
     """Each group of group_size inputs over the scale (of its largest magnitude / 7 times 1, 0.95,
-    ..., 0.7, in float32; 1 for zeros) whose rounding to [-8, 7] leaves the least squared error
-    (the first of equals), stored plus 8, two a byte (low nibble first); the scale in weight's
-    dtype."""
+    ..., 0.7, in float32, each rounded to weight's dtype, never to 0; 1 for zeros) whose rounding
+    to [-8, 7] leaves the least squared error (the first of equals), stored plus 8, two a byte (low
+    nibble first); the scale in weight's dtype."""
     n, k = weight.shape
     w = weight.to(torch.float32).reshape(n, k // group_size, group_size)
     amax = w.abs().amax(2, keepdim=True)
+
+    def stored(s):
+        if weight.dtype not in (torch.bfloat16, torch.float16):
+            return s
+        r = s.to(weight.dtype).float()
+        return torch.where(r > 0, r, torch.tensor(2.0 ** (-24 if weight.dtype == torch.float16 else -133)))
+
     best = best_err = None
     for i in range(7):
-        s = torch.where(amax > 0, amax * ((1 - 0.05 * i) / 7), torch.ones_like(amax))
+        s = torch.where(amax > 0, stored(amax * ((1 - 0.05 * i) / 7)), torch.ones_like(amax))
         err = ((torch.round(w / s).clamp(-8, 7) * s - w) ** 2).sum(2, keepdim=True)
         if best is None:
             best, best_err = s, err
@@ -178,11 +185,11 @@ def _quantize_int4_ref(weight, group_size=128):
 
 
 def _quantize_fp8_ref(weight):
-    """Each row over its largest magnitude / 448 (1 for zeros), rounded to float8_e4m3fn (in
+    """Each row over its largest magnitude / 448 (1 where that is 0), rounded to float8_e4m3fn (in
     float32, as the op computes whatever the weight's dtype)."""
     w = weight.to(torch.float32)
     amax = w.abs().amax(1) if w.numel() else torch.zeros(w.shape[0], device=w.device)
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    scale = torch.where(amax / 448.0 > 0, amax / 448.0, torch.ones_like(amax))
     return (w / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale
 
 

@@ -246,11 +246,10 @@ OPS: list[OpInfo] = [
         ref=_quantize_int4_ref,
         batch=_quantize_int4_batch,
         bad_inputs=_quantize_int4_bad_inputs,
-        # the same rounding; the scale stored in the weight's dtype (the reference's is float64)
-        tolerances={torch.float32: (0.0, 0.0), torch.float64: (0.0, 0.0), torch.float16: (0.0, 2**-11),
-                    torch.bfloat16: (0.0, 2**-8)},
+        tolerances={d: (0.0, 0.0) for d in ROUNDED_ONCE},  # the same rounding, in the weight's dtype
         differentiable=False,
         autocast="as_is",
+        ref_in_dtype=True,
     ),
     OpInfo(
         name="scale_clamp",
