@@ -197,6 +197,9 @@ class CachedCausalLM(nn.Module):
         if weights not in WEIGHTS:
             raise ValueError(f"customops.export.package_causal_lm: weights must be one of {', '.join(WEIGHTS)}, "
                              f"got {weights!r}")
+        if quantize_lm_head and weights == "bf16":
+            raise ValueError("customops.export.package_causal_lm: quantize_lm_head=True needs weights='fp8' or "
+                             "'int4' (the LM head takes the decoder layers' format)")
         self.family = _family(model)
         _check_window(model, max_seq_len)
         _check_activation(model)

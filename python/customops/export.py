@@ -131,7 +131,8 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
             (:func:`customops.quantize_fp8`); ``"int4"``, int4 in groups of 128 inputs with a scale
             a group in the model's dtype (:func:`customops.quantize_int4`). Activations, norms, the
             embedding and the cache stay in the model's dtype. The metadata's ``weights`` names it.
-        quantize_lm_head: Quantize the LM head too (else it stays in the model's dtype).
+        quantize_lm_head: Quantize the LM head too, in ``weights``' format (else it stays in the model's
+            dtype); with ``weights="bf16"`` it is an error.
 
     Returns:
         The package's path, as a string.

@@ -274,6 +274,8 @@ def test_package_causal_lm_says_which_weights_it_cannot_make(tmp_path):
         customops.export.package_causal_lm(lms.llama(), tmp_path / "x.pt2", weights="int8")
     with pytest.raises(ValueError, match="weights='int4' quantizes in groups of 128 inputs, but layer 0's qkv has 64"):
         customops.export.package_causal_lm(lms.llama(hidden_size=64), tmp_path / "x.pt2", weights="int4")
+    with pytest.raises(ValueError, match="quantize_lm_head=True needs weights='fp8' or 'int4'"):
+        customops.export.package_causal_lm(lms.llama(), tmp_path / "x.pt2", quantize_lm_head=True)
 
 
 @pytest.fixture(scope="module")
