@@ -307,8 +307,8 @@ def _long_prompt(server, model, hf_tok, n):
     return prompt
 
 
-def _ends(server, scrape=None):
-    scrape = scrape or server.metrics()
+def _ends(server):
+    scrape = server.metrics()
     return {r: scrape[f'customops_requests_finished_total{{reason="{r}"}}'] for r in ("stop", "length", "cancelled")}
 
 
