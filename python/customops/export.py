@@ -130,7 +130,8 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
             is); ``"fp8"``, float8 E4M3 with a float32 scale an output feature
             (:func:`customops.quantize_fp8`); ``"int4"``, int4 in groups of 128 inputs with a scale
             a group in the model's dtype (:func:`customops.quantize_int4`). Activations, norms, the
-            embedding and the cache stay in the model's dtype. The metadata's ``weights`` names it.
+            embedding and the cache stay in the model's dtype. The metadata's ``weights`` names the
+            format (``fp8``, ``int4``, or the model's dtype, ``bfloat16`` for example).
         quantize_lm_head: Quantize the LM head too, in ``weights``' format (else it stays in the model's
             dtype); with ``weights="bf16"`` it is an error.
 
@@ -193,15 +194,18 @@ def package_causal_lm(model: torch.nn.Module, path: str | os.PathLike, *, max_ba
     # kernel writing 8 copies of each for 4 layers, on CUDA kernels recomputing them in some layers
     # (ncu, Llama-3.2-1B, 2026-11-28). Realizing what several nodes read computes each once.
     configs.setdefault("realize_reads_threshold", 0)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    stored = dtype if weights == "bf16" else weights
     configs["aot_inductor.metadata"] = {
         **configs.get("aot_inductor.metadata", {}),
         # "3": the format (T = 1 in the token dimension's declared range, eos a list of ids, slots)
         "customops_causal_lm": "3", "family": lm.family, "max_batch": str(max_batch),
         "max_seq_len": str(max_seq_len), "vocab_size": str(cfg.vocab_size), "bos_token_id": tokens("bos_token_id"),
         "eos_token_id": tokens("eos_token_id"), "pad_token_id": tokens("pad_token_id"),
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": device.type,
+        "dtype": dtype, "device": device.type,
         "head_dim": str(lm.head_dim), "kv_heads": str(lm.n_kv), "layers": str(len(lm.layers)),
-        "weights": weights, "lm_head_weights": weights if quantize_lm_head else "bf16"}
+        # what the weights are stored as: "fp8", "int4", or (unquantized) the model's dtype
+        "weights": stored, "lm_head_weights": stored if quantize_lm_head else dtype}
     if tokenizer_files:
         configs["aot_inductor.metadata"]["tokenizer"] = ",".join(sorted(tokenizer_files))
     with torch.no_grad(), fx_config.patch(backed_size_oblivious=True):

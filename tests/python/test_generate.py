@@ -162,6 +162,7 @@ def test_runner_stops_a_sequence_at_any_of_its_eos_ids_while_the_other_goes_on(d
                                                   max_seq_len=MAX_SEQ_LEN)
     info = dict(line.split(": ", 1) for line in run([customops.runner_path(), "--info", path]).stdout.splitlines())
     assert info["eos_token_id"] == f"{never[0]},{eos},{never[1]}" and info["pad_token_id"] == "", info
+    assert info["weights"] == info["lm_head_weights"] == info["dtype"], info  # unquantized: the model's dtype
     r = _generates_hf_greedy_ids(model, path, prompts, 8)
     first, second = (line.split() for line in r.stdout.splitlines())
     assert first[-1] == str(eos) and len(first) < 8 and len(second) == 8, r.stdout
