@@ -2,6 +2,7 @@
 find_package(customops) consumer programs (tests/cpp/consumer) built once a session, and the small
 Llama the generation tests package once a session."""
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,12 +20,15 @@ CONSUMER_SRC = Path(__file__).resolve().parent.parent / "cpp" / "consumer"
 @pytest.fixture(scope="session")
 def consumer(request, tmp_path_factory) -> Path:
     """tests/cpp/consumer configured against the installed customops and built (incrementally,
-    in pytest's cache folder, or in a temporary one under -p no:cacheprovider); returns its build
-    folder (run_package, run_package_without_customops, generate_api, tokenize_api)."""
+    in pytest's cache folder, one a pytest-xdist worker, or in a temporary one under -p
+    no:cacheprovider); returns its build folder (run_package, run_package_without_customops,
+    generate_api, tokenize_api, engine_api, chat_template_api)."""
     if shutil.which("cmake") is None:
         pytest.skip("cmake is not installed")
     cache = getattr(request.config, "cache", None)
-    build = Path(cache.mkdir("customops-consumer")) if cache is not None else tmp_path_factory.mktemp("consumer")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # (pytest-xdist: a folder a worker, never one build shared)
+    build = Path(cache.mkdir(f"customops-consumer-{worker}" if worker else "customops-consumer")) if cache is not None \
+        else tmp_path_factory.mktemp("consumer")
     prefix = ";".join([customops.cmake_prefix_path, torch.utils.cmake_prefix_path])
     configure = ["cmake", "-S", CONSUMER_SRC, "-B", build, f"-DCMAKE_PREFIX_PATH={prefix}", "-DCMAKE_BUILD_TYPE=Release"]
     if shutil.which("ninja") and not (build / "CMakeCache.txt").exists():
