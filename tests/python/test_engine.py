@@ -78,9 +78,19 @@ def test_requests_that_come_and_go_get_their_ids_alone(lm, consumer, tmp_path):
             assert updates == len(want)  # streamed as sampled: one id a step
 
 
+@pytest.fixture(scope="module")
+def bf16_cuda_package(tmp_path_factory):
+    """A bfloat16 Llama of head dim 64 packaged for CUDA (once: the three rules below share it)."""
+    import causal_lms
+
+    model = causal_lms.llama(hidden_size=128, num_attention_heads=2, num_key_value_heads=1).to("cuda", torch.bfloat16)
+    return customops.export.package_causal_lm(model, tmp_path_factory.mktemp("engine-bf16") / "llama.pt2",
+                                              max_batch=MAX_BATCH, max_seq_len=MAX_SEQ_LEN)
+
+
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs CUDA")
 @pytest.mark.parametrize("rule", ["default", "generic-chunks", "split-kv-chunks"])
-def test_cuda_graph_steps_give_each_request_its_ids_alone(consumer, tmp_path, rule):
+def test_cuda_graph_steps_give_each_request_its_ids_alone(bf16_cuda_package, consumer, tmp_path, rule):
     """bfloat16, head dim 64: decode steps of each batch size replay a CUDA graph, one step ahead of
     the host, between the eager steps that admit prompts (whole: the budget takes them). By default
     every chunk here (at most 40 queries) attends through the split-KV kernel. With the kernel's
@@ -89,11 +99,7 @@ def test_cuda_graph_steps_give_each_request_its_ids_alone(consumer, tmp_path, ru
     the generic path with CUSTOMOPS_ENGINE_CHUNK_ATTENTION=0. The two round differently (both match
     attention within bfloat16's tolerance: test_generate) and this random model's greedy choices
     are close calls, so each prompt alone is prefilled through the path the engine gave it."""
-    import causal_lms
-
-    model = causal_lms.llama(hidden_size=128, num_attention_heads=2, num_key_value_heads=1).to("cuda", torch.bfloat16)
-    path = customops.export.package_causal_lm(model, tmp_path / "llama.pt2", max_batch=MAX_BATCH,
-                                              max_seq_len=MAX_SEQ_LEN)
+    path = bf16_cuda_package
     ps = prompts(5, 17, 3, 11, 30, 2, 8, seed=4)
     n = [12, 6, 9, 10, 7, 5, 8]
     arrivals = [0, 0, 2, 3, 3, 9, 10]
