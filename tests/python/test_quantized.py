@@ -222,6 +222,45 @@ def test_a_quantized_product_keeps_zeros_infinities_and_large_scales(rows):
     torch.testing.assert_close(got, torch.full((rows, 1), 4 * 2**-9 * 2e36))
 
 
+@pytest.mark.parametrize("rows", [1, 3, 4, 8], ids=lambda r: f"{r}-rows")
+@pytest.mark.parametrize("k, group", [(4096, 128), (354, 118)], ids=["4096-by-128", "354-by-118"])
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_bfloat16_rows_by_the_cpus_bfloat16_dot_products(fmt, rows, k, group, monkeypatch):
+    """bfloat16 x with quantized weights at 1-8 rows multiplies by AVX512_BF16's dot products where
+    the CPU has them (exact products, float32 sums): within float32 sums' rounding of the float64
+    product of the dequantized weight, as the float32 path is (CUSTOMOPS_CPU_BF16_DOT=0); a zero
+    weight under a large x gives 0, an infinite x reaches the result and times 0 gives NaN. (Where
+    the CPU has no AVX512_BF16 both runs take the float32 path.) 354 inputs: pairs past whole
+    vectors (and int4 groups of 59 bytes)."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    w = torch.randn(96, k, generator=g).bfloat16()
+    q, s = customops.quantize_fp8(w) if fmt == "fp8" else customops.quantize_int4(w, group_size=group)
+    bias = torch.randn(96, generator=g).bfloat16()
+    ref = x.double() @ _dequantized_ref(q, s, torch.float64).T
+    got = customops.fused_linear(x, q, bias, weight_scale=s)
+    monkeypatch.setenv("CUSTOMOPS_CPU_BF16_DOT", "0")
+    floats = customops.fused_linear(x, q, bias, weight_scale=s)
+    monkeypatch.delenv("CUSTOMOPS_CPU_BF16_DOT")
+    want = (ref + bias.double()).bfloat16()
+    for y in (got, floats):  # (one bfloat16 step: the float32 sums and the rounding to bfloat16)
+        torch.testing.assert_close(y, want, rtol=2 ** -7, atol=2 ** -7 * ref.abs().max().item() * 1e-2)
+    x = torch.full((rows, k), 1e30, dtype=torch.bfloat16)
+    if fmt == "fp8":
+        w = torch.zeros(2, k, dtype=torch.uint8)  # every weight 0 ...
+        w[1, 0] = 0x38  # ... but feature 1's first, which is 1
+        w, scale = w.view(torch.float8_e4m3fn), torch.ones(2)
+    else:
+        w = torch.full((2, k // 2), 0x88, dtype=torch.uint8)
+        w[1, 0] = 0x89
+        scale = torch.ones(2, k // group, dtype=torch.bfloat16)
+    y = customops.fused_linear(x, w, weight_scale=scale)
+    assert y[:, 0].eq(0).all() and y[:, 1].eq(x[0, 0]).all(), y
+    x[:, 0] = float("inf")
+    y = customops.fused_linear(x, w, weight_scale=scale)
+    assert y[:, 0].isnan().all() and y[:, 1].eq(float("inf")).all(), y  # (feature 0: inf times 0)
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 def test_a_float16_product_of_many_rows_adds_its_bias_before_rounding(fmt):
     """On the CPU past 8 rows the weight is multiplied dequantized: float16 x in float32, so that a
