@@ -310,17 +310,17 @@ void int4_rows(const float* xe, const float* xo, int64_t rows, int64_t k, const 
 // inputs 2i and 2i + 1 as they are stored (no float32 copy of x, no even/odd split), a group's
 // sums times its scale in float32. Twice the products an instruction of the float32 path, whose
 // decoding and FMAs bound it. (The instruction treats subnormal inputs as 0 and flushes subnormal
-// sums: bfloat16 x below 1.2e-38.)
+// results: with int4's codes at 2^-24 times their values, products below 2^-102.)
 #define CUSTOMOPS_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 namespace {
 
 constexpr int64_t kBf16Chunk = 16;  // weight bytes a vector (32 codes, 32 bfloat16 of x)
 
-// acc[r] += s * sum over [0, whole) bytes of x[r] (bfloat16 pairs) . d (bfloat16 pairs), R rows;
-// two sums a row (even and odd vectors) to hide the instruction's latency.
+// acc[r] += (pre * sum over [0, whole) bytes of x[r] (bfloat16 pairs) . d (bfloat16 pairs)) * s, R
+// rows; two sums a row (even and odd vectors) to hide the instruction's latency.
 template <int R>
-CUSTOMOPS_BF16_TARGET inline void dot_pairs(const uint16_t* const* xr, const uint32_t* d, int64_t whole, __m512 s,
-                                           __m512* acc) {
+CUSTOMOPS_BF16_TARGET inline void dot_pairs(const uint16_t* const* xr, const uint32_t* d, int64_t whole, __m512 pre,
+                                           __m512 s, __m512* acc) {
   __m512 p0[R], p1[R];
   for (int r = 0; r < R; ++r) p0[r] = p1[r] = _mm512_setzero_ps();
   int64_t i = 0;
@@ -335,26 +335,31 @@ CUSTOMOPS_BF16_TARGET inline void dot_pairs(const uint16_t* const* xr, const uin
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(d + i);
     for (int r = 0; r < R; ++r) p0[r] = _mm512_dpbf16_ps(p0[r], (__m512bh)_mm512_loadu_si512(xr[r] + 2 * i), w0);
   }
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_add_ps(p0[r], p1[r]), s, acc[r]);
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_add_ps(p0[r], p1[r]), pre), s, acc[r]);
 }
 
-// The block [c0, c1) of weight row bytes (decoded into dec) against every row of x: each group's
-// piece in it, rows four at a time.
+// The block [c0, c1) of weight row bytes (decoded into dec, `unit` times the weights' values)
+// against every row of x: each group's piece in it, rows four at a time.
 CUSTOMOPS_BF16_TARGET void dot_block(const uint32_t* dec, int64_t c0, int64_t c1, int64_t group_bytes,
-                                     const uint16_t* xb, int64_t rows, int64_t k, const float* sj, __m512* acc) {
+                                     const uint16_t* xb, int64_t rows, int64_t k, const float* sj, float unit,
+                                     __m512* acc) {
   for (int64_t c = c0; c < c1;) {
     const int64_t g = c / group_bytes, len = std::min(group_bytes - c % group_bytes, c1 - c);
     const int64_t whole = len - len % kBf16Chunk;
     const uint32_t* d = dec + (c - c0);
-    const __m512 s = _mm512_set1_ps(sj[g]);
+    // (unit: the decoded weights' factor, folded into the scale, or taken first where the scale is
+    // near float's largest)
+    const float unit_s = sj[g] * unit;
+    const bool folded = std::isfinite(unit_s);
+    const __m512 pre = _mm512_set1_ps(folded ? 1.f : unit), s = _mm512_set1_ps(folded ? unit_s : sj[g]);
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
       const uint16_t* xr[4];
       for (int r = 0; r < 4 && r0 + r < rows; ++r) xr[r] = xb + (r0 + r) * k + 2 * c;
       switch (std::min<int64_t>(4, rows - r0)) {
-        case 1: dot_pairs<1>(xr, d, whole, s, acc + r0); break;
-        case 2: dot_pairs<2>(xr, d, whole, s, acc + r0); break;
-        case 3: dot_pairs<3>(xr, d, whole, s, acc + r0); break;
-        default: dot_pairs<4>(xr, d, whole, s, acc + r0); break;
+        case 1: dot_pairs<1>(xr, d, whole, pre, s, acc + r0); break;
+        case 2: dot_pairs<2>(xr, d, whole, pre, s, acc + r0); break;
+        case 3: dot_pairs<3>(xr, d, whole, pre, s, acc + r0); break;
+        default: dot_pairs<4>(xr, d, whole, pre, s, acc + r0); break;
       }
     }
     c += len;
@@ -370,9 +375,11 @@ void int4_rows_bf16_kernel(const c10::BFloat16* x, int64_t rows, int64_t k, cons
   // x whole, not in spans as the float32 kernels' at 7-8 rows: 8 rows of bfloat16 x fit L2, and in
   // spans 8 rows took 8.6 ms against 6.3 (int4 4096 x 14336)
   const int64_t span = half;
-  // bfloat16 of q - 8 for each code q (vpermw's table: words 0-15, repeated in 16-31)
+  // bfloat16 of (q - 8) * 2^-24 for each code q (vpermw's table: words 0-15, repeated in 16-31),
+  // exact: the sums are 2^-24 times the products', so that a sum overflows only where the result
+  // does (the scale takes the 2^24, as int4_rows' do); a product of x below 2^-102 is flushed
   alignas(64) uint16_t table[32];
-  for (int q = 0; q < 32; ++q) table[q] = c10::BFloat16(static_cast<float>(q % 16 - 8)).x;
+  for (int q = 0; q < 32; ++q) table[q] = c10::BFloat16(static_cast<float>(q % 16 - 8) * 0x1p-24f).x;
   const __m512i codes = _mm512_load_si512(table);
   const auto* xb = reinterpret_cast<const uint16_t*>(x);
   at::parallel_for(0, n, std::max<int64_t>(1, kMinBytesAThread / std::max<int64_t>(half, 1)), [&](int64_t begin, int64_t end) {
@@ -399,16 +406,18 @@ void int4_rows_bf16_kernel(const c10::BFloat16* x, int64_t rows, int64_t k, cons
             _mm512_storeu_si512(dec.data() + i, _mm512_permutexvar_epi16(pair, codes));
           }
           for (int64_t i = whole; i < len; ++i) dec[i] = table[wj[i] & 15u] | (uint32_t{table[wj[i] >> 4]} << 16);
-          dot_block(dec.data(), c0, c1, group_bytes, xb, rows, k, sj, acc);
+          dot_block(dec.data(), c0, c1, group_bytes, xb, rows, k, sj, 0x1p24f, acc);
           // each group piece's bytes past its whole vectors, one at a time
           for (int64_t c = c0; c < c1;) {
             const int64_t g = c / group_bytes, piece = std::min(group_bytes - c % group_bytes, c1 - c);
-            for (int64_t i = c + piece - piece % kBf16Chunk; i < c + piece; ++i) {
-              for (int64_t r = 0; r < rows; ++r) {
+            const float s24 = sj[g] * 0x1p24f;
+            for (int64_t r = 0; r < rows && piece % kBf16Chunk != 0; ++r) {
+              float t = 0.f;  // (2^-24 times the products, as the table's)
+              for (int64_t i = c + piece - piece % kBf16Chunk; i < c + piece; ++i) {
                 const uint16_t* xi = xb + r * k + 2 * i;
-                tail[r] += sj[g] * (bf16_value(xi[0]) * bf16_value(dec[i - c0]) +
-                                    bf16_value(xi[1]) * bf16_value(dec[i - c0] >> 16));
+                t += bf16_value(xi[0]) * bf16_value(dec[i - c0]) + bf16_value(xi[1]) * bf16_value(dec[i - c0] >> 16);
               }
+              tail[r] += std::isfinite(s24) ? t * s24 : t * 0x1p24f * sj[g];
             }
             c += piece;
           }
@@ -461,7 +470,7 @@ void fp8_rows_bf16_kernel(const c10::BFloat16* x, int64_t rows, int64_t k, const
           }
           nan[j - begin] |= fp8_as_half(w + j * k + 2 * c0, halves.data(), 2 * len);
           fp8_block_as_bf16(halves.data(), dec.data(), len);
-          dot_block(dec.data(), c0, c1, pairs, xb, rows, k, &one, acc);
+          dot_block(dec.data(), c0, c1, pairs, xb, rows, k, &one, 1.f, acc);
           for (int64_t i = c0 + len - len % kBf16Chunk; i < c1; ++i) {  // (pairs past whole vectors)
             for (int64_t r = 0; r < rows; ++r) {
               const uint16_t* xi = xb + r * k + 2 * i;
@@ -580,12 +589,13 @@ bool quantized_cpu_fit(const at::Tensor& weight, const at::Tensor& weight_scale)
 }
 
 at::Tensor quantized_rows_cpu(const at::Tensor& in, const at::Tensor& weight, const at::Tensor& weight_scale) {
-  // bfloat16 x: the CPU's bfloat16 dot products where it has them (CUSTOMOPS_CPU_BF16_DOT=0 turns
-  // them off, read at each call so that bench --linear --variant can time both in one process)
+  const at::Tensor scale = weight_scale.to(at::kFloat).contiguous();
+  const int64_t rows = in.size(0), k = in.size(1), n = weight.size(0);
+  // bfloat16 x of 2-8 rows: the CPU's bfloat16 dot products where it has them
+  // (CUSTOMOPS_CPU_BF16_DOT=0 turns them off, read at each call so that a benchmark can time both)
   const char* dot = std::getenv("CUSTOMOPS_CPU_BF16_DOT");
-  if (in.scalar_type() == at::kBFloat16 && (dot == nullptr || std::string_view(dot) != "0")) {
-    const at::Tensor xb = in.contiguous(), scale = weight_scale.to(at::kFloat).contiguous();
-    const int64_t rows = xb.size(0), k = xb.size(1), n = weight.size(0);
+  if (in.scalar_type() == at::kBFloat16 && rows >= 2 && rows <= 8 && (dot == nullptr || std::string_view(dot) != "0")) {
+    const at::Tensor xb = in.contiguous();
     at::Tensor y = at::empty({rows, n}, xb.options().dtype(at::kFloat));
     const int64_t groups = weight.scalar_type() == at::kFloat8_e4m3fn ? 0 : scale.size(1);
     if (CUSTOMOPS_CPU_DISPATCH(rows_bf16, xb.const_data_ptr<at::BFloat16>(), rows, k,
@@ -595,9 +605,7 @@ at::Tensor quantized_rows_cpu(const at::Tensor& in, const at::Tensor& weight, co
     }
   }
   const at::Tensor x = in.to(at::kFloat).contiguous();
-  const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
   at::Tensor y = at::empty({rows, n}, x.options());
-  const at::Tensor scale = weight_scale.to(at::kFloat).contiguous();
   const auto* w = static_cast<const uint8_t*>(weight.const_data_ptr());
   if (weight.scalar_type() == at::kFloat8_e4m3fn) {
     CUSTOMOPS_CPU_DISPATCH(fp8_rows, x.const_data_ptr<float>(), rows, k, w, scale.const_data_ptr<float>(), n,

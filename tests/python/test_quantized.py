@@ -222,8 +222,9 @@ def test_a_quantized_product_keeps_zeros_infinities_and_large_scales(rows):
     torch.testing.assert_close(got, torch.full((rows, 1), 4 * 2**-9 * 2e36))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 8], ids=lambda r: f"{r}-rows")
-@pytest.mark.parametrize("k, group", [(4096, 128), (354, 118)], ids=["4096-by-128", "354-by-118"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 8], ids=lambda r: f"{r}-rows")
+@pytest.mark.parametrize("k, group", [(4096, 128), (354, 118), (8192, 8192)],
+                         ids=["4096-by-128", "354-by-118", "8192-by-8192"])
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 def test_bfloat16_rows_by_the_cpus_bfloat16_dot_products(fmt, rows, k, group, monkeypatch):
     """bfloat16 x with quantized weights at 1-8 rows multiplies by AVX512_BF16's dot products where
@@ -231,7 +232,8 @@ def test_bfloat16_rows_by_the_cpus_bfloat16_dot_products(fmt, rows, k, group, mo
     product of the dequantized weight, as the float32 path is (CUSTOMOPS_CPU_BF16_DOT=0); a zero
     weight under a large x gives 0, an infinite x reaches the result and times 0 gives NaN. (Where
     the CPU has no AVX512_BF16 both runs take the float32 path.) 354 inputs: pairs past whole
-    vectors (and int4 groups of 59 bytes)."""
+    vectors (and int4 groups of 59 bytes); one int4 group of 8192 inputs: longer than a decoded block.
+    An int4 result near float's largest over its scale does not overflow before the scale."""
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=g).bfloat16()
     w = torch.randn(96, k, generator=g).bfloat16()
@@ -259,6 +261,14 @@ def test_bfloat16_rows_by_the_cpus_bfloat16_dot_products(fmt, rows, k, group, mo
     x[:, 0] = float("inf")
     y = customops.fused_linear(x, w, weight_scale=scale)
     assert y[:, 0].isnan().all() and y[:, 1].eq(float("inf")).all(), y  # (feature 0: inf times 0)
+    if fmt == "int4":
+        w = torch.full((1, k // 2), 0x88, dtype=torch.uint8)
+        w[0, 0] = 0x80  # the weight under x[:, 0] is -8
+        x = torch.zeros(rows, k, dtype=torch.bfloat16)
+        x[:, 0] = 1e38
+        scale = torch.full((1, k // group), 0.01, dtype=torch.bfloat16)
+        want = (x[:, :1].double() * -8 * scale[0, 0].double()).bfloat16()  # -8e36
+        torch.testing.assert_close(customops.fused_linear(x, w, weight_scale=scale), want, rtol=2 ** -7, atol=0)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
