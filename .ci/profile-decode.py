@@ -2,6 +2,7 @@
 
     python3 .ci/profile-decode.py MODEL[,MODEL...] [--batch B] [--layers L] [--weights bf16|fp8|int4]
                                   [--base-clocks] [--temperature T [--top-k K] [--top-p P]]
+                                  [--detail REGEX [--detail-count N]]
 
 MODEL: a name of bench/model.py's MODELS (llama-3.2-1b, llama-3-8b, qwen2.5-1.5b, qwen3-1.7b,
 mistral-7b), built with random weights in bfloat16 and packaged (package_causal_lm, 8 slots of 256
@@ -13,6 +14,13 @@ kernels summed against its time in the graph (bench --generate) say how much is 
 Writes each model's raw CSV to $OUT (or /tmp) as ncu-MODEL-WEIGHTS.csv. A package is kept in /tmp and
 reused by the next run on the same machine (delete /tmp/profile-*.pt2 after rebuilding customops).
 With --temperature the rows sample (seed 0), and the step's kernels include the sampler's.
+
+--detail REGEX profiles the first N (4) kernels of the last decode step whose base names (no
+template arguments: gemv_mma_kernel) match REGEX once more with `ncu --set full` (clocks locked to
+base, as ncu does) and prints what bounds each: duration, DRAM throughput, instructions issued a
+cycle, occupancy, registers, and the warp stall reasons in cycles an issued instruction
+(ncu-MODEL-WEIGHTS-detail.ncu-rep in $OUT, whole). (2026-11-30 on an H200, by hand: int4's 1-row
+kernel issued 0.43 instructions a cycle a scheduler; ncu's summary page did not say why.)
 """
 import argparse
 import collections
@@ -43,6 +51,50 @@ def kernels(cmd, base_clocks):
     return r.stdout, names, [float(row["Metric Value"].replace(",", "")) / 1e3 for row in rows]  # us
 
 
+def detail(cmd, names, period, regex, count, rep):
+    """ncu --set full on the first count kernels of the last decode step matching regex."""
+    matches = [i for i, n in enumerate(names) if re.search(regex, n)]
+    first = len(names) - period
+    targets = [i for i in matches if i >= first][:count]
+    if not targets:
+        print(f"--detail: no kernel of the decode step matches {regex!r}")
+        return
+    skip = matches.index(targets[0])
+    r = subprocess.run(["ncu", "--set", "full", "--import-source", "no", "-k", f"regex:{regex}", "--launch-skip",
+                        str(skip), "--launch-count", str(len(targets)), "-o", rep, "-f", *cmd],
+                       capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        print(f"--detail: ncu failed ({r.returncode}): {r.stderr[-2000:]}")
+        return
+    r = subprocess.run(["ncu", "-i", rep + ".ncu-rep", "--page", "raw", "--csv", "--print-units", "base"],
+                       capture_output=True, text=True, timeout=300)
+    table = list(csv.reader(io.StringIO(r.stdout[r.stdout.find('"ID"'):])))
+    if len(table) < 3:
+        print(f"--detail: no metrics read back: {r.stderr[-500:]}")
+        return
+    head, rows = table[0], table[2:]  # (the second row holds the units)
+    col = {h: k for k, h in enumerate(head)}
+    stalled = re.compile(r"^smsp__average_warps_issue_stalled_(.+)_per_issue_active\.ratio$")
+    wanted = [("us", "gpu__time_duration.sum", 1e-3), ("DRAM %", "dram__throughput.avg.pct_of_peak_sustained_elapsed", 1),
+              ("IPC a SM", "sm__inst_executed.avg.per_cycle_active", 1),
+              ("warps a scheduler", "smsp__warps_active.avg.per_cycle_active", 1),
+              ("eligible", "smsp__warps_eligible.avg.per_cycle_active", 1),
+              ("registers", "launch__registers_per_thread", 1), ("grid", "launch__grid_size", 1),
+              ("instructions", "smsp__inst_executed.sum", 1)]
+    for row in rows:
+        name = re.sub(r"\(.*", "", row[col["Kernel Name"]]).replace("void ", "")
+        def value(metric):
+            try:
+                return float(row[col[metric]].replace(",", ""))
+            except (KeyError, ValueError):
+                return float("nan")
+        print(f"--- {name[:100]}")
+        print("    " + ", ".join(f"{label} {value(m) * scale:,.2f}" for label, m, scale in wanted))
+        stalls = sorted(((value(h), m.group(1)) for h in head if (m := stalled.match(h))), reverse=True)
+        print("    stalls (cycles an issued instruction): " +
+              ", ".join(f"{why} {v:.2f}" for v, why in stalls if v >= 0.05))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("models")
@@ -53,6 +105,8 @@ def main():
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--detail", metavar="REGEX", help="ncu --set full on the decode step's kernels matching REGEX")
+    p.add_argument("--detail-count", type=int, default=4)
     args = p.parse_args()
     if not 1 <= args.batch <= 8:
         p.error("--batch takes 1 to 8 (the package's slots)")
@@ -90,6 +144,8 @@ def main():
         print("in order:")
         for n, t in step:
             print(f"  {t:8.1f}  {n[:100]}")
+        if args.detail:
+            detail(cmd, names, period, args.detail, args.detail_count, f"{out}/ncu-{name}-{args.weights}-detail")
 
 
 if __name__ == "__main__":
