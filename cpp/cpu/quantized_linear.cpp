@@ -375,7 +375,6 @@ void int4_rows_bf16_kernel(const c10::BFloat16* x, int64_t rows, int64_t k, cons
   const int64_t block = group_bytes >= kBlock ? kBlock : kBlock / group_bytes * group_bytes;
   // x whole, not in spans as the float32 kernels' at 7-8 rows: 8 rows of bfloat16 x fit L2, and in
   // spans 8 rows took 8.6 ms against 6.3 (int4 4096 x 14336)
-  const int64_t span = half;
   // bfloat16 of (q - 8) * 2^-24 for each code q (vpermw's table: words 0-15, repeated in 16-31),
   // exact: the sums are 2^-24 times the products', so that a sum overflows only where the result
   // does (the scale takes the 2^24, as int4_rows' do); a product of x below 2^-102 is flushed
@@ -384,50 +383,42 @@ void int4_rows_bf16_kernel(const c10::BFloat16* x, int64_t rows, int64_t k, cons
   const __m512i codes = _mm512_load_si512(table);
   const auto* xb = reinterpret_cast<const uint16_t*>(x);
   at::parallel_for(0, n, std::max<int64_t>(1, kMinBytesAThread / std::max<int64_t>(half, 1)), [&](int64_t begin, int64_t end) {
-    const int64_t count = end - begin;
     std::vector<uint32_t> dec(block);  // a byte's two codes as a bfloat16 pair (low code first)
-    std::vector<float> sums(rows * count, 0.f);  // [rows, count]: each feature's sums so far
     __m512 acc[8];
-    for (int64_t s0 = 0; s0 < half; s0 += span) {
-      const int64_t s1 = std::min(s0 + span, half);
-      for (int64_t j = begin; j < end; ++j) {
-        const float* sj = scale + j * groups;
-        for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
-        float tail[8] = {};
-        for (int64_t c0 = s0; c0 < s1; c0 += block) {
-          const int64_t c1 = std::min(c0 + block, s1), len = c1 - c0, whole = len - len % kBf16Chunk;
-          const uint8_t* wj = w + j * half + c0;
-          if (j + kPrefetchRows < end) {
-            for (int64_t p = 0; p < len; p += 64) __builtin_prefetch(wj + kPrefetchRows * half + p, 0, 3);
-          }
-          for (int64_t i = 0; i < whole; i += kBf16Chunk) {
-            const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj + i)));
-            const __m512i pair = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(15)),
-                                                 _mm512_slli_epi32(_mm512_srli_epi32(b, 4), 16));
-            _mm512_storeu_si512(dec.data() + i, _mm512_permutexvar_epi16(pair, codes));
-          }
-          for (int64_t i = whole; i < len; ++i) dec[i] = table[wj[i] & 15u] | (uint32_t{table[wj[i] >> 4]} << 16);
-          dot_block(dec.data(), c0, c1, group_bytes, xb, rows, k, sj, 0x1p24f, acc);
-          // each group piece's bytes past its whole vectors, one at a time
-          for (int64_t c = c0; c < c1;) {
-            const int64_t g = c / group_bytes, piece = std::min(group_bytes - c % group_bytes, c1 - c);
-            const float s24 = sj[g] * 0x1p24f;
-            for (int64_t r = 0; r < rows && piece % kBf16Chunk != 0; ++r) {
-              float t = 0.f;  // (2^-24 times the products, as the table's)
-              for (int64_t i = c + piece - piece % kBf16Chunk; i < c + piece; ++i) {
-                const uint16_t* xi = xb + r * k + 2 * i;
-                t += bf16_value(xi[0]) * bf16_value(dec[i - c0]) + bf16_value(xi[1]) * bf16_value(dec[i - c0] >> 16);
-              }
-              tail[r] += std::isfinite(s24) ? t * s24 : t * 0x1p24f * sj[g];
-            }
-            c += piece;
-          }
-        }
-        for (int64_t r = 0; r < rows; ++r) sums[r * count + j - begin] += _mm512_reduce_add_ps(acc[r]) + tail[r];
-      }
-    }
     for (int64_t j = begin; j < end; ++j) {
-      for (int64_t r = 0; r < rows; ++r) y[r * n + j] = sums[r * count + j - begin];
+      const float* sj = scale + j * groups;
+      for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+      float tail[8] = {};
+      for (int64_t c0 = 0; c0 < half; c0 += block) {
+        const int64_t c1 = std::min(c0 + block, half), len = c1 - c0, whole = len - len % kBf16Chunk;
+        const uint8_t* wj = w + j * half + c0;
+        if (j + kPrefetchRows < end) {
+          for (int64_t p = 0; p < len; p += 64) __builtin_prefetch(wj + kPrefetchRows * half + p, 0, 3);
+        }
+        for (int64_t i = 0; i < whole; i += kBf16Chunk) {
+          const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wj + i)));
+          const __m512i pair = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(15)),
+                                               _mm512_slli_epi32(_mm512_srli_epi32(b, 4), 16));
+          _mm512_storeu_si512(dec.data() + i, _mm512_permutexvar_epi16(pair, codes));
+        }
+        for (int64_t i = whole; i < len; ++i) dec[i] = table[wj[i] & 15u] | (uint32_t{table[wj[i] >> 4]} << 16);
+        dot_block(dec.data(), c0, c1, group_bytes, xb, rows, k, sj, 0x1p24f, acc);
+        // each group piece's bytes past its whole vectors, one at a time
+        for (int64_t c = c0; c < c1;) {
+          const int64_t g = c / group_bytes, piece = std::min(group_bytes - c % group_bytes, c1 - c);
+          const float s24 = sj[g] * 0x1p24f;
+          for (int64_t r = 0; r < rows && piece % kBf16Chunk != 0; ++r) {
+            float t = 0.f;  // (2^-24 times the products, as the table's)
+            for (int64_t i = c + piece - piece % kBf16Chunk; i < c + piece; ++i) {
+              const uint16_t* xi = xb + r * k + 2 * i;
+              t += bf16_value(xi[0]) * bf16_value(dec[i - c0]) + bf16_value(xi[1]) * bf16_value(dec[i - c0] >> 16);
+            }
+            tail[r] += std::isfinite(s24) ? t * s24 : t * 0x1p24f * sj[g];
+          }
+          c += piece;
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) y[r * n + j] = _mm512_reduce_add_ps(acc[r]) + tail[r];
     }
   });
 }
@@ -449,38 +440,34 @@ CUSTOMOPS_BF16_TARGET void fp8_block_as_bf16(const uint16_t* h, uint32_t* out, i
 void fp8_rows_bf16_kernel(const c10::BFloat16* x, int64_t rows, int64_t k, const uint8_t* w, const float* scale,
                           int64_t n, float* y) {
   const int64_t pairs = k / 2, block = kBlock / 2;  // (pairs of codes: a block of kBlock codes)
-  const int64_t span = pairs;  // (x whole, as int4's)
-  const auto* xb = reinterpret_cast<const uint16_t*>(x);
+  const auto* xb = reinterpret_cast<const uint16_t*>(x);  // (x whole, as int4's)
   const float one = 1.f;
   at::parallel_for(0, n, std::max<int64_t>(1, kMinBytesAThread / std::max<int64_t>(k, 1)), [&](int64_t begin, int64_t end) {
     const int64_t count = end - begin;
     std::vector<uint16_t> halves(2 * block);
     std::vector<uint32_t> dec(block);
-    std::vector<float> sums(rows * count, 0.f);
+    std::vector<float> sums(rows * count);  // [rows, count]: fp8_finish's
     std::vector<uint8_t> nan(count, 0);
     __m512 acc[8];
-    for (int64_t s0 = 0; s0 < pairs; s0 += span) {
-      const int64_t s1 = std::min(s0 + span, pairs);
-      for (int64_t j = begin; j < end; ++j) {
-        for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
-        float tail[8] = {};
-        for (int64_t c0 = s0; c0 < s1; c0 += block) {
-          const int64_t c1 = std::min(c0 + block, s1), len = c1 - c0;
-          if (j + kPrefetchRows < end) {
-            for (int64_t p = 0; p < 2 * len; p += 64) __builtin_prefetch(w + (j + kPrefetchRows) * k + 2 * c0 + p, 0, 3);
-          }
-          nan[j - begin] |= fp8_as_half(w + j * k + 2 * c0, halves.data(), 2 * len);
-          fp8_block_as_bf16(halves.data(), dec.data(), len);
-          dot_block(dec.data(), c0, c1, pairs, xb, rows, k, &one, 1.f, acc);
-          for (int64_t i = c0 + len - len % kBf16Chunk; i < c1; ++i) {  // (pairs past whole vectors)
-            for (int64_t r = 0; r < rows; ++r) {
-              const uint16_t* xi = xb + r * k + 2 * i;
-              tail[r] += bf16_value(xi[0]) * bf16_value(dec[i - c0]) + bf16_value(xi[1]) * bf16_value(dec[i - c0] >> 16);
-            }
+    for (int64_t j = begin; j < end; ++j) {
+      for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+      float tail[8] = {};
+      for (int64_t c0 = 0; c0 < pairs; c0 += block) {
+        const int64_t c1 = std::min(c0 + block, pairs), len = c1 - c0;
+        if (j + kPrefetchRows < end) {
+          for (int64_t p = 0; p < 2 * len; p += 64) __builtin_prefetch(w + (j + kPrefetchRows) * k + 2 * c0 + p, 0, 3);
+        }
+        nan[j - begin] |= fp8_as_half(w + j * k + 2 * c0, halves.data(), 2 * len);
+        fp8_block_as_bf16(halves.data(), dec.data(), len);
+        dot_block(dec.data(), c0, c1, pairs, xb, rows, k, &one, 1.f, acc);
+        for (int64_t i = c0 + len - len % kBf16Chunk; i < c1; ++i) {  // (pairs past whole vectors)
+          for (int64_t r = 0; r < rows; ++r) {
+            const uint16_t* xi = xb + r * k + 2 * i;
+            tail[r] += bf16_value(xi[0]) * bf16_value(dec[i - c0]) + bf16_value(xi[1]) * bf16_value(dec[i - c0] >> 16);
           }
         }
-        for (int64_t r = 0; r < rows; ++r) sums[r * count + j - begin] += _mm512_reduce_add_ps(acc[r]) + tail[r];
       }
+      for (int64_t r = 0; r < rows; ++r) sums[r * count + j - begin] = _mm512_reduce_add_ps(acc[r]) + tail[r];
     }
     fp8_finish(sums.data(), nan.data(), scale, begin, end, rows, n, y);
   });
