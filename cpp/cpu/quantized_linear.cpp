@@ -15,7 +15,8 @@
 // - 2-8 rows of bfloat16 x where the CPU has AVX512_BF16 (rows_bf16): the block decoded into
 //   bfloat16 pairs instead, multiplied with x as stored by VDPBF16PS (exact products, float32
 //   sums), the weight rows prefetched ahead: 4-8 rows of Llama-3-8B MLP shapes in 0.53-0.8x the
-//   float32 kernels' time.
+//   float32 kernels' time. One row of int4 (groups of whole 32-byte vectors) decoded in registers
+//   instead, four features sharing x's loads: at the memory's speed, 0.3-0.45x the float32 kernel's.
 // - Many rows (prefill): blocks of output features dequantized to float32, bit for bit as the
 //   decomposition does, a row at a time (then rounded to bfloat16 or float16 x's dtype), and
 //   multiplied by BLAS, hundreds of features a product.
@@ -422,6 +423,71 @@ void int4_rows_bf16_kernel(const c10::BFloat16* x, int64_t rows, int64_t k, cons
     }
   });
 }
+// int4 with one row of bfloat16 x, where a group is whole vectors of 32 bytes: x split once into its
+// even and odd inputs, so that 32 weight bytes decode in registers, without a buffer, into the
+// bfloat16 of their 32 low codes (the even inputs' weights) and of their 32 high codes (the odd
+// inputs'), one table lookup (vpermw) each, which VDPBF16PS takes against xe and xo as loaded;
+// kRowFeatures features share each load of x. About 6 instructions for 64 weights, where the
+// float32 kernel's decoding and FMAs bound one row (int4 4096 x 14336 on a 2-core AVX-512 CPU,
+// 2026-11-30: 2.2 ms). The table as int4_rows_bf16_kernel's (2^-24 times the values, the scale
+// times 2^24, a product of x below 2^-102 flushed).
+constexpr int64_t kRowVector = 32;  // weight bytes a vector: 64 codes
+constexpr int kRowFeatures = 4;
+
+// y[f] for F features from w (F rows of half bytes) and their scales sf (F rows of groups).
+template <int F>
+CUSTOMOPS_BF16_TARGET inline void int4_row_features(const uint16_t* xe, const uint16_t* xo, int64_t half,
+                                                    int64_t groups, const uint8_t* w, const float* sf,
+                                                    __m512i codes, float* y) {
+  const int64_t group_bytes = half / groups;
+  bool folded = true;  // every scale times 2^24 finite: the 2^24 folded into the scale
+  for (int64_t i = 0; i < F * groups; ++i) folded &= std::isfinite(sf[i] * 0x1p24f);
+  __m512 acc[F];
+  for (int f = 0; f < F; ++f) acc[f] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 pe[F], po[F];
+    for (int f = 0; f < F; ++f) pe[f] = po[f] = _mm512_setzero_ps();
+    for (int64_t c = g * group_bytes; c < (g + 1) * group_bytes; c += kRowVector) {
+      const __m512bh ve = (__m512bh)_mm512_loadu_si512(xe + c), vo = (__m512bh)_mm512_loadu_si512(xo + c);
+      for (int f = 0; f < F; ++f) {
+        // a byte in each word: its bits 0-4 index the table (codes 0-15, repeated in 16-31), its high
+        // code shifted down
+        const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + f * half + c)));
+        pe[f] = _mm512_dpbf16_ps(pe[f], ve, (__m512bh)_mm512_permutexvar_epi16(b, codes));
+        po[f] = _mm512_dpbf16_ps(po[f], vo, (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), codes));
+      }
+    }
+    for (int f = 0; f < F; ++f) {
+      const float s = sf[f * groups + g];
+      const __m512 sum = _mm512_add_ps(pe[f], po[f]);
+      acc[f] = folded ? _mm512_fmadd_ps(sum, _mm512_set1_ps(s * 0x1p24f), acc[f])
+                      : _mm512_fmadd_ps(_mm512_mul_ps(sum, _mm512_set1_ps(0x1p24f)), _mm512_set1_ps(s), acc[f]);
+    }
+  }
+  for (int f = 0; f < F; ++f) y[f] = _mm512_reduce_add_ps(acc[f]);
+}
+
+CUSTOMOPS_BF16_TARGET void int4_row_bf16_kernel(const c10::BFloat16* x, int64_t k, const uint8_t* w,
+                                                const float* scale, int64_t groups, int64_t n, float* y) {
+  const int64_t half = k / 2;
+  alignas(64) uint16_t table[32];
+  for (int q = 0; q < 32; ++q) table[q] = c10::BFloat16(static_cast<float>(q % 16 - 8) * 0x1p-24f).x;
+  const __m512i codes = _mm512_load_si512(table);
+  std::vector<uint16_t> xe(half), xo(half);
+  const auto* xb = reinterpret_cast<const uint16_t*>(x);
+  for (int64_t i = 0; i < half; ++i) {
+    xe[i] = xb[2 * i];
+    xo[i] = xb[2 * i + 1];
+  }
+  at::parallel_for(0, n, std::max<int64_t>(1, kMinBytesAThread / std::max<int64_t>(half, 1)), [&](int64_t begin, int64_t end) {
+    int64_t j = begin;
+    for (; j + kRowFeatures <= end; j += kRowFeatures) {
+      int4_row_features<kRowFeatures>(xe.data(), xo.data(), half, groups, w + j * half, scale + j * groups, codes, y + j);
+    }
+    for (; j < end; ++j) int4_row_features<1>(xe.data(), xo.data(), half, groups, w + j * half, scale + j * groups, codes, y + j);
+  });
+}
+
 // fp8 with bfloat16 x, as int4's above: a block of a weight row decoded to bfloat16 (the float16
 // patterns of fp8_as_half, 2^-8 times the codes' values, widened and narrowed again: exact, every
 // code has at most 4 significant bits), one group a row, its scale (times 2^8) on the sum.
@@ -477,14 +543,20 @@ void fp8_rows_bf16_kernel(const c10::BFloat16* x, int64_t rows, int64_t k, const
 
 // bfloat16 x [rows, k] with int4 weights (groups > 0: w, scale as int4_rows') or float8 ones
 // (groups == 0: as fp8_rows'), by the CPU's bfloat16 dot products; false where this copy or the
-// CPU has no AVX512_BF16, for one row (there the float32 kernels were faster: int4 4096 x 14336
-// 2.0 ms against 2.6, decoding bound) or past 8, or for float8 of an odd k (then the float32 kernels).
+// CPU has no AVX512_BF16, past 8 rows, for float8 of an odd k, and at one row but for int4 whose
+// groups are whole 32-byte vectors (then the float32 kernels: through a buffer one row of int4
+// 4096 x 14336 took 2.6 ms against their 2.0; in registers 0.98).
 bool rows_bf16(const c10::BFloat16* x, int64_t rows, int64_t k, const uint8_t* w, const float* scale,
                int64_t groups, int64_t n, float* y) {
 #if defined(CPU_CAPABILITY_AVX512) && defined(__x86_64__)
   static const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
-  if (!has_bf16 || rows < 2 || rows > 8 || (groups == 0 && k % 2 != 0)) return false;
-  if (groups == 0) {
+  if (!has_bf16 || rows < 1 || rows > 8 || (groups == 0 && k % 2 != 0)) return false;
+  if (rows == 1) {
+    // int4 whose groups are whole vectors only (one row of fp8 or other int4: the float32 kernels,
+    // faster there than the buffered kernels below)
+    if (groups == 0 || (k / 2 / groups) % kRowVector != 0) return false;
+    int4_row_bf16_kernel(x, k, w, scale, groups, n, y);
+  } else if (groups == 0) {
     fp8_rows_bf16_kernel(x, rows, k, w, scale, n, y);
   } else {
     int4_rows_bf16_kernel(x, rows, k, w, scale, groups, n, y);
@@ -579,10 +651,10 @@ bool quantized_cpu_fit(const at::Tensor& weight, const at::Tensor& weight_scale)
 at::Tensor quantized_rows_cpu(const at::Tensor& in, const at::Tensor& weight, const at::Tensor& weight_scale) {
   const at::Tensor scale = weight_scale.to(at::kFloat).contiguous();
   const int64_t rows = in.size(0), k = in.size(1), n = weight.size(0);
-  // bfloat16 x of 2-8 rows: the CPU's bfloat16 dot products where it has them
+  // bfloat16 x of 1-8 rows: the CPU's bfloat16 dot products where it has them (rows_bf16 says which)
   // (CUSTOMOPS_CPU_BF16_DOT=0 turns them off, read at each call so that a benchmark can time both)
   const char* dot = std::getenv("CUSTOMOPS_CPU_BF16_DOT");
-  if (in.scalar_type() == at::kBFloat16 && rows >= 2 && rows <= 8 && (dot == nullptr || std::string_view(dot) != "0")) {
+  if (in.scalar_type() == at::kBFloat16 && rows >= 1 && rows <= 8 && (dot == nullptr || std::string_view(dot) != "0")) {
     const at::Tensor xb = in.contiguous();
     at::Tensor y = at::empty({rows, n}, xb.options().dtype(at::kFloat));
     const int64_t groups = weight.scalar_type() == at::kFloat8_e4m3fn ? 0 : scale.size(1);

@@ -227,18 +227,20 @@ def test_a_quantized_product_keeps_zeros_infinities_and_large_scales(rows):
                          ids=["4096-by-128", "354-by-118", "8192-by-8192"])
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 def test_bfloat16_rows_by_the_cpus_bfloat16_dot_products(fmt, rows, k, group, monkeypatch):
-    """bfloat16 x with quantized weights at 1-8 rows multiplies by AVX512_BF16's dot products where
-    the CPU has them (exact products, float32 sums): within float32 sums' rounding of the float64
-    product of the dequantized weight, as the float32 path is (CUSTOMOPS_CPU_BF16_DOT=0); a zero
-    weight under a large x gives 0, an infinite x reaches the result and times 0 gives NaN. (Where
-    the CPU has no AVX512_BF16 both runs take the float32 path.) 354 inputs: pairs past whole
-    vectors (and int4 groups of 59 bytes); one int4 group of 8192 inputs: longer than a decoded block.
-    An int4 result near float's largest over its scale does not overflow before the scale."""
+    """bfloat16 x with quantized weights at 2-8 rows (one row: int4 whose groups are whole 32-byte
+    vectors, decoded in registers) multiplies by AVX512_BF16's dot products where the CPU has them
+    (exact products, float32 sums): within float32 sums' rounding of the float64 product of the
+    dequantized weight, as the float32 path is (CUSTOMOPS_CPU_BF16_DOT=0); a zero weight under a
+    large x gives 0, an infinite x reaches the result and times 0 gives NaN. (Where the CPU has no
+    AVX512_BF16 both runs take the float32 path.) 354 inputs: pairs past whole vectors (and int4
+    groups of 59 bytes); one int4 group of 8192 inputs: longer than a decoded block. 98 features:
+    one row's kernel takes 4 at once, and 2 more alone. An int4 result near float's largest over its
+    scale does not overflow before the scale, nor one whose scale times 2^24 overflows."""
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=g).bfloat16()
-    w = torch.randn(96, k, generator=g).bfloat16()
+    w = torch.randn(98, k, generator=g).bfloat16()
     q, s = customops.quantize_fp8(w) if fmt == "fp8" else customops.quantize_int4(w, group_size=group)
-    bias = torch.randn(96, generator=g).bfloat16()
+    bias = torch.randn(98, generator=g).bfloat16()
     ref = x.double() @ _dequantized_ref(q, s, torch.float64).T
     got = customops.fused_linear(x, q, bias, weight_scale=s)
     monkeypatch.setenv("CUSTOMOPS_CPU_BF16_DOT", "0")
@@ -269,6 +271,11 @@ def test_bfloat16_rows_by_the_cpus_bfloat16_dot_products(fmt, rows, k, group, mo
         scale = torch.full((1, k // group), 0.01, dtype=torch.bfloat16)
         want = (x[:, :1].double() * -8 * scale[0, 0].double()).bfloat16()  # -8e36
         torch.testing.assert_close(customops.fused_linear(x, w, weight_scale=scale), want, rtol=2 ** -7, atol=0)
+        w = torch.full((1, k // 2), 0x99, dtype=torch.uint8)  # every weight 1
+        scale = torch.full((1, k // group), 1e32, dtype=torch.bfloat16)  # (times 2^24: past float's largest)
+        want = torch.full((rows, 1), k * scale[0, 0].double()).bfloat16()
+        got = customops.fused_linear(torch.ones(rows, k, dtype=torch.bfloat16), w, weight_scale=scale)
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=0)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
