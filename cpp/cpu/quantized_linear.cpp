@@ -15,8 +15,9 @@
 // - 2-8 rows of bfloat16 x where the CPU has AVX512_BF16 (rows_bf16): the block decoded into
 //   bfloat16 pairs instead, multiplied with x as stored by VDPBF16PS (exact products, float32
 //   sums), the weight rows prefetched ahead: 4-8 rows of Llama-3-8B MLP shapes in 0.53-0.8x the
-//   float32 kernels' time. One row of int4 (groups of whole 32-byte vectors) decoded in registers
-//   instead, four features sharing x's loads: at the memory's speed, 0.3-0.45x the float32 kernel's.
+//   float32 kernels' time. One row (int4 groups or fp8 rows of whole 32-byte vectors) decoded in
+//   registers instead, four features sharing x's loads: at the memory's speed, where the float32
+//   kernels took up to 3x (int4) and 2x (fp8 at 14,336 inputs) as long.
 // - Many rows (prefill): blocks of output features dequantized to float32, bit for bit as the
 //   decomposition does, a row at a time (then rounded to bfloat16 or float16 x's dtype), and
 //   multiplied by BLAS, hundreds of features a product.
@@ -431,7 +432,7 @@ void int4_rows_bf16_kernel(const c10::BFloat16* x, int64_t rows, int64_t k, cons
 // float32 kernel's decoding and FMAs bound one row (int4 4096 x 14336 on a 2-core AVX-512 CPU,
 // 2026-11-30: 2.2 ms). The table as int4_rows_bf16_kernel's (2^-24 times the values, the scale
 // times 2^24, a product of x below 2^-102 flushed).
-constexpr int64_t kRowVector = 32;  // weight bytes a vector: 64 codes
+constexpr int64_t kRowVector = 32;  // weight bytes a vector (64 int4 codes, 32 fp8 ones)
 constexpr int kRowFeatures = 4;
 
 // y[f] for F features from w (F rows of half bytes) and their scales sf (F rows of groups).
@@ -503,6 +504,55 @@ CUSTOMOPS_BF16_TARGET void fp8_block_as_bf16(const uint16_t* h, uint32_t* out, i
   }
 }
 
+// fp8 with one row of bfloat16 x, k a multiple of 32: 32 codes decoded in registers (the float16
+// patterns of fp8_as_half widened and narrowed to bfloat16, exact) into VDPBF16PS against x as
+// stored, kRowFeatures features sharing each load of x, whose bfloat16 (half of float32's bytes)
+// stays in L1 at 14,336 inputs; sums[f] 2^-8 times the products' (fp8_finish takes the 2^8) and
+// nan[f] whether a code of feature f was NaN.
+template <int F>
+CUSTOMOPS_BF16_TARGET inline void fp8_row_features(const uint16_t* xb, int64_t k, const uint8_t* w, float* sums,
+                                                   uint8_t* nan) {
+  const __m512i low = _mm512_set1_epi16(0x3f80), sign = _mm512_set1_epi16(static_cast<int16_t>(0x8000));
+  __m512 acc[F];
+  __mmask32 nans[F];
+  for (int f = 0; f < F; ++f) {
+    acc[f] = _mm512_setzero_ps();
+    nans[f] = 0;
+  }
+  for (int64_t c = 0; c < k; c += kRowVector) {
+    const __m512bh v = (__m512bh)_mm512_loadu_si512(xb + c);
+    for (int f = 0; f < F; ++f) {
+      const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + f * k + c)));
+      // the float16 pattern: bits 0-6 of the code at 7-13, its sign at 15
+      const __m512i mag = _mm512_and_si512(_mm512_slli_epi16(b, 7), low);
+      const __m512i h = _mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(b, 8), sign, 0xF8);  // mag | (b << 8 & sign)
+      nans[f] |= _mm512_cmpeq_epi16_mask(mag, low);  // (code & 0x7f) == 0x7f
+      const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+      acc[f] = _mm512_dpbf16_ps(acc[f], v, _mm512_cvtne2ps_pbh(hi, lo));
+    }
+  }
+  for (int f = 0; f < F; ++f) {
+    sums[f] = _mm512_reduce_add_ps(acc[f]);
+    nan[f] = nans[f] != 0;
+  }
+}
+
+CUSTOMOPS_BF16_TARGET void fp8_row_bf16_kernel(const c10::BFloat16* x, int64_t k, const uint8_t* w,
+                                               const float* scale, int64_t n, float* y) {
+  const auto* xb = reinterpret_cast<const uint16_t*>(x);
+  at::parallel_for(0, n, std::max<int64_t>(1, kMinBytesAThread / std::max<int64_t>(k, 1)), [&](int64_t begin, int64_t end) {
+    const int64_t count = end - begin;
+    std::vector<float> sums(count);
+    std::vector<uint8_t> nan(count);
+    int64_t j = begin;
+    for (; j + kRowFeatures <= end; j += kRowFeatures) {
+      fp8_row_features<kRowFeatures>(xb, k, w + j * k, sums.data() + j - begin, nan.data() + j - begin);
+    }
+    for (; j < end; ++j) fp8_row_features<1>(xb, k, w + j * k, sums.data() + j - begin, nan.data() + j - begin);
+    fp8_finish(sums.data(), nan.data(), scale, begin, end, 1, n, y);
+  });
+}
+
 void fp8_rows_bf16_kernel(const c10::BFloat16* x, int64_t rows, int64_t k, const uint8_t* w, const float* scale,
                           int64_t n, float* y) {
   const int64_t pairs = k / 2, block = kBlock / 2;  // (pairs of codes: a block of kBlock codes)
@@ -543,19 +593,22 @@ void fp8_rows_bf16_kernel(const c10::BFloat16* x, int64_t rows, int64_t k, const
 
 // bfloat16 x [rows, k] with int4 weights (groups > 0: w, scale as int4_rows') or float8 ones
 // (groups == 0: as fp8_rows'), by the CPU's bfloat16 dot products; false where this copy or the
-// CPU has no AVX512_BF16, past 8 rows, for float8 of an odd k, and at one row but for int4 whose
-// groups are whole 32-byte vectors (then the float32 kernels: through a buffer one row of int4
-// 4096 x 14336 took 2.6 ms against their 2.0; in registers 0.98).
+// CPU has no AVX512_BF16, past 8 rows, for float8 of an odd k, and at one row but for whole 32-byte
+// vectors (int4 groups, fp8 rows; else the float32 kernels: through a buffer one row of int4
+// 4096 x 14336 took 2.6 ms against their 2.0; in registers 1.0).
 bool rows_bf16(const c10::BFloat16* x, int64_t rows, int64_t k, const uint8_t* w, const float* scale,
                int64_t groups, int64_t n, float* y) {
 #if defined(CPU_CAPABILITY_AVX512) && defined(__x86_64__)
   static const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
   if (!has_bf16 || rows < 1 || rows > 8 || (groups == 0 && k % 2 != 0)) return false;
   if (rows == 1) {
-    // int4 whose groups are whole vectors only (one row of fp8 or other int4: the float32 kernels,
-    // faster there than the buffered kernels below)
-    if (groups == 0 || (k / 2 / groups) % kRowVector != 0) return false;
-    int4_row_bf16_kernel(x, k, w, scale, groups, n, y);
+    // whole vectors only (else the float32 kernels, faster at one row than the buffered kernels below)
+    if (groups == 0 ? k % kRowVector != 0 : (k / 2 / groups) % kRowVector != 0) return false;
+    if (groups == 0) {
+      fp8_row_bf16_kernel(x, k, w, scale, n, y);
+    } else {
+      int4_row_bf16_kernel(x, k, w, scale, groups, n, y);
+    }
   } else if (groups == 0) {
     fp8_rows_bf16_kernel(x, rows, k, w, scale, n, y);
   } else {

@@ -177,14 +177,16 @@ def test_quantize_int4_passes_opcheck_compile_and_export(device):
     torch.testing.assert_close(torch.export.export(M(), (w, x)).module()(w, x), want)
 
 
+@pytest.mark.parametrize("k", [88, 128])
 @pytest.mark.parametrize("rows", [1, 5, 40], ids=lambda r: f"{r}-rows")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_every_code_of_a_quantized_weight_reads_as_its_value(rows, dtype):
+def test_every_code_of_a_quantized_weight_reads_as_its_value(rows, dtype, k):
     """fused_linear on the CPU reads the codes as stored (decoding rows, the codes decoded in
     vectors; many rows, blocks of the weight dequantized for BLAS): output feature j of a weight
-    whose row j repeats one code, times x of ones, is 88 times that code's value times the scale,
-    exactly, for each of the 256 float8 codes (NaN ones give NaN) and the 16 int4 ones."""
-    k = 88  # (whole vectors and a tail at every width the CPU kernels take: 8, 16 or 32 floats or halves)
+    whose row j repeats one code, times x of ones, is k times that code's value times the scale,
+    exactly, for each of the 256 float8 codes (NaN ones give NaN) and the 16 int4 ones. k = 88:
+    whole vectors and a tail at every width the CPU kernels take (8, 16 or 32 floats or halves);
+    128: whole vectors of one bfloat16 row's kernels (32 float8 codes, int4 groups of 64 inputs)."""
     x = torch.ones(rows, k, dtype=dtype)
     fp8 = torch.arange(256, dtype=torch.uint8)[:, None].expand(256, k).contiguous().view(torch.float8_e4m3fn)
     scale = torch.full((256,), 0.5)
@@ -194,7 +196,7 @@ def test_every_code_of_a_quantized_weight_reads_as_its_value(rows, dtype):
     assert got[:, [0x7F, 0xFF]].isnan().all() and got.isnan().sum() == 2 * rows
     codes = torch.arange(16, dtype=torch.uint8)
     int4 = (codes | (codes << 4))[:, None].expand(16, k // 2).contiguous()
-    int4_scale = torch.full((16, 2), 0.25, dtype=dtype)  # groups of 44 inputs
+    int4_scale = torch.full((16, 2), 0.25, dtype=dtype)  # groups of k / 2 inputs
     got = torch.ops.customops.fused_linear(x, int4, None, None, "none", None, 1e-6, True, int4_scale)
     torch.testing.assert_close(got, ((codes.float() - 8) * 0.25 * k).to(dtype).expand(rows, 16), rtol=0, atol=0)
 
