@@ -12,12 +12,12 @@
 //   y[r, j] = sum_g scale[j, g] * sum_{k in g} x[r, k] * (q[j, k] - 8): the dequantized product's
 //   sums in float32, in another order (each code less its 8 before the product, never a sum of x
 //   taken off after: that cancels, and a zero weight under a large x would not give 0).
-// - 2-8 rows of bfloat16 x where the CPU has AVX512_BF16 (rows_bf16): the block decoded into
-//   bfloat16 pairs instead, multiplied with x as stored by VDPBF16PS (exact products, float32
-//   sums), the weight rows prefetched ahead: 4-8 rows of Llama-3-8B MLP shapes in 0.53-0.8x the
-//   float32 kernels' time. One row (int4 groups or fp8 rows of whole 32-byte vectors) decoded in
-//   registers instead, four features sharing x's loads: at the memory's speed, where the float32
-//   kernels took up to 3x (int4) and 2x (fp8 at 14,336 inputs) as long.
+// - 1-8 rows of bfloat16 x where the CPU has AVX512_BF16 (rows_bf16), int4 groups or fp8 rows of
+//   whole 32-byte vectors: the codes decoded in registers into bfloat16 and multiplied with x by
+//   VDPBF16PS (exact products, float32 sums), up to 4 rows a pass over 2-4 features sharing x's
+//   loads: one row at the memory's speed (the float32 kernels took up to 2.6x as long), 4-8 rows of
+//   Llama-3-8B MLP shapes in 0.3-0.5x the float32 kernels' time. Other shapes at 2-8 rows: a block
+//   decoded into bfloat16 pairs in L1 first, the weight rows prefetched ahead.
 // - Many rows (prefill): blocks of output features dequantized to float32, bit for bit as the
 //   decomposition does, a row at a time (then rounded to bfloat16 or float16 x's dtype), and
 //   multiplied by BLAS, hundreds of features a product.
@@ -424,68 +424,145 @@ void int4_rows_bf16_kernel(const c10::BFloat16* x, int64_t rows, int64_t k, cons
     }
   });
 }
-// int4 with one row of bfloat16 x, where a group is whole vectors of 32 bytes: x split once into its
-// even and odd inputs, so that 32 weight bytes decode in registers, without a buffer, into the
-// bfloat16 of their 32 low codes (the even inputs' weights) and of their 32 high codes (the odd
-// inputs'), one table lookup (vpermw) each, which VDPBF16PS takes against xe and xo as loaded;
-// kRowFeatures features share each load of x. About 6 instructions for 64 weights, where the
-// float32 kernel's decoding and FMAs bound one row (int4 4096 x 14336 on a 2-core AVX-512 CPU,
-// 2026-11-30: 2.2 ms). The table as int4_rows_bf16_kernel's (2^-24 times the values, the scale
-// times 2^24, a product of x below 2^-102 flushed).
+// int4 with 1-8 rows of bfloat16 x, where a group is whole vectors of 32 bytes: each row of x split
+// once into its even and odd inputs, so that 32 weight bytes decode in registers, without a buffer,
+// into the bfloat16 of their 32 low codes (the even inputs' weights) and of their 32 high codes (the
+// odd inputs'), one table lookup (vpermw) each, which VDPBF16PS takes against up to 4 rows' xe and xo
+// as loaded; F features share each load of x and each decoded vector serves the rows. About 6
+// instructions for 64 weights at one row, where the float32 kernel's decoding and FMAs bound it
+// (int4 4096 x 14336 on a 2-core AVX-512 CPU, 2026-11-30: 2.2 ms, now 1.0: the memory's speed). The
+// table as int4_rows_bf16_kernel's (2^-24 times the values, the scale times 2^24, a product of x
+// below 2^-102 flushed).
 constexpr int64_t kRowVector = 32;  // weight bytes a vector (64 int4 codes, 32 fp8 ones)
-constexpr int kRowFeatures = 4;
+constexpr int kRowsAPass = 4;       // rows of x a pass over a block of features (registers: 2 R F + 2 R)
 
-// y[f] for F features from w (F rows of half bytes) and their scales sf (F rows of groups).
-template <int F>
-CUSTOMOPS_BF16_TARGET inline void int4_row_features(const uint16_t* xe, const uint16_t* xo, int64_t half,
-                                                    int64_t groups, const uint8_t* w, const float* sf,
-                                                    __m512i codes, float* y) {
+// The features a block for R rows: as many as the 32 vector registers hold.
+template <int R>
+constexpr int row_features() {
+  return R <= 2 ? 4 : 2;
+}
+
+// y[r, f] (y's rows n apart) for R rows of x (xe, xo) and F features of w (F rows of half bytes),
+// scales sf (F rows of groups); folded: every scale times 2^24 finite (the 2^24 folded into it).
+template <int R, int F>
+CUSTOMOPS_BF16_TARGET inline void int4_rows_features(const uint16_t* const* xe, const uint16_t* const* xo,
+                                                     int64_t half, int64_t groups, const uint8_t* w,
+                                                     const float* sf, bool folded, __m512i codes, float* y,
+                                                     int64_t n) {
   const int64_t group_bytes = half / groups;
-  bool folded = true;  // every scale times 2^24 finite: the 2^24 folded into the scale
-  for (int64_t i = 0; i < F * groups; ++i) folded &= std::isfinite(sf[i] * 0x1p24f);
-  __m512 acc[F];
-  for (int f = 0; f < F; ++f) acc[f] = _mm512_setzero_ps();
+  __m512 acc[R][F];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int f = 0; f < F; ++f) acc[r][f] = _mm512_setzero_ps();
+  // (one row: two sums a feature, the even inputs' and the odd ones', to hide the instruction's
+  // latency; more rows have chains enough, and no registers to spare)
+  constexpr bool kTwo = R == 1;
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 pe[F], po[F];
-    for (int f = 0; f < F; ++f) pe[f] = po[f] = _mm512_setzero_ps();
+    __m512 p[R][F], q[R][F];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+      for (int f = 0; f < F; ++f) p[r][f] = q[r][f] = _mm512_setzero_ps();
     for (int64_t c = g * group_bytes; c < (g + 1) * group_bytes; c += kRowVector) {
-      const __m512bh ve = (__m512bh)_mm512_loadu_si512(xe + c), vo = (__m512bh)_mm512_loadu_si512(xo + c);
+      __m512bh ve[R], vo[R];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        ve[r] = (__m512bh)_mm512_loadu_si512(xe[r] + c);
+        vo[r] = (__m512bh)_mm512_loadu_si512(xo[r] + c);
+      }
+#pragma GCC unroll 8
       for (int f = 0; f < F; ++f) {
         // a byte in each word: its bits 0-4 index the table (codes 0-15, repeated in 16-31), its high
         // code shifted down
         const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + f * half + c)));
-        pe[f] = _mm512_dpbf16_ps(pe[f], ve, (__m512bh)_mm512_permutexvar_epi16(b, codes));
-        po[f] = _mm512_dpbf16_ps(po[f], vo, (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), codes));
+        const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(b, codes);
+        const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), codes);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          if constexpr (kTwo) {
+            p[r][f] = _mm512_dpbf16_ps(p[r][f], ve[r], lo);
+            q[r][f] = _mm512_dpbf16_ps(q[r][f], vo[r], hi);
+          } else {
+            p[r][f] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(p[r][f], ve[r], lo), vo[r], hi);
+          }
+        }
       }
     }
+#pragma GCC unroll 8
     for (int f = 0; f < F; ++f) {
       const float s = sf[f * groups + g];
-      const __m512 sum = _mm512_add_ps(pe[f], po[f]);
-      acc[f] = folded ? _mm512_fmadd_ps(sum, _mm512_set1_ps(s * 0x1p24f), acc[f])
-                      : _mm512_fmadd_ps(_mm512_mul_ps(sum, _mm512_set1_ps(0x1p24f)), _mm512_set1_ps(s), acc[f]);
+      const __m512 s24 = _mm512_set1_ps(folded ? s * 0x1p24f : s);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 sum = kTwo ? _mm512_add_ps(p[r][f], q[r][f]) : p[r][f];
+        acc[r][f] = folded ? _mm512_fmadd_ps(sum, s24, acc[r][f])
+                           : _mm512_fmadd_ps(_mm512_mul_ps(sum, _mm512_set1_ps(0x1p24f)), s24, acc[r][f]);
+      }
     }
   }
-  for (int f = 0; f < F; ++f) y[f] = _mm512_reduce_add_ps(acc[f]);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int f = 0; f < F; ++f) y[r * n + f] = _mm512_reduce_add_ps(acc[r][f]);
 }
 
-CUSTOMOPS_BF16_TARGET void int4_row_bf16_kernel(const c10::BFloat16* x, int64_t k, const uint8_t* w,
-                                                const float* scale, int64_t groups, int64_t n, float* y) {
+// F features for R rows: row_features<R>() at a time.
+template <int R, int F>
+CUSTOMOPS_BF16_TARGET inline void int4_rows_pass(const uint16_t* const* xe, const uint16_t* const* xo, int64_t half,
+                                                 int64_t groups, const uint8_t* w, const float* sf, bool folded,
+                                                 __m512i codes, float* y, int64_t n) {
+  constexpr int FF = F < row_features<R>() ? F : row_features<R>();
+  for (int f0 = 0; f0 < F; f0 += FF) {
+    int4_rows_features<R, FF>(xe, xo, half, groups, w + f0 * half, sf + f0 * groups, folded, codes, y + f0, n);
+  }
+}
+
+// F features (from feature j) for every row, kRowsAPass rows a pass: the block's weight bytes stay in
+// L1 between the passes.
+template <int F>
+CUSTOMOPS_BF16_TARGET inline void int4_feature_block(const uint16_t* xe, const uint16_t* xo, int64_t rows,
+                                                     int64_t half, int64_t groups, const uint8_t* w,
+                                                     const float* scale, int64_t j, int64_t n, __m512i codes,
+                                                     float* y) {
+  const float* sf = scale + j * groups;
+  const uint8_t* wj = w + j * half;
+  bool folded = true;
+  for (int64_t i = 0; i < F * groups; ++i) folded &= std::isfinite(sf[i] * 0x1p24f);
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowsAPass) {
+    const uint16_t* e[kRowsAPass];
+    const uint16_t* o[kRowsAPass];
+    for (int r = 0; r < kRowsAPass && r0 + r < rows; ++r) {
+      e[r] = xe + (r0 + r) * half;
+      o[r] = xo + (r0 + r) * half;
+    }
+    float* yr = y + r0 * n + j;
+    switch (std::min<int64_t>(kRowsAPass, rows - r0)) {
+      case 1: int4_rows_pass<1, F>(e, o, half, groups, wj, sf, folded, codes, yr, n); break;
+      case 2: int4_rows_pass<2, F>(e, o, half, groups, wj, sf, folded, codes, yr, n); break;
+      case 3: int4_rows_pass<3, F>(e, o, half, groups, wj, sf, folded, codes, yr, n); break;
+      default: int4_rows_pass<4, F>(e, o, half, groups, wj, sf, folded, codes, yr, n); break;
+    }
+  }
+}
+
+CUSTOMOPS_BF16_TARGET void int4_rows_bf16_regs(const c10::BFloat16* x, int64_t rows, int64_t k, const uint8_t* w,
+                                               const float* scale, int64_t groups, int64_t n, float* y) {
   const int64_t half = k / 2;
   alignas(64) uint16_t table[32];
   for (int q = 0; q < 32; ++q) table[q] = c10::BFloat16(static_cast<float>(q % 16 - 8) * 0x1p-24f).x;
   const __m512i codes = _mm512_load_si512(table);
-  std::vector<uint16_t> xe(half), xo(half);
+  std::vector<uint16_t> xe(rows * half), xo(rows * half);  // [rows, half] each
   const auto* xb = reinterpret_cast<const uint16_t*>(x);
-  for (int64_t i = 0; i < half; ++i) {
+  for (int64_t i = 0; i < rows * half; ++i) {
     xe[i] = xb[2 * i];
     xo[i] = xb[2 * i + 1];
   }
+  constexpr int F = row_features<1>();
   at::parallel_for(0, n, std::max<int64_t>(1, kMinBytesAThread / std::max<int64_t>(half, 1)), [&](int64_t begin, int64_t end) {
     int64_t j = begin;
-    for (; j + kRowFeatures <= end; j += kRowFeatures) {
-      int4_row_features<kRowFeatures>(xe.data(), xo.data(), half, groups, w + j * half, scale + j * groups, codes, y + j);
-    }
-    for (; j < end; ++j) int4_row_features<1>(xe.data(), xo.data(), half, groups, w + j * half, scale + j * groups, codes, y + j);
+    for (; j + F <= end; j += F) int4_feature_block<F>(xe.data(), xo.data(), rows, half, groups, w, scale, j, n, codes, y);
+    for (; j < end; ++j) int4_feature_block<1>(xe.data(), xo.data(), rows, half, groups, w, scale, j, n, codes, y);
   });
 }
 
@@ -504,23 +581,29 @@ CUSTOMOPS_BF16_TARGET void fp8_block_as_bf16(const uint16_t* h, uint32_t* out, i
   }
 }
 
-// fp8 with one row of bfloat16 x, k a multiple of 32: 32 codes decoded in registers (the float16
-// patterns of fp8_as_half widened and narrowed to bfloat16, exact) into VDPBF16PS against x as
-// stored, kRowFeatures features sharing each load of x, whose bfloat16 (half of float32's bytes)
-// stays in L1 at 14,336 inputs; sums[f] 2^-8 times the products' (fp8_finish takes the 2^8) and
-// nan[f] whether a code of feature f was NaN.
-template <int F>
-CUSTOMOPS_BF16_TARGET inline void fp8_row_features(const uint16_t* xb, int64_t k, const uint8_t* w, float* sums,
-                                                   uint8_t* nan) {
+// fp8 with 1-8 rows of bfloat16 x, k a multiple of 32: 32 codes decoded in registers (the float16
+// patterns of fp8_as_half widened and narrowed to bfloat16, exact) into VDPBF16PS against up to 4
+// rows of x as stored, F features sharing each load of x (whose bfloat16, half of float32's bytes,
+// stays in L1 at 14,336 inputs) and each decoded vector serving the rows; sums[r, f] (rows `count`
+// apart) 2^-8 times the products' (fp8_finish takes the 2^8), nan[f] whether a code of feature f
+// was NaN.
+template <int R, int F>
+CUSTOMOPS_BF16_TARGET inline void fp8_rows_features(const uint16_t* const* xr, int64_t k, const uint8_t* w,
+                                                    float* sums, int64_t count, uint8_t* nan) {
   const __m512i low = _mm512_set1_epi16(0x3f80), sign = _mm512_set1_epi16(static_cast<int16_t>(0x8000));
-  __m512 acc[F];
+  __m512 acc[R][F];
   __mmask32 nans[F];
+#pragma GCC unroll 8
   for (int f = 0; f < F; ++f) {
-    acc[f] = _mm512_setzero_ps();
     nans[f] = 0;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r][f] = _mm512_setzero_ps();
   }
   for (int64_t c = 0; c < k; c += kRowVector) {
-    const __m512bh v = (__m512bh)_mm512_loadu_si512(xb + c);
+    __m512bh v[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) v[r] = (__m512bh)_mm512_loadu_si512(xr[r] + c);
+#pragma GCC unroll 8
     for (int f = 0; f < F; ++f) {
       const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + f * k + c)));
       // the float16 pattern: bits 0-6 of the code at 7-13, its sign at 15
@@ -528,28 +611,45 @@ CUSTOMOPS_BF16_TARGET inline void fp8_row_features(const uint16_t* xb, int64_t k
       const __m512i h = _mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(b, 8), sign, 0xF8);  // mag | (b << 8 & sign)
       nans[f] |= _mm512_cmpeq_epi16_mask(mag, low);  // (code & 0x7f) == 0x7f
       const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h)), hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
-      acc[f] = _mm512_dpbf16_ps(acc[f], v, _mm512_cvtne2ps_pbh(hi, lo));
+      const __m512bh d = _mm512_cvtne2ps_pbh(hi, lo);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][f] = _mm512_dpbf16_ps(acc[r][f], v[r], d);
     }
   }
+#pragma GCC unroll 8
   for (int f = 0; f < F; ++f) {
-    sums[f] = _mm512_reduce_add_ps(acc[f]);
-    nan[f] = nans[f] != 0;
+    nan[f] |= nans[f] != 0;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) sums[r * count + f] = _mm512_reduce_add_ps(acc[r][f]);
   }
 }
 
-CUSTOMOPS_BF16_TARGET void fp8_row_bf16_kernel(const c10::BFloat16* x, int64_t k, const uint8_t* w,
-                                               const float* scale, int64_t n, float* y) {
+CUSTOMOPS_BF16_TARGET void fp8_rows_bf16_regs(const c10::BFloat16* x, int64_t rows, int64_t k, const uint8_t* w,
+                                              const float* scale, int64_t n, float* y) {
   const auto* xb = reinterpret_cast<const uint16_t*>(x);
   at::parallel_for(0, n, std::max<int64_t>(1, kMinBytesAThread / std::max<int64_t>(k, 1)), [&](int64_t begin, int64_t end) {
     const int64_t count = end - begin;
-    std::vector<float> sums(count);
-    std::vector<uint8_t> nan(count);
+    std::vector<float> sums(rows * count);  // [rows, count]
+    std::vector<uint8_t> nan(count, 0);
+    // F features (from j) for every row, kRowsAPass rows a pass (the features' bytes stay in L1)
+    auto block = [&](auto features, int64_t j) {
+      constexpr int F = decltype(features)::value;
+      for (int64_t r0 = 0; r0 < rows; r0 += kRowsAPass) {
+        const uint16_t* xr[kRowsAPass];
+        for (int r = 0; r < kRowsAPass && r0 + r < rows; ++r) xr[r] = xb + (r0 + r) * k;
+        float* sr = sums.data() + r0 * count + j - begin;
+        switch (std::min<int64_t>(kRowsAPass, rows - r0)) {
+          case 1: fp8_rows_features<1, F>(xr, k, w + j * k, sr, count, nan.data() + j - begin); break;
+          case 2: fp8_rows_features<2, F>(xr, k, w + j * k, sr, count, nan.data() + j - begin); break;
+          case 3: fp8_rows_features<3, F>(xr, k, w + j * k, sr, count, nan.data() + j - begin); break;
+          default: fp8_rows_features<4, F>(xr, k, w + j * k, sr, count, nan.data() + j - begin); break;
+        }
+      }
+    };
     int64_t j = begin;
-    for (; j + kRowFeatures <= end; j += kRowFeatures) {
-      fp8_row_features<kRowFeatures>(xb, k, w + j * k, sums.data() + j - begin, nan.data() + j - begin);
-    }
-    for (; j < end; ++j) fp8_row_features<1>(xb, k, w + j * k, sums.data() + j - begin, nan.data() + j - begin);
-    fp8_finish(sums.data(), nan.data(), scale, begin, end, 1, n, y);
+    for (; j + 4 <= end; j += 4) block(std::integral_constant<int, 4>(), j);
+    for (; j < end; ++j) block(std::integral_constant<int, 1>(), j);
+    fp8_finish(sums.data(), nan.data(), scale, begin, end, rows, n, y);
   });
 }
 
@@ -594,21 +694,22 @@ void fp8_rows_bf16_kernel(const c10::BFloat16* x, int64_t rows, int64_t k, const
 // bfloat16 x [rows, k] with int4 weights (groups > 0: w, scale as int4_rows') or float8 ones
 // (groups == 0: as fp8_rows'), by the CPU's bfloat16 dot products; false where this copy or the
 // CPU has no AVX512_BF16, past 8 rows, for float8 of an odd k, and at one row but for whole 32-byte
-// vectors (int4 groups, fp8 rows; else the float32 kernels: through a buffer one row of int4
-// 4096 x 14336 took 2.6 ms against their 2.0; in registers 1.0).
+// vectors (int4 groups, fp8 rows: in registers; else the float32 kernels, as the buffered ones took
+// one row of int4 4096 x 14336 in 2.6 ms against their 2.0; in registers 1.0-1.4).
 bool rows_bf16(const c10::BFloat16* x, int64_t rows, int64_t k, const uint8_t* w, const float* scale,
                int64_t groups, int64_t n, float* y) {
 #if defined(CPU_CAPABILITY_AVX512) && defined(__x86_64__)
   static const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
   if (!has_bf16 || rows < 1 || rows > 8 || (groups == 0 && k % 2 != 0)) return false;
-  if (rows == 1) {
-    // whole vectors only (else the float32 kernels, faster at one row than the buffered kernels below)
-    if (groups == 0 ? k % kRowVector != 0 : (k / 2 / groups) % kRowVector != 0) return false;
+  if (groups == 0 ? k % kRowVector == 0 : (k / 2 / groups) % kRowVector == 0) {
+    // whole vectors: decoded in registers
     if (groups == 0) {
-      fp8_row_bf16_kernel(x, k, w, scale, n, y);
+      fp8_rows_bf16_regs(x, rows, k, w, scale, n, y);
     } else {
-      int4_row_bf16_kernel(x, k, w, scale, groups, n, y);
+      int4_rows_bf16_regs(x, rows, k, w, scale, groups, n, y);
     }
+  } else if (rows == 1) {
+    return false;  // (the float32 kernels: faster at one row than the buffered kernels below)
   } else if (groups == 0) {
     fp8_rows_bf16_kernel(x, rows, k, w, scale, n, y);
   } else {
