@@ -430,11 +430,11 @@ void int4_rows_bf16_kernel(const c10::BFloat16* x, int64_t rows, int64_t k, cons
 // odd inputs'), one table lookup (vpermw) each, which VDPBF16PS takes against up to 4 rows' xe and xo
 // as loaded; F features share each load of x and each decoded vector serves the rows. About 6
 // instructions for 64 weights at one row, where the float32 kernel's decoding and FMAs bound it
-// (int4 4096 x 14336 on a 2-core AVX-512 CPU, 2026-11-30: 2.2 ms, now 1.0: the memory's speed). The
-// table as int4_rows_bf16_kernel's (2^-24 times the values, the scale times 2^24, a product of x
-// below 2^-102 flushed).
+// (int4 4096 x 14336 on a 2-core AVX-512 CPU, 2026-11-30: 2.0-2.2 ms, now 1.0-1.4: about the
+// memory's speed). The table as int4_rows_bf16_kernel's (2^-24 times the values, the scale times
+// 2^24, a product of x below 2^-102 flushed).
 constexpr int64_t kRowVector = 32;  // weight bytes a vector (64 int4 codes, 32 fp8 ones)
-constexpr int kRowsAPass = 4;       // rows of x a pass over a block of features (registers: 2 R F + 2 R)
+constexpr int kRowsAPass = 4;       // rows of x a pass over a block of features
 
 // The features a block for R rows: as many as the 32 vector registers hold.
 template <int R>
