@@ -434,7 +434,6 @@ void int4_rows_bf16_kernel(const c10::BFloat16* x, int64_t rows, int64_t k, cons
 // memory's speed). The table as int4_rows_bf16_kernel's (2^-24 times the values, the scale times
 // 2^24, a product of x below 2^-102 flushed).
 constexpr int64_t kRowVector = 32;  // weight bytes a vector (64 int4 codes, 32 fp8 ones)
-constexpr int kRowsAPass = 4;       // rows of x a pass over a block of features
 
 // The features a block for R rows: as many as the 32 vector registers hold.
 template <int R>
@@ -518,7 +517,7 @@ CUSTOMOPS_BF16_TARGET inline void int4_rows_pass(const uint16_t* const* xe, cons
   }
 }
 
-// F features (from feature j) for every row, kRowsAPass rows a pass: the block's weight bytes stay in
+// F features (from feature j) for every row, kRowBlock rows a pass: the block's weight bytes stay in
 // L1 between the passes.
 template <int F>
 CUSTOMOPS_BF16_TARGET inline void int4_feature_block(const uint16_t* xe, const uint16_t* xo, int64_t rows,
@@ -529,21 +528,16 @@ CUSTOMOPS_BF16_TARGET inline void int4_feature_block(const uint16_t* xe, const u
   const uint8_t* wj = w + j * half;
   bool folded = true;
   for (int64_t i = 0; i < F * groups; ++i) folded &= std::isfinite(sf[i] * 0x1p24f);
-  for (int64_t r0 = 0; r0 < rows; r0 += kRowsAPass) {
-    const uint16_t* e[kRowsAPass];
-    const uint16_t* o[kRowsAPass];
-    for (int r = 0; r < kRowsAPass && r0 + r < rows; ++r) {
+  row_blocks(rows, [&](auto block_rows, int64_t r0) {
+    constexpr int R = decltype(block_rows)::value;
+    const uint16_t* e[R];
+    const uint16_t* o[R];
+    for (int r = 0; r < R; ++r) {
       e[r] = xe + (r0 + r) * half;
       o[r] = xo + (r0 + r) * half;
     }
-    float* yr = y + r0 * n + j;
-    switch (std::min<int64_t>(kRowsAPass, rows - r0)) {
-      case 1: int4_rows_pass<1, F>(e, o, half, groups, wj, sf, folded, codes, yr, n); break;
-      case 2: int4_rows_pass<2, F>(e, o, half, groups, wj, sf, folded, codes, yr, n); break;
-      case 3: int4_rows_pass<3, F>(e, o, half, groups, wj, sf, folded, codes, yr, n); break;
-      default: int4_rows_pass<4, F>(e, o, half, groups, wj, sf, folded, codes, yr, n); break;
-    }
-  }
+    int4_rows_pass<R, F>(e, o, half, groups, wj, sf, folded, codes, y + r0 * n + j, n);
+  });
 }
 
 CUSTOMOPS_BF16_TARGET void int4_rows_bf16_regs(const c10::BFloat16* x, int64_t rows, int64_t k, const uint8_t* w,
@@ -631,20 +625,15 @@ CUSTOMOPS_BF16_TARGET void fp8_rows_bf16_regs(const c10::BFloat16* x, int64_t ro
     const int64_t count = end - begin;
     std::vector<float> sums(rows * count);  // [rows, count]
     std::vector<uint8_t> nan(count, 0);
-    // F features (from j) for every row, kRowsAPass rows a pass (the features' bytes stay in L1)
+    // F features (from j) for every row, kRowBlock rows a pass (the features' bytes stay in L1)
     auto block = [&](auto features, int64_t j) {
       constexpr int F = decltype(features)::value;
-      for (int64_t r0 = 0; r0 < rows; r0 += kRowsAPass) {
-        const uint16_t* xr[kRowsAPass];
-        for (int r = 0; r < kRowsAPass && r0 + r < rows; ++r) xr[r] = xb + (r0 + r) * k;
-        float* sr = sums.data() + r0 * count + j - begin;
-        switch (std::min<int64_t>(kRowsAPass, rows - r0)) {
-          case 1: fp8_rows_features<1, F>(xr, k, w + j * k, sr, count, nan.data() + j - begin); break;
-          case 2: fp8_rows_features<2, F>(xr, k, w + j * k, sr, count, nan.data() + j - begin); break;
-          case 3: fp8_rows_features<3, F>(xr, k, w + j * k, sr, count, nan.data() + j - begin); break;
-          default: fp8_rows_features<4, F>(xr, k, w + j * k, sr, count, nan.data() + j - begin); break;
-        }
-      }
+      row_blocks(rows, [&](auto block_rows, int64_t r0) {
+        constexpr int R = decltype(block_rows)::value;
+        const uint16_t* xr[R];
+        for (int r = 0; r < R; ++r) xr[r] = xb + (r0 + r) * k;
+        fp8_rows_features<R, F>(xr, k, w + j * k, sums.data() + r0 * count + j - begin, count, nan.data() + j - begin);
+      });
     };
     int64_t j = begin;
     for (; j + 4 <= end; j += 4) block(std::integral_constant<int, 4>(), j);
