@@ -355,21 +355,24 @@ CUSTOMOPS_BF16_TARGET void dot_block(const uint32_t* dec, int64_t c0, int64_t c1
     const float unit_s = sj[g] * unit;
     const bool folded = std::isfinite(unit_s);
     const __m512 pre = _mm512_set1_ps(folded ? 1.f : unit), s = _mm512_set1_ps(folded ? unit_s : sj[g]);
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-      const uint16_t* xr[4];
-      for (int r = 0; r < 4 && r0 + r < rows; ++r) xr[r] = xb + (r0 + r) * k + 2 * c;
-      switch (std::min<int64_t>(4, rows - r0)) {
-        case 1: dot_pairs<1>(xr, d, whole, pre, s, acc + r0); break;
-        case 2: dot_pairs<2>(xr, d, whole, pre, s, acc + r0); break;
-        case 3: dot_pairs<3>(xr, d, whole, pre, s, acc + r0); break;
-        default: dot_pairs<4>(xr, d, whole, pre, s, acc + r0); break;
-      }
-    }
+    row_blocks(rows, [&](auto block_rows, int64_t r0) {
+      constexpr int R = decltype(block_rows)::value;
+      const uint16_t* xr[R];
+      for (int r = 0; r < R; ++r) xr[r] = xb + (r0 + r) * k + 2 * c;
+      dot_pairs<R>(xr, d, whole, pre, s, acc + r0);
+    });
     c += len;
   }
 }
 
 float bf16_value(uint32_t bits) { return c10::BFloat16(static_cast<uint16_t>(bits), c10::BFloat16::from_bits()); }
+
+// The bfloat16 of (q - 8) * 2^-24 for each int4 code q (vpermw's table: words 0-15, repeated in
+// 16-31), exact: the sums are 2^-24 times the products', so that a sum overflows only where the
+// result does (the scale takes the 2^24, as int4_rows' do); a product of x below 2^-102 is flushed.
+void int4_bf16_table(uint16_t* table) {
+  for (int q = 0; q < 32; ++q) table[q] = c10::BFloat16(static_cast<float>(q % 16 - 8) * 0x1p-24f).x;
+}
 
 void int4_rows_bf16_kernel(const c10::BFloat16* x, int64_t rows, int64_t k, const uint8_t* w, const float* scale,
                            int64_t groups, int64_t n, float* y) {
@@ -377,11 +380,8 @@ void int4_rows_bf16_kernel(const c10::BFloat16* x, int64_t rows, int64_t k, cons
   const int64_t block = group_bytes >= kBlock ? kBlock : kBlock / group_bytes * group_bytes;
   // x whole, not in spans as the float32 kernels' at 7-8 rows: 8 rows of bfloat16 x fit L2, and in
   // spans 8 rows took 8.6 ms against 6.3 (int4 4096 x 14336)
-  // bfloat16 of (q - 8) * 2^-24 for each code q (vpermw's table: words 0-15, repeated in 16-31),
-  // exact: the sums are 2^-24 times the products', so that a sum overflows only where the result
-  // does (the scale takes the 2^24, as int4_rows' do); a product of x below 2^-102 is flushed
   alignas(64) uint16_t table[32];
-  for (int q = 0; q < 32; ++q) table[q] = c10::BFloat16(static_cast<float>(q % 16 - 8) * 0x1p-24f).x;
+  int4_bf16_table(table);
   const __m512i codes = _mm512_load_si512(table);
   const auto* xb = reinterpret_cast<const uint16_t*>(x);
   at::parallel_for(0, n, std::max<int64_t>(1, kMinBytesAThread / std::max<int64_t>(half, 1)), [&](int64_t begin, int64_t end) {
@@ -431,7 +431,7 @@ void int4_rows_bf16_kernel(const c10::BFloat16* x, int64_t rows, int64_t k, cons
 // as loaded; F features share each load of x and each decoded vector serves the rows. About 6
 // instructions for 64 weights at one row, where the float32 kernel's decoding and FMAs bound it
 // (int4 4096 x 14336 on a 2-core AVX-512 CPU, 2026-11-30: 2.0-2.2 ms, now 1.0-1.4: about the
-// memory's speed). The table as int4_rows_bf16_kernel's (2^-24 times the values, the scale times
+// memory's speed). The table int4_bf16_table (2^-24 times the values, the scale times
 // 2^24, a product of x below 2^-102 flushed).
 constexpr int64_t kRowVector = 32;  // weight bytes a vector (64 int4 codes, 32 fp8 ones)
 
@@ -544,7 +544,7 @@ CUSTOMOPS_BF16_TARGET void int4_rows_bf16_regs(const c10::BFloat16* x, int64_t r
                                                const float* scale, int64_t groups, int64_t n, float* y) {
   const int64_t half = k / 2;
   alignas(64) uint16_t table[32];
-  for (int q = 0; q < 32; ++q) table[q] = c10::BFloat16(static_cast<float>(q % 16 - 8) * 0x1p-24f).x;
+  int4_bf16_table(table);
   const __m512i codes = _mm512_load_si512(table);
   std::vector<uint16_t> xe(rows * half), xo(rows * half);  // [rows, half] each
   const auto* xb = reinterpret_cast<const uint16_t*>(x);
